@@ -1,0 +1,42 @@
+"""Typed errors. Each carries a stable `code` and the HTTP status the API layer maps it to."""
+
+
+class ManyfoldError(Exception):
+    """Base of every error Manyfold raises on purpose; its message is one line for a user."""
+
+    code = "manyfold_error"
+    http_status = 500
+
+
+class ConfigError(ManyfoldError):
+    code = "config_error"
+    http_status = 500
+
+
+class ArtifactError(ManyfoldError):
+    """A file on disk is missing, truncated, corrupt or does not match what it claims."""
+
+    code = "artifact_error"
+    http_status = 500
+
+
+class VariantNotFound(ManyfoldError):
+    code = "variant_not_found"
+    http_status = 404
+
+
+class VariantIncompatible(ManyfoldError):
+    """A variant does not fit the base it is applied to (wrong base, shape mismatch)."""
+
+    code = "variant_incompatible"
+    http_status = 422
+
+
+class CapacityExceeded(ManyfoldError):
+    code = "capacity_exceeded"
+    http_status = 503
+
+
+class BadRequest(ManyfoldError):
+    code = "bad_request"
+    http_status = 400

@@ -1,0 +1,1 @@
+"""The on-disk store: bytes on disk -> validated tensors and manifests."""

@@ -1,0 +1,84 @@
+"""The store's manifest: one versioned JSON file listing bases and variants with their files and digests."""
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from serve.errors import ArtifactError
+from serve.store.writer import atomic_write
+
+MANIFEST = "manifest.json"
+VERSION = 1
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+"""Names become directory names and HTTP `model` values: no slashes, no leading dot, 64 chars at most."""
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Strict):
+    path: str
+    """Relative to the store root."""
+    bytes: Annotated[int, Field(ge=0)]
+    sha256: Sha256
+
+
+class BaseEntry(_Strict):
+    kind: Literal["base"] = "base"
+    name: Name
+    architecture: str
+    """The HF architecture of the stored model (config.json `architectures[0]`)."""
+    params: int
+    fingerprint: Sha256
+    """serve.store.tensors.fingerprint of its weights: what FM-Delta files are checked against."""
+    files: list[FileEntry]
+
+
+class FullVariantEntry(_Strict):
+    """A full fine-tune stored as an FM-Delta file against its parent base."""
+
+    kind: Literal["full"] = "full"
+    name: Name
+    base: Name
+    architecture: str
+    raw_bytes: int
+    """Size of the fine-tune's tensors uncompressed."""
+    labels: list[str] | None = None
+    """Class labels, for classifier variants."""
+    files: list[FileEntry]
+
+
+VariantEntry = FullVariantEntry  # later kinds join as a union tagged by `kind`
+
+
+class StoreManifest(_Strict):
+    format: Literal["manyfold.store"] = "manyfold.store"
+    version: Literal[1] = VERSION
+    bases: dict[Name, BaseEntry] = {}
+    variants: dict[Name, VariantEntry] = {}
+
+
+def read_manifest(root: Path) -> StoreManifest:
+    path = root / MANIFEST
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{root}: not a Manyfold store (no {MANIFEST})") from None
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict) and data.get("version") not in (None, VERSION):
+            raise ArtifactError(f"{path}: store version {data.get('version')}; this Manyfold reads {VERSION}")
+        return StoreManifest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ArtifactError(f"{path}: malformed manifest ({'.'.join(map(str, err['loc']))}: {err['msg']})") from e
+    except ValueError as e:
+        raise ArtifactError(f"{path}: malformed manifest ({e})") from e
+
+
+def write_manifest(root: Path, manifest: StoreManifest) -> None:
+    atomic_write(root / MANIFEST, [manifest.model_dump_json(indent=2).encode() + b"\n"])

@@ -1,0 +1,192 @@
+"""A Manyfold store: a directory of bases and variants under one manifest.
+
+    root/manifest.json             StoreManifest
+    root/bases/<name>/...          a HF model directory (config, tokenizer, safetensors)
+    root/variants/<name>/...       a variant's files (for kind "full": config.json + delta.fmd)
+
+Writers stage files in a temp directory, fsync them, rename the directory into place, then rewrite the
+manifest atomically, all under an exclusive lock; a crash at any point leaves the previous state readable.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from serve.errors import ArtifactError, BadRequest, VariantNotFound
+from serve.store.manifest import (BaseEntry, FileEntry, StoreManifest, VariantEntry, read_manifest,
+                                  write_manifest)
+from serve.store.tensors import SafetensorsSource, fingerprint, weight_files
+from serve.store.writer import fsync_dir
+
+_LOCK = ".lock"
+_HASH_BLOCK = 8 << 20
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Store:
+    def __init__(self, root: str | Path, create: bool = False):
+        self.root = Path(root)
+        if create and not (self.root / "manifest.json").exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                if not (self.root / "manifest.json").exists():
+                    write_manifest(self.root, StoreManifest())
+        self.manifest = read_manifest(self.root)
+
+    def reload(self) -> StoreManifest:
+        self.manifest = read_manifest(self.root)
+        return self.manifest
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ---- reading
+    def base(self, name: str) -> BaseEntry:
+        try:
+            return self.manifest.bases[name]
+        except KeyError:
+            raise VariantNotFound(f"store {self.root} has no base '{name}'") from None
+
+    def variant(self, name: str) -> VariantEntry:
+        try:
+            return self.manifest.variants[name]
+        except KeyError:
+            raise VariantNotFound(f"store {self.root} has no variant '{name}'") from None
+
+    def base_dir(self, name: str) -> Path:
+        return self.root / "bases" / self.base(name).name
+
+    def variant_dir(self, name: str) -> Path:
+        return self.root / "variants" / self.variant(name).name
+
+    def verify(self, entry: BaseEntry | VariantEntry) -> None:
+        """Check every file of an entry against its recorded size and sha256."""
+        for f in entry.files:
+            path = self.root / f.path
+            if not path.is_file():
+                raise ArtifactError(f"{path}: missing from the store")
+            if path.stat().st_size != f.bytes:
+                raise ArtifactError(f"{path}: {path.stat().st_size} bytes, manifest says {f.bytes}")
+            digest = file_sha256(path)
+            if digest != f.sha256:
+                raise ArtifactError(f"{path}: sha256 mismatch (manifest {f.sha256[:12]}…, file {digest[:12]}…)")
+
+    def summary(self) -> list[dict]:
+        """One row per base and variant: what `manyfold store list` prints."""
+        rows = [{"name": b.name, "kind": "base", "base": "-", "architecture": b.architecture,
+                 "stored_bytes": sum(f.bytes for f in b.files), "raw_bytes": None, "params": b.params}
+                for b in self.manifest.bases.values()]
+        rows += [{"name": v.name, "kind": v.kind, "base": v.base, "architecture": v.architecture,
+                  "stored_bytes": sum(f.bytes for f in v.files), "raw_bytes": v.raw_bytes, "labels": v.labels}
+                 for v in self.manifest.variants.values()]
+        return rows
+
+    # ---- writing
+    @contextlib.contextmanager
+    def stage(self) -> Iterator[Path]:
+        """A temp directory inside the store for a new entry's files; removed unless committed."""
+        (self.root / "staging").mkdir(exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=self.root / "staging"))
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _place(self, staged: Path, section: str, name: str) -> list[FileEntry]:
+        """fsync the staged files, move the directory to section/name, and describe its files."""
+        for p in staged.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(staged)
+        dest = self.root / section / name
+        dest.parent.mkdir(exist_ok=True)
+        if dest.exists():  # left by an interrupted add that never reached the manifest
+            shutil.rmtree(dest)
+        os.replace(staged, dest)
+        fsync_dir(dest.parent)
+        return [FileEntry(path=str(p.relative_to(self.root)), bytes=p.stat().st_size, sha256=file_sha256(p))
+                for p in sorted(dest.rglob("*")) if p.is_file()]
+
+    def commit(self, staged: Path, entry: BaseEntry | VariantEntry) -> BaseEntry | VariantEntry:
+        """Move staged files into place and record the entry (with its files' digests) in the manifest."""
+        section = "bases" if entry.kind == "base" else "variants"
+        with self._locked():
+            self.reload()
+            if entry.name in self.manifest.bases or entry.name in self.manifest.variants:
+                raise BadRequest(f"store {self.root} already has an entry named '{entry.name}'")
+            if section == "variants":
+                self.base(entry.base)
+            entry = entry.model_copy(update={"files": self._place(staged, section, entry.name)})
+            entries = {**getattr(self.manifest, section), entry.name: entry}
+            self.manifest = self.manifest.model_copy(update={section: entries})
+            write_manifest(self.root, self.manifest)
+        return entry
+
+    def add_base(self, name: str, model_dir: str | Path) -> BaseEntry:
+        """Copy a HF model directory (safetensors weights, config, tokenizer) into the store as a base."""
+        model_dir = Path(model_dir)
+        config = read_model_config(model_dir)
+        weights = SafetensorsSource(model_dir)
+        with self.stage() as staged:
+            shutil.copytree(model_dir, staged, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(".*", "*.gguf", "*.bin", "*.pt", "*.pth"))
+            entry = BaseEntry(name=name, architecture=architecture_of(config, model_dir),
+                              params=sum(t.numel() for t in weights.values()),
+                              fingerprint=fingerprint(weights), files=[])
+            return self.commit(staged, entry)
+
+    def remove(self, name: str) -> None:
+        """Drop an entry from the manifest first, then its files. A base goes only without variants."""
+        with self._locked():
+            self.reload()
+            m = self.manifest
+            if name in m.variants:
+                update, section = {"variants": {k: v for k, v in m.variants.items() if k != name}}, "variants"
+            elif name in m.bases:
+                children = sorted(v.name for v in m.variants.values() if v.base == name)
+                if children:
+                    raise BadRequest(f"base '{name}' still has variants: {', '.join(children)}")
+                update, section = {"bases": {k: v for k, v in m.bases.items() if k != name}}, "bases"
+            else:
+                raise VariantNotFound(f"store {self.root} has no entry '{name}'")
+            self.manifest = m.model_copy(update=update)
+            write_manifest(self.root, self.manifest)
+            shutil.rmtree(self.root / section / name, ignore_errors=True)
+
+
+def read_model_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir() or not path.is_file():
+        raise ArtifactError(f"{model_dir}: not a HF model directory (no config.json)")
+    weight_files(model_dir)
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from e
+
+
+def architecture_of(config: dict, where: Path) -> str:
+    archs = config.get("architectures") or [config.get("model_type")]
+    if not archs or not isinstance(archs[0], str):
+        raise ArtifactError(f"{where}/config.json names no architecture")
+    return archs[0]
