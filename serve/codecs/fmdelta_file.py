@@ -1,0 +1,372 @@
+"""The .fmd container: a fine-tune as FM-Delta streams against its base, read strictly before decoding.
+
+Layout (little-endian):
+  0   8 bytes   magic b"MFDELTA\\0"
+  8   u32       format version (1)
+  12  u32       reserved (0)
+  16  u64       header length H
+  24  32 bytes  sha256 of the header
+  56  H bytes   header, UTF-8 JSON (FmdHeader)
+  ..  zero padding to a multiple of 64
+  P   payload: per tensor, for each chunk its rANS words then its raw-bit words (uint32)
+Offsets in the header are relative to P. Every tensor records the sha256 of its payload (checked before
+decoding), of the base tensor it was coded against (a wrong base fails clearly) and of its own bytes
+(checked after decoding: lossless means bit-identical).
+"""
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from serve.codecs import entropy
+from serve.codecs.fmdelta import CHUNK_ELEMS, Chunk, alphabet_size, decode_delta, encode_delta, pool_map
+from serve.errors import ArtifactError, VariantIncompatible
+from serve.store.tensors import DTYPES, FLOAT_BITS, as_bytes, dtype_name, fingerprint, save_tensors, sha256_hex
+from serve.store.writer import atomic_write
+
+MAGIC = b"MFDELTA\0"
+VERSION = 1
+_PREFIX = struct.Struct("<8sIIQ32s")
+_ALIGN = 64
+MAX_HEADER_BYTES = 64 << 20
+MAX_TENSOR_BYTES = 1 << 40
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+NonNeg = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ChunkRecord(_Strict):
+    elems: Annotated[int, Field(ge=1)]
+    words: Annotated[int, Field(ge=4)]
+    raw_words: NonNeg
+
+
+class TensorRecord(_Strict):
+    name: Annotated[str, StringConstraints(min_length=1)]
+    dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+    shape: list[NonNeg]
+    sha256: Sha256
+    codec: Literal["delta", "same", "raw"]
+    """delta: coded against base_name; same: identical to base_name; raw: stored standalone."""
+    offset: NonNeg
+    length: NonNeg
+    payload_sha256: Sha256
+    base_name: str | None = None
+    base_sha256: Sha256 | None = None
+    freqs: list[NonNeg] | None = None
+    chunks: list[ChunkRecord] | None = None
+
+    @model_validator(mode="after")
+    def _fields_match_codec(self) -> "TensorRecord":
+        has_base = self.base_name is not None and self.base_sha256 is not None
+        has_model = self.freqs is not None and self.chunks is not None
+        want = {"delta": (True, True), "same": (True, False), "raw": (False, False)}[self.codec]
+        if (has_base, has_model) != want or (self.base_name is None) != (self.base_sha256 is None):
+            raise ValueError(f"fields do not match codec '{self.codec}'")
+        return self
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+
+
+class FmdHeader(_Strict):
+    format: Literal["manyfold.fmdelta"] = "manyfold.fmdelta"
+    scale_bits: Literal[16] = entropy.SCALE_BITS
+    base_fingerprint: Sha256
+    """fingerprint() of the whole base this file was made against."""
+    metadata: dict[str, str] = {}
+    """The fine-tune's safetensors metadata, restored on decompression."""
+    tensors: list[TensorRecord]
+
+
+@dataclass(frozen=True)
+class CompressStats:
+    raw_bytes: int
+    file_bytes: int
+    order0_bytes: float
+    """Order-0 bound of the delta streams plus raw bits, plus every tensor not delta-coded at full size."""
+    codecs: dict[str, int]
+
+    @property
+    def ratio(self) -> float:
+        return self.file_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+
+def _bits_view(t: torch.Tensor) -> np.ndarray:
+    return as_bytes(t).view(FLOAT_BITS[dtype_name(t)])
+
+
+def match_base_name(name: str, base_names: set[str]) -> str | None:
+    """The base tensor a fine-tuned tensor derives from: the same name, or the name less its head prefix
+    ('bert.encoder...' in a classifier <-> 'encoder...' in the bare encoder), or the base's prefix added."""
+    if name in base_names:
+        return name
+    if "." in name and name.split(".", 1)[1] in base_names:
+        return name.split(".", 1)[1]
+    prefixed = [b for b in base_names if "." in b and b.split(".", 1)[1] == name]
+    return prefixed[0] if len(prefixed) == 1 else None
+
+
+@dataclass
+class _Encoded:
+    record: dict
+    parts: list[np.ndarray]
+    order0_bytes: float
+
+
+def _encode_tensor(name: str, fine: torch.Tensor, base: torch.Tensor | None, base_name: str | None,
+                   map_fn) -> _Encoded:
+    dtype = dtype_name(fine)
+    fine_bytes = as_bytes(fine)
+    record = {"name": name, "dtype": dtype, "shape": list(fine.shape), "sha256": sha256_hex(fine_bytes)}
+    deltable = (base is not None and dtype in FLOAT_BITS and base.dtype == fine.dtype
+                and base.shape == fine.shape and fine.numel() > 0)
+    if deltable:
+        base_ref = {"base_name": base_name, "base_sha256": sha256_hex(as_bytes(base))}
+        if base_ref["base_sha256"] == record["sha256"]:
+            return _Encoded({**record, "codec": "same", **base_ref}, [], 0.0)
+        coded = encode_delta(_bits_view(base), _bits_view(fine), CHUNK_ELEMS, map_fn)
+        if coded.nbytes < fine_bytes.nbytes:
+            chunks = [{"elems": c.n_elems, "words": int(c.words.size), "raw_words": int(c.raw.size)}
+                      for c in coded.chunks]
+            parts = [a for c in coded.chunks for a in (c.words, c.raw)]
+            return _Encoded({**record, "codec": "delta", **base_ref, "freqs": coded.freqs.tolist(),
+                             "chunks": chunks}, parts, coded.order0_bytes())
+    return _Encoded({**record, "codec": "raw"}, [fine_bytes], float(fine_bytes.nbytes))
+
+
+def compress(base: Mapping[str, torch.Tensor], fine: Mapping[str, torch.Tensor], out: str | Path,
+             metadata: dict[str, str] | None = None, workers: int | None = None,
+             progress: Callable[[str], None] | None = None) -> CompressStats:
+    """Write fine as an .fmd file against base, atomically; tensors are matched by match_base_name."""
+    workers = workers or os.cpu_count() or 1
+    base = {n: base[n] for n in base}  # read each tensor once: the sources may be lazy
+    fine = {n: fine[n] for n in fine}
+    base_names = set(base)
+    names = list(fine)
+
+    def one(name: str, map_fn) -> _Encoded:
+        t = fine[name]
+        base_name = match_base_name(name, base_names)
+        enc = _encode_tensor(name, t, base[base_name] if base_name else None, base_name, map_fn)
+        if progress:
+            progress(name)
+        return enc
+
+    # Big tensors one at a time with their chunks spread over the workers; small ones side by side.
+    big = {n for n in names if fine[n].numel() > CHUNK_ELEMS}
+    encoded = {n: one(n, pool_map(workers)) for n in names if n in big}
+    small = [n for n in names if n not in big]
+    encoded.update(zip(small, pool_map(workers)(lambda n: one(n, pool_map(1)), small)))
+
+    records, parts, offset = [], [], 0
+    for name in names:
+        enc = encoded[name]
+        blob = [np.ascontiguousarray(p).view(np.uint8) for p in enc.parts]
+        digest = hashlib.sha256()
+        for b in blob:
+            digest.update(b)
+        length = sum(b.nbytes for b in blob)
+        records.append({**enc.record, "offset": offset, "length": length, "payload_sha256": digest.hexdigest()})
+        parts.extend(blob)
+        offset += length
+    header = FmdHeader(base_fingerprint=fingerprint(base), metadata=dict(metadata or {}),
+                       tensors=[TensorRecord(**r) for r in records])
+    header_bytes = header.model_dump_json(exclude_none=True).encode()
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header_bytes), hashlib.sha256(header_bytes).digest())
+    pad = b"\0" * (-(len(prefix) + len(header_bytes)) % _ALIGN)
+    file_bytes = atomic_write(out, [prefix, header_bytes, pad, *parts])
+    codecs: dict[str, int] = {}
+    for r in records:
+        codecs[r["codec"]] = codecs.get(r["codec"], 0) + 1
+    return CompressStats(raw_bytes=sum(r.nbytes for r in header.tensors),
+                         file_bytes=file_bytes, order0_bytes=sum(e.order0_bytes for e in encoded.values()),
+                         codecs=codecs)
+
+
+class FmdFile:
+    """A strictly validated .fmd file, memory-mapped; tensors decode one at a time against a base."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except OSError as e:
+            raise ArtifactError(f"{self.path}: cannot open ({e.strerror})") from e
+        self.header = self._read_header(size)
+        self.records = {r.name: r for r in self.header.tensors}
+
+    def _fail(self, what: str) -> ArtifactError:
+        return ArtifactError(f"{self.path}: {what}")
+
+    def _read_header(self, size: int) -> FmdHeader:
+        if size < _PREFIX.size:
+            raise self._fail(f"truncated: {size} bytes, not an FM-Delta file")
+        magic, version, _, header_len, header_sha = _PREFIX.unpack_from(self._map, 0)
+        if magic != MAGIC:
+            raise self._fail("not an FM-Delta file (bad magic)")
+        if version != VERSION:
+            raise self._fail(f"format version {version}; this Manyfold reads version {VERSION}")
+        if header_len > min(MAX_HEADER_BYTES, size - _PREFIX.size):
+            raise self._fail(f"truncated: header of {header_len} bytes does not fit in {size} bytes")
+        raw = self._map[_PREFIX.size:_PREFIX.size + header_len]
+        if hashlib.sha256(raw).digest() != header_sha:
+            raise self._fail("header checksum mismatch (file is corrupt)")
+        try:
+            header = FmdHeader.model_validate(json.loads(raw))
+        except (ValueError, ValidationError) as e:
+            raise self._fail(f"malformed header ({_first_error(e)})") from e
+        self._payload_start = _PREFIX.size + header_len + (-(_PREFIX.size + header_len) % _ALIGN)
+        self._check_layout(header, size - self._payload_start)
+        return header
+
+    def _check_layout(self, header: FmdHeader, payload_size: int) -> None:
+        seen: set[str] = set()
+        spans = []
+        for r in header.tensors:
+            where = f"tensor '{r.name}'"
+            if r.name in seen:
+                raise self._fail(f"{where} appears twice")
+            seen.add(r.name)
+            if r.nbytes > MAX_TENSOR_BYTES:
+                raise self._fail(f"{where} claims {r.nbytes} bytes")
+            if r.offset + r.length > payload_size:
+                raise self._fail(f"truncated: {where} ends at {r.offset + r.length}, payload has {payload_size}")
+            spans.append((r.offset, r.length, r.name))
+            if r.codec == "raw" and r.length != r.nbytes:
+                raise self._fail(f"{where} is raw with {r.length} bytes, expected {r.nbytes}")
+            if r.codec == "same" and r.length != 0:
+                raise self._fail(f"{where} equals its base but has a payload")
+            if r.codec == "delta":
+                self._check_delta(r, where)
+        spans.sort()
+        for (o1, l1, n1), (o2, _, n2) in zip(spans, spans[1:]):
+            if o1 + l1 > o2:
+                raise self._fail(f"payloads of '{n1}' and '{n2}' overlap")
+
+    def _check_delta(self, r: TensorRecord, where: str) -> None:
+        if r.dtype not in FLOAT_BITS:
+            raise self._fail(f"{where}: dtype {r.dtype} cannot be delta-coded")
+        bits = 8 * np.dtype(FLOAT_BITS[r.dtype]).itemsize
+        if len(r.freqs) != alphabet_size(bits) or sum(r.freqs) != 1 << entropy.SCALE_BITS:
+            raise self._fail(f"{where}: malformed symbol model")
+        if sum(c.elems for c in r.chunks) != r.numel:
+            raise self._fail(f"{where}: chunks cover {sum(c.elems for c in r.chunks)} of {r.numel} elements")
+        for c in r.chunks:
+            if c.words > c.elems + 4 or c.raw_words > (c.elems * (bits - 1)) // 32 + 2:
+                raise self._fail(f"{where}: chunk stream longer than its elements allow")
+        if 4 * sum(c.words + c.raw_words for c in r.chunks) != r.length:
+            raise self._fail(f"{where}: chunk lengths do not add up to the payload length")
+
+    def payload(self, r: TensorRecord) -> np.ndarray:
+        start = self._payload_start + r.offset
+        data = np.frombuffer(self._map, np.uint8, r.length, start) if r.length else np.empty(0, np.uint8)
+        if sha256_hex(data) != r.payload_sha256:
+            raise self._fail(f"tensor '{r.name}': payload checksum mismatch (file is corrupt)")
+        return data
+
+    def check_base(self, r: TensorRecord, base: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The base tensor r was coded against; raises VariantIncompatible if base is not that base."""
+        if r.base_name not in base:
+            raise VariantIncompatible(f"{self.path}: base has no tensor '{r.base_name}'; wrong --base?")
+        t = base[r.base_name]
+        if dtype_name(t) != r.dtype or list(t.shape) != r.shape:
+            raise VariantIncompatible(
+                f"{self.path}: base tensor '{r.base_name}' is {dtype_name(t)}{list(t.shape)}, "
+                f"the delta expects {r.dtype}{r.shape}; wrong --base?")
+        if sha256_hex(as_bytes(t)) != r.base_sha256:
+            raise VariantIncompatible(
+                f"{self.path}: made against a different base (tensor '{r.base_name}' differs); wrong --base?")
+        return t
+
+    def decode(self, name: str, base: Mapping[str, torch.Tensor], workers: int = 1) -> torch.Tensor:
+        """One tensor, bit-identical to the fine-tune's, or an error naming the file and the tensor."""
+        r = self.records[name]
+        return self._decode(r, None if r.codec == "raw" else self.check_base(r, base), workers)
+
+    def _decode(self, r: TensorRecord, base_t: torch.Tensor | None, workers: int) -> torch.Tensor:
+        name = r.name
+        data = self.payload(r)
+        out = torch.empty(r.shape, dtype=DTYPES[r.dtype])
+        if r.codec == "raw":
+            as_bytes(out)[:] = data
+        elif r.codec == "same":
+            out.copy_(base_t)
+        else:
+            base_bits = as_bytes(base_t).view(FLOAT_BITS[r.dtype])
+            status = decode_delta(base_bits, np.asarray(r.freqs, np.uint32), self._chunks(r, data),
+                                  as_bytes(out).view(FLOAT_BITS[r.dtype]), pool_map(workers))
+            if status != entropy.OK:
+                raise self._fail(f"tensor '{name}': {entropy.STATUS_TEXT[status]} (file is corrupt)")
+        if sha256_hex(as_bytes(out)) != r.sha256:
+            raise self._fail(f"tensor '{name}': decoded bytes do not match their checksum")
+        return out
+
+    @staticmethod
+    def _chunks(r: TensorRecord, data: np.ndarray) -> list[Chunk]:
+        words = data.view(np.uint32)
+        chunks, at = [], 0
+        for c in r.chunks:
+            chunks.append(Chunk(c.elems, words[at:at + c.words], words[at + c.words:at + c.words + c.raw_words]))
+            at += c.words + c.raw_words
+        return chunks
+
+    def decode_all(self, base: Mapping[str, torch.Tensor], names: Sequence[str] | None = None,
+                   workers: int | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+        workers = workers or os.cpu_count() or 1
+        names = list(names) if names is not None else list(self.records)
+        for n in names:
+            if n not in self.records:
+                raise ArtifactError(f"{self.path}: no tensor '{n}'")
+        # A wrong base fails before any work is done; each base tensor is read and hashed once.
+        base_of = {n: self.check_base(self.records[n], base) for n in names if self.records[n].codec != "raw"}
+
+        def one(name: str, inner: int) -> torch.Tensor:
+            t = self._decode(self.records[name], base_of.get(name), inner)
+            if progress:
+                progress(name)
+            return t
+
+        big = [n for n in names if self.records[n].numel > CHUNK_ELEMS]
+        out = {n: one(n, workers) for n in big}
+        small = [n for n in names if n not in out]
+        out.update(zip(small, pool_map(workers)(lambda n: one(n, 1), small)))
+        return {n: out[n] for n in names}
+
+
+def _first_error(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+    return str(e).splitlines()[0]
+
+
+def decompress(fmd: str | Path, base: Mapping[str, torch.Tensor], out: str | Path,
+               workers: int | None = None, progress: Callable[[str], None] | None = None) -> int:
+    """Rebuild the fine-tune as a safetensors file, atomically; returns its tensor count."""
+    f = FmdFile(fmd)
+    tensors = f.decode_all(base, workers=workers, progress=progress)
+    save_tensors(out, tensors, metadata=f.header.metadata or None)
+    return len(tensors)

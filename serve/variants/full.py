@@ -1,0 +1,72 @@
+"""Full fine-tunes stored losslessly as FM-Delta files against their base (kind "full")."""
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from serve.codecs.fmdelta_file import CompressStats, FmdFile, compress
+from serve.errors import ArtifactError, VariantIncompatible
+from serve.store.manifest import FullVariantEntry
+from serve.store.store import Store, architecture_of, read_model_config
+from serve.store.tensors import SafetensorsSource, save_tensors
+
+DELTA_FILE = "delta.fmd"
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, workers: int | None = None,
+                     progress: Callable[[str], None] | None = None) -> tuple[FullVariantEntry, CompressStats]:
+    """Store the HF model directory `finetuned` as an FM-Delta variant of the store's base `base`."""
+    finetuned = Path(finetuned)
+    config = read_model_config(finetuned)
+    base_entry = store.base(base)
+    base_tensors = SafetensorsSource(store.base_dir(base))
+    fine = SafetensorsSource(finetuned)
+    labels = _labels(config)
+    with store.stage() as staged:
+        stats = compress(base_tensors, fine, staged / DELTA_FILE, metadata=fine.metadata, workers=workers,
+                         progress=progress)
+        if FmdFile(staged / DELTA_FILE).header.base_fingerprint != base_entry.fingerprint:
+            raise VariantIncompatible(f"store base '{base}' changed on disk since it was added")
+        for f in _CONFIG_FILES:
+            if (finetuned / f).is_file():
+                shutil.copy2(finetuned / f, staged / f)
+        entry = FullVariantEntry(name=name, base=base, architecture=architecture_of(config, finetuned),
+                                 raw_bytes=stats.raw_bytes, labels=labels, files=[])
+        return store.commit(staged, entry), stats
+
+
+def _labels(config: dict) -> list[str] | None:
+    id2label = config.get("id2label")
+    if not isinstance(id2label, dict) or not config.get("architectures", [""])[0].endswith("ForSequenceClassification"):
+        return None
+    return [str(id2label[k]) for k in sorted(id2label, key=int)]
+
+
+def load_full_variant(store: Store, name: str, workers: int | None = None) -> dict[str, torch.Tensor]:
+    """Decode a full variant's tensors, bit-identical to the fine-tune that was added."""
+    entry = store.variant(name)
+    if entry.kind != "full":
+        raise ArtifactError(f"variant '{name}' is of kind '{entry.kind}', not 'full'")
+    fmd = FmdFile(store.variant_dir(name) / DELTA_FILE)
+    return fmd.decode_all(SafetensorsSource(store.base_dir(entry.base)), workers=workers)
+
+
+def extract_full_variant(store: Store, name: str, out_dir: str | Path, workers: int | None = None) -> Path:
+    """Write a full variant back out as a HF model directory (config + model.safetensors + the base's tokenizer)."""
+    out_dir = Path(out_dir)
+    tensors = load_full_variant(store, name, workers)
+    entry = store.variant(name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base_dir = store.base_dir(entry.base)
+    for p in base_dir.iterdir():
+        if p.is_file() and ("token" in p.name or p.name in ("vocab.txt", "merges.txt", "special_tokens_map.json")):
+            shutil.copy2(p, out_dir / p.name)
+    for f in _CONFIG_FILES:
+        if (store.variant_dir(name) / f).is_file():
+            shutil.copy2(store.variant_dir(name) / f, out_dir / f)
+    metadata = FmdFile(store.variant_dir(name) / DELTA_FILE).header.metadata
+    save_tensors(out_dir / "model.safetensors", tensors, metadata=metadata or None)
+    return out_dir
