@@ -1,0 +1,210 @@
+"""`manyfold`: the command line. Every failure is one line on stderr and a non-zero exit (2 for usage)."""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from serve.errors import ConfigError, ManyfoldError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@contextmanager
+def _progress(desc: str, total: int):
+    """A tqdm bar on stderr, advanced by calling the yielded function once per item."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False,
+              disable=None if sys.stderr.isatty() else True) as bar:
+        yield lambda _name: bar.update(1)
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def _tensors(path: str):
+    from serve.store.tensors import SafetensorsSource
+
+    return SafetensorsSource(path)
+
+
+def cmd_fmdelta_compress(args: argparse.Namespace) -> None:
+    from serve.codecs.fmdelta_file import compress
+
+    base, fine = _tensors(args.base), _tensors(args.finetuned)
+    with _progress("compress", len(fine)) as tick:
+        stats = compress(base, fine, args.out, metadata=fine.metadata, workers=args.workers, progress=tick)
+    print(f"{args.out}: {_human(stats.raw_bytes)} -> {_human(stats.file_bytes)} ({stats.ratio:.1%}); "
+          f"tensors by codec: {json.dumps(stats.codecs)}")
+
+
+def cmd_fmdelta_decompress(args: argparse.Namespace) -> None:
+    from serve.codecs.fmdelta_file import FmdFile, decompress
+
+    total = len(FmdFile(args.delta).records)
+    with _progress("decompress", total) as tick:
+        n = decompress(args.delta, _tensors(args.base), args.out, workers=args.workers, progress=tick)
+    print(f"{args.out}: {n} tensors, bit-identical to the fine-tune (checksums verified)")
+
+
+def _store(args: argparse.Namespace, create: bool = False):
+    from serve.store.store import Store
+
+    return Store(args.store, create=create)
+
+
+def cmd_store_list(args: argparse.Namespace) -> None:
+    rows = _store(args).summary()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'name':<24} {'kind':<6} {'base':<10} {'architecture':<34} {'stored':>10} {'raw':>10} {'ratio':>7}")
+    for r in rows:
+        ratio = f"{r['stored_bytes'] / r['raw_bytes']:.1%}" if r["raw_bytes"] else "-"
+        print(f"{r['name']:<24} {r['kind']:<6} {r['base']:<10} {r['architecture']:<34} "
+              f"{_human(r['stored_bytes']):>10} {_human(r['raw_bytes']):>10} {ratio:>7}")
+
+
+def cmd_store_add(args: argparse.Namespace) -> None:
+    store = _store(args, create=True)
+    if args.kind == "base":
+        entry = store.add_base(args.name, args.model)
+        print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params)")
+        return
+    from serve.variants.full import add_full_variant
+
+    if not args.base:
+        raise ConfigError("store add --kind full needs --base NAME (a base in the store)")
+    with _progress("compress", len(_tensors(args.model))) as tick:
+        entry, stats = add_full_variant(store, args.name, args.base, args.model, progress=tick)
+    print(f"added full variant '{entry.name}' of '{entry.base}': {_human(stats.raw_bytes)} stored as "
+          f"{_human(stats.file_bytes)} ({stats.ratio:.1%})")
+
+
+def cmd_store_remove(args: argparse.Namespace) -> None:
+    _store(args).remove(args.name)
+    print(f"removed '{args.name}'")
+
+
+def cmd_store_verify(args: argparse.Namespace) -> None:
+    from serve.variants.full import load_full_variant
+
+    store = _store(args)
+    names = [args.name] if args.name else [*store.manifest.bases, *store.manifest.variants]
+    for name in names:
+        entry = store.manifest.bases.get(name) or store.variant(name)
+        store.verify(entry)
+        if entry.kind == "full":
+            load_full_variant(store, name)
+        print(f"{name}: ok")
+
+
+def cmd_store_extract(args: argparse.Namespace) -> None:
+    from serve.variants.full import extract_full_variant
+
+    print(extract_full_variant(_store(args), args.name, args.out))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from serve.demo import build_demo_store, demo_store_dir
+
+    root = Path(args.store) if args.store else demo_store_dir()
+    build_demo_store(root, log=lambda m: print(m, file=sys.stderr))
+    print(f"demo store: {root}")
+    cmd_store_list(argparse.Namespace(store=root, json=False))
+
+
+def cmd_bench_fmdelta(args: argparse.Namespace) -> None:
+    from serve.bench import run_fmdelta_bench
+
+    run_fmdelta_bench(Path(args.store) if args.store else None, Path(args.out), args.repeats)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="manyfold", description="Serve many fine-tuned variants of one base model.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(parent, name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
+        sp = parent.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    demo = add(sub, "demo", cmd_demo, "build the demo store (cached) and show what it holds")
+    demo.add_argument("--store", help="where to build it (default: $MANYFOLD_HOME/demo-store)")
+    demo.add_argument("--port", type=int, default=8000, help="HTTP port (used once the server lands)")
+
+    fmd = sub.add_parser("fmdelta", help="lossless FM-Delta files").add_subparsers(dest="action", required=True)
+    c = add(fmd, "compress", cmd_fmdelta_compress, "code a fine-tune as an FM-Delta file against its base")
+    c.add_argument("--base", required=True, help="base: .safetensors file or HF model directory")
+    c.add_argument("--finetuned", required=True, help="fine-tune: .safetensors file or HF model directory")
+    c.add_argument("--out", required=True, help="the .fmd file to write")
+    c.add_argument("--workers", type=int, default=None, help="threads (default: all cores)")
+    d = add(fmd, "decompress", cmd_fmdelta_decompress, "rebuild the fine-tune, bit-identical")
+    d.add_argument("--base", required=True)
+    d.add_argument("--delta", required=True)
+    d.add_argument("--out", required=True, help="the .safetensors file to write")
+    d.add_argument("--workers", type=int, default=None)
+
+    st = sub.add_parser("store", help="the variant store").add_subparsers(dest="action", required=True)
+    default_store = os.environ.get("MANYFOLD_STORE")
+    for name, fn, help in [("list", cmd_store_list, "list bases and variants with their sizes"),
+                           ("add", cmd_store_add, "add a base model or a full fine-tune"),
+                           ("remove", cmd_store_remove, "remove a variant (or a base without variants)"),
+                           ("verify", cmd_store_verify, "check every file's checksum and decode full variants"),
+                           ("extract", cmd_store_extract, "write a variant back out as a HF model directory")]:
+        sp = add(st, name, fn, help)
+        sp.add_argument("--store", default=default_store, required=default_store is None)
+    st.choices["list"].add_argument("--json", action="store_true")
+    st.choices["add"].add_argument("--kind", choices=["base", "full"], required=True)
+    st.choices["add"].add_argument("--name", required=True)
+    st.choices["add"].add_argument("--model", required=True, help="HF model directory to add")
+    st.choices["add"].add_argument("--base", help="for --kind full: the store base it was fine-tuned from")
+    st.choices["remove"].add_argument("name")
+    st.choices["verify"].add_argument("name", nargs="?")
+    st.choices["extract"].add_argument("--name", required=True)
+    st.choices["extract"].add_argument("--out", required=True)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    b = add(bench, "fmdelta", cmd_bench_fmdelta, "FM-Delta against lzma, zstd and XOR baselines on the demo fine-tunes")
+    b.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
+    b.add_argument("--out", default="bench-results/fmdelta.json")
+    b.add_argument("--repeats", type=int, default=3)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except ManyfoldError as e:
+        if args.debug:
+            raise
+        print(f"manyfold: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt:
+        print("manyfold: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line for the user; the traceback with --debug
+        if args.debug:
+            raise
+        print(f"manyfold: error: internal error: {type(e).__name__}: {e} (run with --debug for details)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

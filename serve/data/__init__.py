@@ -1,0 +1,1 @@
+"""Real models and data that ship inside packages (no hub at run time), with fixed train/test splits."""

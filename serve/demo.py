@@ -1,0 +1,109 @@
+"""The demo store: the MiniLM base and its full fine-tunes on real packaged data, stored as FM-Delta variants.
+
+Built once into MANYFOLD_HOME/demo-store and reused; a store only counts as built once its manifest lists
+every demo variant, so an interrupted build resumes where it stopped.
+"""
+
+import random
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serve.data.datasets import CLASSIFICATION, Dataset, home
+from serve.data.models import minilm_dir
+from serve.store.store import Store
+from serve.variants.full import add_full_variant
+
+BASE = "minilm"
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    variant: str
+    dataset: str
+    train_examples: int
+    max_len: int
+
+
+TASKS = (
+    DemoTask("minilm-topic", "topic", 320, 128),
+    DemoTask("minilm-sentiment", "sentiment", 480, 64),
+    DemoTask("minilm-spam", "spam", 480, 64),
+)
+
+
+def demo_store_dir() -> Path:
+    return home() / "demo-store"
+
+
+def finetune_classifier(base_dir: Path, data: Dataset, out_dir: Path, n_train: int, max_len: int,
+                        test: Dataset | None = None, lr: float = 1e-4, batch_size: int = 16,
+                        seed: int = 0, log: Callable[[str], None] = print) -> float | None:
+    """One epoch of full fine-tuning (every weight, plus a fresh head); saves a HF dir, returns test accuracy."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the expected "classifier.* newly initialized" report
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        base_dir, num_labels=len(data.labels), id2label=dict(enumerate(data.labels)),
+        label2id={label: i for i, label in enumerate(data.labels)})
+    label_id = {label: i for i, label in enumerate(data.labels)}
+    examples = random.Random(seed).sample(data.examples, min(n_train, len(data.examples)))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    steps = range(0, len(examples), batch_size)
+    for i, start in enumerate(steps):
+        chunk = examples[start:start + batch_size]
+        enc = tok([e.text for e in chunk], truncation=True, max_length=max_len, padding=True, return_tensors="pt")
+        loss = model(**enc, labels=torch.tensor([label_id[e.label] for e in chunk])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i % 10 == 0 or i == len(steps) - 1:
+            log(f"  {data.name}: step {i + 1}/{len(steps)} loss {loss.item():.3f}")
+    model.eval()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    if test is None:
+        return None
+    return classifier_accuracy(model, tok, test, max_len)
+
+
+@torch.no_grad()
+def classifier_accuracy(model, tok, data: Dataset, max_len: int, limit: int = 200) -> float:
+    examples = data.examples[:limit]
+    correct = 0
+    for start in range(0, len(examples), 32):
+        chunk = examples[start:start + 32]
+        enc = tok([e.text for e in chunk], truncation=True, max_length=max_len, padding=True, return_tensors="pt")
+        pred = model(**enc).logits.argmax(-1).tolist()
+        correct += sum(model.config.id2label[p] == e.label for p, e in zip(pred, chunk))
+    return correct / max(1, len(examples))
+
+
+def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TASKS,
+                     log: Callable[[str], None] = print) -> Store:
+    """Add the base and every missing demo variant; returns the opened store."""
+    root = root or demo_store_dir()
+    store = Store(root, create=True)
+    if BASE not in store.manifest.bases:
+        log(f"adding base '{BASE}' (all-MiniLM-L6-v2)")
+        store.add_base(BASE, minilm_dir())
+    for task in tasks:
+        if task.variant in store.manifest.variants:
+            continue
+        log(f"fine-tuning '{task.variant}' on {task.train_examples} {task.dataset} examples")
+        load = CLASSIFICATION[task.dataset]
+        with tempfile.TemporaryDirectory() as tmp:
+            acc = finetune_classifier(store.base_dir(BASE), load("train"), Path(tmp), task.train_examples,
+                                      task.max_len, test=load("test"), log=log)
+            _, stats = add_full_variant(store, task.variant, BASE, tmp)
+        log(f"  test accuracy {acc:.1%}; stored {stats.raw_bytes / 1e6:.1f} MB as {stats.file_bytes / 1e6:.1f} MB"
+            f" FM-Delta ({stats.ratio:.1%})")
+    return store

@@ -1,0 +1,87 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from serve.cli import main
+from serve.store.tensors import SafetensorsSource, save_tensors
+from tests.conftest import finetune_of, same_bits, tiny_state
+from tests.store.test_store import model_dir
+
+
+@pytest.fixture
+def files(tmp_path, rng):
+    base = tiny_state(rng)
+    fine = finetune_of(base, rng)
+    save_tensors(tmp_path / "base.safetensors", base)
+    model_dir(tmp_path / "ft", fine)
+    return tmp_path, fine
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compress_then_decompress_is_bit_identical(files, capsys):
+    d, fine = files
+    code, out, _ = run(capsys, "fmdelta", "compress", "--base", str(d / "base.safetensors"),
+                       "--finetuned", str(d / "ft"), "--out", str(d / "x.fmd"))
+    assert code == 0 and "x.fmd" in out
+    code, out, _ = run(capsys, "fmdelta", "decompress", "--base", str(d / "base.safetensors"),
+                       "--delta", str(d / "x.fmd"), "--out", str(d / "f2.safetensors"))
+    assert code == 0
+    got = SafetensorsSource(d / "f2.safetensors")
+    assert all(same_bits(got[k], fine[k]) for k in fine)
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated", "wrong_base", "not_safetensors"])
+def test_bad_input_is_one_line_and_nonzero(files, capsys, case, rng):
+    d, _ = files
+    run(capsys, "fmdelta", "compress", "--base", str(d / "base.safetensors"), "--finetuned", str(d / "ft"),
+        "--out", str(d / "x.fmd"))
+    base = str(d / "base.safetensors")
+    delta = str(d / "x.fmd")
+    if case == "missing":
+        delta = str(d / "nope.fmd")
+    elif case == "truncated":
+        (d / "t.fmd").write_bytes((d / "x.fmd").read_bytes()[:100])
+        delta = str(d / "t.fmd")
+    elif case == "wrong_base":
+        save_tensors(d / "other.safetensors", tiny_state(rng))
+        base = str(d / "other.safetensors")
+    else:
+        (d / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+        base = str(d / "junk.safetensors")
+    code, _, err = run(capsys, "fmdelta", "decompress", "--base", base, "--delta", delta,
+                       "--out", str(d / "out.safetensors"))
+    assert code == 1
+    assert err.startswith("manyfold: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert not (d / "out.safetensors").exists()
+
+
+def test_store_commands(files, capsys):
+    d, _ = files
+    model_dir(d / "basedir", dict(SafetensorsSource(d / "base.safetensors")))
+    store = str(d / "store")
+    assert run(capsys, "store", "add", "--store", store, "--kind", "base", "--name", "tiny",
+               "--model", str(d / "basedir"))[0] == 0
+    assert run(capsys, "store", "add", "--store", store, "--kind", "full", "--name", "ft", "--base", "tiny",
+               "--model", str(d / "ft"))[0] == 0
+    code, out, _ = run(capsys, "store", "list", "--store", store, "--json")
+    assert code == 0 and {r["name"] for r in json.loads(out)} == {"tiny", "ft"}
+    code, out, _ = run(capsys, "store", "verify", "--store", store)
+    assert code == 0 and "ft: ok" in out
+    code, _, err = run(capsys, "store", "remove", "--store", store, "tiny")
+    assert code == 1 and "still has variants" in err
+
+
+def test_console_script_exit_codes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "serve.cli", "store", "list", "--store", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"manyfold: error: {tmp_path}: not a Manyfold store (no manifest.json)"
+    proc = subprocess.run([sys.executable, "-m", "serve.cli", "fmdelta", "compress"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "required" in proc.stderr
