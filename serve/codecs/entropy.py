@@ -7,7 +7,9 @@ decoding reads forward. Every function here is `nogil`, so streams code in paral
 """
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 SCALE_BITS = 16
 """Model precision: frequencies sum to 2^16, so the decode table is 64 KiB and stays in L2."""
@@ -91,29 +93,64 @@ def decode_table(freqs: np.ndarray, scale_bits: int) -> np.ndarray:
     return table
 
 
+@intrinsic
+def _mulhi64(typingctx, a, b):
+    """High 64 bits of the 128-bit product a * b (both uint64)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i128 = ir.IntType(128)
+        prod = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
+        return builder.trunc(builder.lshr(prod, ir.Constant(i128, 64)), ir.IntType(64))
+
+    return sig, codegen
+
+
+def encoder_tables(freqs: np.ndarray, scale_bits: int = SCALE_BITS) -> np.ndarray:
+    """Per symbol (rcp_freq, rcp_shift, bias, cmpl_freq, x_max) for division-free encoding.
+
+    ryg's rans64 (after Alverson, "Integer division using reciprocals"): x // f == mulhi(x, rcp) >> shift
+    for every state x < 2^63, so encoding replaces a 64-bit division with one wide multiply.
+    """
+    cum = np.concatenate([[0], np.cumsum(freqs.astype(np.int64))])
+    table = np.zeros((freqs.size, 5), np.uint64)
+    for s, f in enumerate(int(v) for v in freqs):
+        if f == 0:
+            continue
+        if f == 1:
+            rcp, shift, bias = (1 << 64) - 1, 0, int(cum[s]) + (1 << scale_bits) - 1
+        else:
+            shift = (f - 1).bit_length()  # smallest shift with f <= 2^shift
+            x1 = 1 << (shift + 31)
+            t1, rem = divmod(x1, f)
+            t0 = (f - 1 + (rem << 32)) // f
+            rcp, shift, bias = (t0 + (t1 << 32)) & ((1 << 64) - 1), shift - 1, int(cum[s])
+        x_max = ((int(RANS_L) >> scale_bits) << 32) * f
+        table[s] = (rcp, shift, bias, (1 << scale_bits) - f, x_max)
+    return table
+
+
 @njit(cache=True, nogil=True)
-def rans_encode(syms: np.ndarray, freqs: np.ndarray, cum: np.ndarray, scale_bits: int) -> np.ndarray:
+def rans_encode(syms: np.ndarray, enc: np.ndarray) -> np.ndarray:
     """Code syms (uint8) into 32-bit words with two interleaved states (even / odd positions).
 
-    Two states break the decoder's serial dependency chain. At most one word leaves per symbol, so
-    n + 4 words suffice.
+    enc comes from encoder_tables. Two states break the decoder's serial dependency chain. At most one
+    word leaves per symbol, so n + 4 words suffice.
     """
     n = syms.size
     out = np.empty(n + 4, np.uint32)
     ptr = n + 4
-    sb = np.uint64(scale_bits)
-    x_max_unit = (RANS_L >> sb) << np.uint64(32)
     x0 = RANS_L
     x1 = RANS_L
     for i in range(n - 1, -1, -1):
         s = syms[i]
-        f = np.uint64(freqs[s])
         x = x1 if i & 1 else x0
-        if x >= x_max_unit * f:
+        if x >= enc[s, 4]:
             ptr -= 1
             out[ptr] = np.uint32(x & _MASK32)
             x >>= np.uint64(32)
-        x = ((x // f) << sb) + (x % f) + np.uint64(cum[s])
+        q = _mulhi64(x, enc[s, 0]) >> enc[s, 1]
+        x = x + enc[s, 2] + q * enc[s, 3]
         if i & 1:
             x1 = x
         else:

@@ -30,21 +30,30 @@ def alphabet_size(bits: int) -> int:
     return 2 * bits + 1
 
 
+# The loops below are branch-free on the data: signs and delta directions are random, and a mispredicted
+# branch per element costs more than the arithmetic. Work is in uint64 / int64; elements are <= 32 bits.
+
 @njit(inline="always")
 def _to_ordered(u, top, mask):
-    return u | top if (u & top) == 0 else ~u & mask
+    """sign 0: u | top (== u ^ top); sign 1: ~u & mask (== u ^ mask)."""
+    return u ^ (top | ((np.uint64(0) - (u >> np.uint64(63 - _lz(top)))) & mask))
 
 
 @njit(inline="always")
 def _from_ordered(v, top, mask):
-    return v ^ top if (v & top) != 0 else ~v & mask
+    """Inverse of _to_ordered: top bit set -> v ^ top, else v ^ mask."""
+    return v ^ (top | (((v >> np.uint64(63 - _lz(top))) - np.uint64(1)) & mask))
+
+
+@njit(inline="always")
+def _lz(x):
+    return int(leading_zeros(x))
 
 
 @njit(cache=True, nogil=True)
 def _symbols(base, fine, bits, syms, raw):
     """Pass 1 of encoding: symbols into syms, raw bits packed LSB-first into raw; -> (words, counts)."""
-    b = np.uint64(bits)
-    top = np.uint64(1) << (b - np.uint64(1))
+    top = np.uint64(1) << np.uint64(bits - 1)
     mask = (top << np.uint64(1)) - np.uint64(1)
     one = np.uint64(1)
     counts = np.zeros(2 * bits + 1, np.int64)
@@ -52,21 +61,21 @@ def _symbols(base, fine, bits, syms, raw):
     nacc = np.uint64(0)
     wp = 0
     for i in range(fine.size):
-        p = _to_ordered(np.uint64(base[i]), top, mask)
-        r = _to_ordered(np.uint64(fine[i]), top, mask)
-        if r == p:
-            s = bits
-        else:
-            d = r - p if r > p else p - r
-            k = np.uint64(63) - np.uint64(leading_zeros(d))
-            s = bits + 1 + int(k) if r > p else bits - 1 - int(k)
-            acc |= (d ^ (one << k)) << nacc
-            nacc += k
-            if nacc >= np.uint64(32):
-                raw[wp] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-                wp += 1
-                acc >>= np.uint64(32)
-                nacc -= np.uint64(32)
+        p = np.int64(_to_ordered(np.uint64(base[i]), top, mask))
+        r = np.int64(_to_ordered(np.uint64(fine[i]), top, mask))
+        diff = r - p
+        neg = np.int64(diff < 0)
+        d = np.uint64(diff * (1 - 2 * neg))  # |r - p|
+        k = 63 - _lz(d)  # -1 when d == 0
+        s = bits + (k + 1) * (1 - 2 * neg)
+        kb = np.uint64(k + np.int64(d == np.uint64(0)))  # raw bits: k, or 0 when equal
+        acc |= ((d ^ (one << kb)) & ((one << kb) - one)) << nacc
+        nacc += kb
+        if nacc >= np.uint64(32):
+            raw[wp] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+            wp += 1
+            acc >>= np.uint64(32)
+            nacc -= np.uint64(32)
         syms[i] = s
         counts[s] += 1
     if nacc > np.uint64(0):
@@ -78,38 +87,39 @@ def _symbols(base, fine, bits, syms, raw):
 @njit(cache=True, nogil=True)
 def _reconstruct(base, syms, raw, bits, out):
     """Decoding's second pass: base + symbols + raw bits -> fine-tuned bits in out; -> status code."""
-    b = np.uint64(bits)
-    top = np.uint64(1) << (b - np.uint64(1))
+    top = np.uint64(1) << np.uint64(bits - 1)
     mask = (top << np.uint64(1)) - np.uint64(1)
     one = np.uint64(1)
+    # Per symbol: raw bit count, the leading one of |d|, and the direction (+1, 0, -1).
+    n_sym = 2 * bits + 1
+    raw_bits = np.zeros(n_sym, np.uint64)
+    lead = np.zeros(n_sym, np.uint64)
+    sign = np.zeros(n_sym, np.int64)
+    for s in range(n_sym):
+        if s != bits:
+            k = abs(s - bits) - 1
+            raw_bits[s] = k
+            lead[s] = one << np.uint64(k)
+            sign[s] = 1 if s > bits else -1
     acc = np.uint64(0)
     nacc = np.uint64(0)
     rp = 0
     for i in range(out.size):
-        s = int(syms[i])
-        p = _to_ordered(np.uint64(base[i]), top, mask)
-        if s == bits:
-            r = p
-        else:
-            k = np.uint64(s - bits - 1) if s > bits else np.uint64(bits - 1 - s)
-            if nacc < k:
-                if rp >= raw.size:
-                    return entropy.ERR_TRUNCATED
-                acc |= np.uint64(raw[rp]) << nacc
-                rp += 1
-                nacc += np.uint64(32)
-            d = (acc & ((one << k) - one)) | (one << k)
-            acc >>= k
-            nacc -= k
-            if s > bits:
-                if d > mask - p:
-                    return entropy.ERR_CORRUPT
-                r = p + d
-            else:
-                if d > p:
-                    return entropy.ERR_CORRUPT
-                r = p - d
-        out[i] = _from_ordered(r, top, mask)
+        s = syms[i]
+        kb = raw_bits[s]
+        if nacc < kb:
+            if rp >= raw.size:
+                return entropy.ERR_TRUNCATED
+            acc |= np.uint64(raw[rp]) << nacc
+            rp += 1
+            nacc += np.uint64(32)
+        d = (acc & (lead[s] - one)) | lead[s]
+        acc >>= kb
+        nacc -= kb
+        r = np.int64(_to_ordered(np.uint64(base[i]), top, mask)) + sign[s] * np.int64(d)
+        if np.uint64(r) > mask:  # below zero wraps above mask too
+            return entropy.ERR_CORRUPT
+        out[i] = _from_ordered(np.uint64(r), top, mask)
     if rp != raw.size or acc != np.uint64(0):
         return entropy.ERR_TRAILING
     return entropy.OK
@@ -189,11 +199,11 @@ def encode_delta(base: np.ndarray, fine: np.ndarray, chunk_elems: int = CHUNK_EL
     firsts = map_fn(pass1, spans)
     counts = np.sum([c for _, _, c in firsts], axis=0) if firsts else np.zeros(alphabet_size(bits), np.int64)
     freqs = entropy.normalize_counts(counts) if fine.size else np.zeros(alphabet_size(bits), np.uint32)
-    cum = entropy.cumulative(freqs)
+    enc = entropy.encoder_tables(freqs)
 
     def pass2(first):
         syms, raw, _ = first
-        return Chunk(syms.size, entropy.rans_encode(syms, freqs, cum, entropy.SCALE_BITS), raw)
+        return Chunk(syms.size, entropy.rans_encode(syms, enc), raw)
 
     return CodedDelta(bits, counts, freqs, map_fn(pass2, firsts))
 

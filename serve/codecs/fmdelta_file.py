@@ -134,14 +134,14 @@ class _Encoded:
 
 
 def _encode_tensor(name: str, fine: torch.Tensor, base: torch.Tensor | None, base_name: str | None,
-                   map_fn) -> _Encoded:
+                   base_sha256: str | None, map_fn) -> _Encoded:
     dtype = dtype_name(fine)
     fine_bytes = as_bytes(fine)
     record = {"name": name, "dtype": dtype, "shape": list(fine.shape), "sha256": sha256_hex(fine_bytes)}
     deltable = (base is not None and dtype in FLOAT_BITS and base.dtype == fine.dtype
                 and base.shape == fine.shape and fine.numel() > 0)
     if deltable:
-        base_ref = {"base_name": base_name, "base_sha256": sha256_hex(as_bytes(base))}
+        base_ref = {"base_name": base_name, "base_sha256": base_sha256}
         if base_ref["base_sha256"] == record["sha256"]:
             return _Encoded({**record, "codec": "same", **base_ref}, [], 0.0)
         coded = encode_delta(_bits_view(base), _bits_view(fine), CHUNK_ELEMS, map_fn)
@@ -163,11 +163,11 @@ def compress(base: Mapping[str, torch.Tensor], fine: Mapping[str, torch.Tensor],
     fine = {n: fine[n] for n in fine}
     base_names = set(base)
     names = list(fine)
+    base_digests = dict(zip(base, pool_map(workers)(lambda n: sha256_hex(as_bytes(base[n])), list(base))))
 
     def one(name: str, map_fn) -> _Encoded:
-        t = fine[name]
         base_name = match_base_name(name, base_names)
-        enc = _encode_tensor(name, t, base[base_name] if base_name else None, base_name, map_fn)
+        enc = _encode_tensor(name, fine[name], base.get(base_name), base_name, base_digests.get(base_name), map_fn)
         if progress:
             progress(name)
         return enc
@@ -189,7 +189,7 @@ def compress(base: Mapping[str, torch.Tensor], fine: Mapping[str, torch.Tensor],
         records.append({**enc.record, "offset": offset, "length": length, "payload_sha256": digest.hexdigest()})
         parts.extend(blob)
         offset += length
-    header = FmdHeader(base_fingerprint=fingerprint(base), metadata=dict(metadata or {}),
+    header = FmdHeader(base_fingerprint=fingerprint(base, base_digests), metadata=dict(metadata or {}),
                        tensors=[TensorRecord(**r) for r in records])
     header_bytes = header.model_dump_json(exclude_none=True).encode()
     prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header_bytes), hashlib.sha256(header_bytes).digest())

@@ -104,12 +104,15 @@ class SafetensorsSource(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
-def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
-    """Identity of a whole set of tensors: sha256 over sorted 'name dtype shape sha256' lines."""
+def fingerprint(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str] | None = None) -> str:
+    """Identity of a whole set of tensors: sha256 over sorted 'name dtype shape sha256' lines.
+
+    digests, when given, are the tensors' sha256 already computed (each tensor is hashed once)."""
     lines = []
     for name in sorted(tensors):
         t = tensors[name]
-        lines.append(f"{name} {dtype_name(t)} {list(t.shape)} {tensor_sha256(t)}\n")
+        digest = digests[name] if digests is not None else tensor_sha256(t)
+        lines.append(f"{name} {dtype_name(t)} {list(t.shape)} {digest}\n")
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 

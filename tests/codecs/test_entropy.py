@@ -8,7 +8,7 @@ def _roundtrip(syms: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray,
     counts = np.bincount(syms, minlength=alphabet)
     freqs = entropy.normalize_counts(counts)
     cum = entropy.cumulative(freqs)
-    words = entropy.rans_encode(syms, freqs, cum, entropy.SCALE_BITS)
+    words = entropy.rans_encode(syms, entropy.encoder_tables(freqs))
     out = np.empty_like(syms)
     status = entropy.rans_decode(words, freqs, cum, entropy.decode_table(freqs, entropy.SCALE_BITS),
                                  entropy.SCALE_BITS, out)
@@ -54,8 +54,16 @@ def test_truncated_or_padded_stream_is_reported_not_misread():
     freqs = entropy.normalize_counts(counts)
     cum = entropy.cumulative(freqs)
     table = entropy.decode_table(freqs, entropy.SCALE_BITS)
-    words = entropy.rans_encode(syms, freqs, cum, entropy.SCALE_BITS)
+    words = entropy.rans_encode(syms, entropy.encoder_tables(freqs))
     out = np.empty_like(syms)
     assert entropy.rans_decode(words[:-3], freqs, cum, table, entropy.SCALE_BITS, out) != entropy.OK
     padded = np.concatenate([words, np.zeros(2, np.uint32)])
     assert entropy.rans_decode(padded, freqs, cum, table, entropy.SCALE_BITS, out) == entropy.ERR_TRAILING
+
+
+def test_division_free_encoder_handles_frequency_one_and_full_range_symbols():
+    syms = np.zeros(50_000, np.uint8)
+    syms[[7, 999, 31_337]] = [1, 2, 64]  # each will get frequency 1 of 2^16
+    out, _, status = _roundtrip(syms, 65)
+    assert status == entropy.OK and np.array_equal(out, syms)
+    assert entropy.normalize_counts(np.bincount(syms, minlength=65))[[1, 2, 64]].tolist() == [1, 1, 1]
