@@ -26,11 +26,12 @@ from typing import Annotated, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from serve.codecs import entropy
 from serve.codecs.fmdelta import CHUNK_ELEMS, Chunk, alphabet_size, decode_delta, encode_delta, pool_map
 from serve.errors import ArtifactError, VariantIncompatible
+from serve.store.manifest import Sha256, StrictModel
 from serve.store.tensors import DTYPES, FLOAT_BITS, as_bytes, dtype_name, fingerprint, save_tensors, sha256_hex
 from serve.store.writer import atomic_write
 
@@ -41,21 +42,16 @@ _ALIGN = 64
 MAX_HEADER_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 1 << 40
 
-Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 NonNeg = Annotated[int, Field(ge=0)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class ChunkRecord(_Strict):
+class ChunkRecord(StrictModel):
     elems: Annotated[int, Field(ge=1)]
     words: Annotated[int, Field(ge=4)]
     raw_words: NonNeg
 
 
-class TensorRecord(_Strict):
+class TensorRecord(StrictModel):
     name: Annotated[str, StringConstraints(min_length=1)]
     dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
     shape: list[NonNeg]
@@ -88,7 +84,7 @@ class TensorRecord(_Strict):
         return self.numel * torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
 
 
-class FmdHeader(_Strict):
+class FmdHeader(StrictModel):
     format: Literal["manyfold.fmdelta"] = "manyfold.fmdelta"
     scale_bits: Literal[16] = entropy.SCALE_BITS
     base_fingerprint: Sha256

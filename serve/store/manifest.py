@@ -16,18 +16,20 @@ Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,6
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class StrictModel(BaseModel):
+    """Schemas of files Manyfold reads: unknown fields and type coercions are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class FileEntry(_Strict):
+class FileEntry(StrictModel):
     path: str
     """Relative to the store root."""
     bytes: Annotated[int, Field(ge=0)]
     sha256: Sha256
 
 
-class BaseEntry(_Strict):
+class BaseEntry(StrictModel):
     kind: Literal["base"] = "base"
     name: Name
     architecture: str
@@ -38,7 +40,7 @@ class BaseEntry(_Strict):
     files: list[FileEntry]
 
 
-class FullVariantEntry(_Strict):
+class FullVariantEntry(StrictModel):
     """A full fine-tune stored as an FM-Delta file against its parent base."""
 
     kind: Literal["full"] = "full"
@@ -55,7 +57,7 @@ class FullVariantEntry(_Strict):
 VariantEntry = FullVariantEntry  # later kinds join as a union tagged by `kind`
 
 
-class StoreManifest(_Strict):
+class StoreManifest(StrictModel):
     format: Literal["manyfold.store"] = "manyfold.store"
     version: Literal[1] = VERSION
     bases: dict[Name, BaseEntry] = {}
