@@ -37,7 +37,7 @@ def test_compress_then_decompress_is_bit_identical(files, capsys):
     assert all(same_bits(got[k], fine[k]) for k in fine)
 
 
-@pytest.mark.parametrize("case", ["missing", "truncated", "wrong_base", "not_safetensors"])
+@pytest.mark.parametrize("case", ["missing", "truncated", "wrong_base", "shape_mismatch", "not_safetensors"])
 def test_bad_input_is_one_line_and_nonzero(files, capsys, case, rng):
     d, _ = files
     run(capsys, "fmdelta", "compress", "--base", str(d / "base.safetensors"), "--finetuned", str(d / "ft"),
@@ -51,6 +51,11 @@ def test_bad_input_is_one_line_and_nonzero(files, capsys, case, rng):
         delta = str(d / "t.fmd")
     elif case == "wrong_base":
         save_tensors(d / "other.safetensors", tiny_state(rng))
+        base = str(d / "other.safetensors")
+    elif case == "shape_mismatch":
+        wrong = dict(SafetensorsSource(d / "base.safetensors"))
+        wrong["layers.1.mlp.weight"] = wrong["layers.1.mlp.weight"][:, :4].contiguous()
+        save_tensors(d / "other.safetensors", wrong)
         base = str(d / "other.safetensors")
     else:
         (d / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
