@@ -37,6 +37,29 @@ class CapacityExceeded(ManyfoldError):
     http_status = 503
 
 
+class Overloaded(ManyfoldError):
+    """The queue is full; the client should retry after `retry_after_s`."""
+
+    code = "overloaded"
+    http_status = 429
+    retry_after_s = 1
+
+
 class BadRequest(ManyfoldError):
     code = "bad_request"
     http_status = 400
+
+
+class Unauthorized(ManyfoldError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class Forbidden(ManyfoldError):
+    code = "forbidden"
+    http_status = 403
+
+
+class TooLarge(ManyfoldError):
+    code = "request_too_large"
+    http_status = 413

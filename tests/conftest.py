@@ -37,3 +37,30 @@ def finetune_of(base: dict[str, torch.Tensor], gen: torch.Generator, scale: floa
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype == b.dtype and a.shape == b.shape
             and a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+@pytest.fixture(scope="session")
+def serving_store(tmp_path_factory):
+    """A store with two bases (a tiny Llama, the real MiniLM) and full variants of each, plus the
+    fine-tune directories they were made from (the references served outputs must equal)."""
+    from serve.data.models import minilm_dir
+    from serve.store.store import Store
+    from serve.variants.full import add_full_variant
+    from tests.models import write_perturbed, write_tiny_causal
+
+    root = tmp_path_factory.mktemp("serving")
+    store = Store(root / "store", create=True)
+    lm = write_tiny_causal(root / "tiny-lm")
+    store.add_base("tiny-lm", lm)
+    store.add_base("minilm", minilm_dir())
+    refs = {
+        "tiny-lm": lm,
+        "minilm": minilm_dir(),
+        "tiny-lm-top": write_perturbed(lm, root / "tiny-lm-top", seed=1, scale=0.5, only="layers.1."),
+        "tiny-lm-all": write_perturbed(lm, root / "tiny-lm-all", seed=2, scale=0.5),
+        "minilm-clf": write_perturbed(minilm_dir(), root / "minilm-clf", seed=3, labels=["neg", "pos", "other"]),
+    }
+    for name in ("tiny-lm-top", "tiny-lm-all"):
+        add_full_variant(store, name, "tiny-lm", refs[name])
+    add_full_variant(store, "minilm-clf", "minilm", refs["minilm-clf"])
+    return store.root, refs

@@ -282,8 +282,12 @@ class FmdFile:
             raise self._fail(f"tensor '{r.name}': payload checksum mismatch (file is corrupt)")
         return data
 
-    def check_base(self, r: TensorRecord, base: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The base tensor r was coded against; raises VariantIncompatible if base is not that base."""
+    def check_base(self, r: TensorRecord, base: Mapping[str, torch.Tensor],
+                   base_digests: Mapping[str, str] | None = None) -> torch.Tensor:
+        """The base tensor r was coded against; raises VariantIncompatible if base is not that base.
+
+        base_digests: sha256 of base tensors the caller has already verified (a server hashes its base once).
+        """
         if r.base_name not in base:
             raise VariantIncompatible(f"{self.path}: base has no tensor '{r.base_name}'; wrong --base?")
         t = base[r.base_name]
@@ -291,7 +295,8 @@ class FmdFile:
             raise VariantIncompatible(
                 f"{self.path}: base tensor '{r.base_name}' is {dtype_name(t)}{list(t.shape)}, "
                 f"the delta expects {r.dtype}{r.shape}; wrong --base?")
-        if sha256_hex(as_bytes(t)) != r.base_sha256:
+        digest = base_digests.get(r.base_name) if base_digests else None
+        if (digest or sha256_hex(as_bytes(t))) != r.base_sha256:
             raise VariantIncompatible(
                 f"{self.path}: made against a different base (tensor '{r.base_name}' differs); wrong --base?")
         return t
@@ -301,8 +306,11 @@ class FmdFile:
         r = self.records[name]
         return self._decode(r, None if r.codec == "raw" else self.check_base(r, base), workers)
 
-    def _decode(self, r: TensorRecord, base_t: torch.Tensor | None, workers: int) -> torch.Tensor:
+    def _decode(self, r: TensorRecord, base_t: torch.Tensor | None, workers: int,
+                share_unchanged: bool = False) -> torch.Tensor:
         name = r.name
+        if r.codec == "same" and share_unchanged:
+            return base_t  # check_base proved its bytes are this tensor's
         data = self.payload(r)
         out = torch.empty(r.shape, dtype=DTYPES[r.dtype])
         if r.codec == "raw":
@@ -329,18 +337,22 @@ class FmdFile:
         return chunks
 
     def decode_all(self, base: Mapping[str, torch.Tensor], names: Sequence[str] | None = None,
-                   workers: int | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+                   workers: int | None = None, progress: Callable[[str], None] | None = None,
+                   base_digests: Mapping[str, str] | None = None,
+                   share_unchanged: bool = False) -> dict[str, torch.Tensor]:
+        """Every tensor (or those named). share_unchanged: tensors equal to the base are returned as the
+        base's own tensor objects, not copies (a server keeps one copy of what a fine-tune left alone)."""
         workers = workers or os.cpu_count() or 1
         names = list(names) if names is not None else list(self.records)
         for n in names:
             if n not in self.records:
                 raise ArtifactError(f"{self.path}: no tensor '{n}'")
         # A wrong base fails before any work is done; each base tensor is read and hashed once.
-        base_of = {n: self.check_base(self.records[n], base) for n in names if self.records[n].codec != "raw"}
+        base_of = {n: self.check_base(self.records[n], base, base_digests)
+                   for n in names if self.records[n].codec != "raw"}
 
         def one(name: str, inner: int) -> torch.Tensor:
-            t = self._decode(self.records[name], base_of.get(name), inner)
+            t = self._decode(self.records[name], base_of.get(name), inner, share_unchanged)
             if progress:
                 progress(name)
             return t

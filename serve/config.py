@@ -1,0 +1,103 @@
+"""ServeConfig: every setting of a running server, in one validated root model loaded from YAML or JSON."""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, ValidationError, model_validator
+
+from serve.errors import ConfigError
+from serve.store.manifest import StrictModel
+
+
+class CacheConfig(StrictModel):
+    device_mib: Annotated[int, Field(ge=0)] = 2048
+    """Decoded variant weights held on the engine's device, ready to run."""
+    cpu_mib: Annotated[int, Field(ge=0)] = 4096
+    """Decoded weights demoted to host memory (on a CPU engine the same memory, kept as a second LRU tier)."""
+    pinned: list[str] = []
+    """Variants never evicted; they count against the device budget."""
+
+
+class BatchConfig(StrictModel):
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Rows run together in one engine step."""
+    batch_wait_timeout_s: Annotated[float, Field(ge=0, le=1)] = 0.005
+    """How long the scheduler waits for more rows before running a partial batch."""
+    max_queue: Annotated[int, Field(ge=1)] = 256
+    """Requests waiting beyond this are refused with 429."""
+
+
+class LimitsConfig(StrictModel):
+    max_request_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
+    max_tokens: Annotated[int, Field(ge=1)] = 512
+    """Upper bound on `max_tokens` of one completion."""
+    max_inputs: Annotated[int, Field(ge=1)] = 64
+    """Texts in one classify or embeddings request."""
+    max_input_chars: Annotated[int, Field(ge=1)] = 20_000
+
+
+class TenantConfig(StrictModel):
+    name: str
+    key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
+    """sha256 of each API key of this tenant (keys themselves are never stored)."""
+    models: list[str] = ["*"]
+    """Bases and variants this tenant may call; "*" is all."""
+
+
+class ServeConfig(StrictModel):
+    store: Path
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    device: str = "cpu"
+    tenants: list[TenantConfig] = []
+    """Empty: no authentication (loopback demos). Otherwise every request needs a tenant's key."""
+    admin_key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = []
+    """Keys allowed on /v1/admin routes."""
+    cache: CacheConfig = CacheConfig()
+    batch: BatchConfig = BatchConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+    @model_validator(mode="after")
+    def _keys_are_unique(self) -> "ServeConfig":
+        seen: dict[str, str] = {}
+        for t in self.tenants:
+            for k in t.key_sha256:
+                if k in seen:
+                    raise ValueError(f"a key of tenant '{t.name}' is also a key of tenant '{seen[k]}'")
+                seen[k] = t.name
+        return self
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_config(path: str | Path, **overrides) -> ServeConfig:
+    """Read a YAML or JSON file into ServeConfig; one-line ConfigError on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from e
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid {path.suffix[1:] or 'JSON'} ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return parse_config({**data, **{k: v for k, v in overrides.items() if v is not None}}, str(path))
+
+
+def parse_config(data: dict, where: str = "config") -> ServeConfig:
+    try:
+        return ServeConfig.model_validate(data, strict=False)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from e

@@ -1,0 +1,1 @@
+"""The engine: torch only, no Ray. Holds the bases, caches decoded variants, batches rows."""

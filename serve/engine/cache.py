@@ -1,0 +1,159 @@
+"""The variant cache: decoded variant weights in two byte-budgeted LRU tiers (device, cpu); disk is the store.
+
+- Exactly one decode per cold variant: every request that waits for it awaits the same future.
+- Decoding runs in a worker thread, off the event loop.
+- Entries in use by a running batch are never evicted; pinned entries never leave the device tier.
+- Eviction drops the cache's references at once, so the memory goes back as soon as no batch holds it.
+"""
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from serve.errors import CapacityExceeded
+
+Residency = Literal["device", "cpu", "disk"]
+
+
+@dataclass
+class CachedVariant:
+    name: str
+    weights: dict[str, torch.Tensor]
+    """Only the tensors that differ from the base; the base's own are shared, not copied."""
+    extra: dict = field(default_factory=dict)
+    """Kind-specific pieces that are not module weights (a classifier head, labels)."""
+    nbytes: int = 0
+    in_use: int = 0
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    loads: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+
+
+def weights_nbytes(weights: dict[str, torch.Tensor], extra: dict) -> int:
+    tensors = [*weights.values(), *(v for v in extra.values() if isinstance(v, torch.Tensor))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+Loader = Callable[[str], tuple[dict[str, torch.Tensor], dict]]
+
+
+class VariantCache:
+    def __init__(self, loader: Loader, device_bytes: int, cpu_bytes: int, device: str = "cpu",
+                 pinned: tuple[str, ...] = ()):
+        self._loader = loader
+        self.device_bytes = device_bytes
+        self.cpu_bytes = cpu_bytes
+        self.device = torch.device(device)
+        self.pinned = set(pinned)
+        self._tiers: dict[str, OrderedDict[str, CachedVariant]] = {"device": OrderedDict(), "cpu": OrderedDict()}
+        self._loading: dict[str, asyncio.Future] = {}
+        self.stats = CacheStats()
+        self.on_load: Callable[[str, float], None] | None = None
+
+    # ---- what is where
+    def residency(self, name: str) -> Residency:
+        for tier, entries in self._tiers.items():
+            if name in entries:
+                return tier  # type: ignore[return-value]
+        return "disk"
+
+    def used_bytes(self, tier: str) -> int:
+        return sum(e.nbytes for e in self._tiers[tier].values())
+
+    # ---- use
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[CachedVariant]:
+        """The decoded variant, held on the device tier for the duration of the block."""
+        entry = await self._acquire(name)
+        entry.in_use += 1
+        try:
+            yield entry
+        finally:
+            entry.in_use -= 1
+            self._fit()
+
+    async def _acquire(self, name: str) -> CachedVariant:
+        device = self._tiers["device"]
+        if name in device:
+            self.stats.hits += 1
+            device.move_to_end(name)
+            return device[name]
+        if name in self._tiers["cpu"]:
+            self.stats.hits += 1
+            return self._promote(self._tiers["cpu"].pop(name))
+        if name in self._loading:  # someone is decoding it: share that decode
+            self.stats.hits += 1
+            return await asyncio.shield(self._loading[name])
+        self.stats.misses += 1
+        future = asyncio.get_running_loop().create_future()
+        self._loading[name] = future
+        try:
+            entry = await self._load(name)
+            future.set_result(entry)
+            return entry
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # mark retrieved: waiters re-raise it, nobody else must
+            raise
+        finally:
+            del self._loading[name]
+
+    async def _load(self, name: str) -> CachedVariant:
+        t0 = time.perf_counter()
+        weights, extra = await asyncio.to_thread(self._loader, name)
+        entry = CachedVariant(name, weights, extra, weights_nbytes(weights, extra))
+        if entry.nbytes > self.device_bytes:
+            raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
+                                   f"{self.device_bytes >> 20} MiB")
+        seconds = time.perf_counter() - t0
+        self.stats.loads += 1
+        self.stats.load_seconds.append(seconds)
+        del self.stats.load_seconds[:-1000]
+        if self.on_load:
+            self.on_load(name, seconds)
+        return self._promote(entry)
+
+    def _promote(self, entry: CachedVariant) -> CachedVariant:
+        entry.weights = {k: v.to(self.device) for k, v in entry.weights.items()}
+        self._tiers["device"][entry.name] = entry
+        self._fit()
+        return entry
+
+    # ---- eviction
+    def _victims(self, tier: str) -> list[str]:
+        return [n for n, e in self._tiers[tier].items() if e.in_use == 0 and n not in self.pinned]
+
+    def _fit(self) -> None:
+        """Demote LRU device entries to cpu, then drop LRU cpu entries, until both tiers fit."""
+        device, cpu = self._tiers["device"], self._tiers["cpu"]
+        for name in self._victims("device"):
+            if self.used_bytes("device") <= self.device_bytes:
+                break
+            entry = device.pop(name)
+            if entry.nbytes <= self.cpu_bytes:
+                entry.weights = {k: v.to("cpu") for k, v in entry.weights.items()}
+                cpu[name] = entry
+            else:
+                self.stats.evictions += 1
+        for name in self._victims("cpu"):
+            if self.used_bytes("cpu") <= self.cpu_bytes:
+                break
+            del cpu[name]
+            self.stats.evictions += 1
+
+    def drop(self, name: str) -> None:
+        """Forget a variant (removed or replaced in the store); a running batch keeps its own reference."""
+        for entries in self._tiers.values():
+            entries.pop(name, None)

@@ -1,0 +1,235 @@
+"""Engine: the bases of a store in memory, a variant cache, and a batching scheduler. No Ray, no HTTP.
+
+Requests become rows in a bounded queue (full -> Overloaded, HTTP 429). The scheduler takes the first waiting
+row, gathers more for up to `batch_wait_timeout_s` or `max_batch_size` rows, groups them by (operation, base,
+variant) and runs each group in one forward on a single compute thread, so the event loop keeps answering.
+Base rows share one forward; each full variant's rows run with its weights swapped in (see model.py).
+"""
+
+import asyncio
+import difflib
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from serve.codecs.fmdelta_file import FmdFile
+from serve.config import ServeConfig
+from serve.engine.cache import Residency, VariantCache
+from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
+from serve.errors import BadRequest, Overloaded, VariantNotFound
+from serve.store.store import Store
+from serve.store.tensors import as_bytes, sha256_hex
+from serve.variants.full import DELTA_FILE, add_full_variant
+
+Op = Literal["classify", "embed", "generate"]
+
+
+@dataclass
+class Row:
+    op: Op
+    base: str
+    variant: str | None
+    payload: Any
+    future: asyncio.Future
+    enqueued_s: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    kind: str
+    base: str | None
+    residency: Residency
+    labels: list[str] | None
+
+
+class Engine:
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.store = Store(config.store)
+        self.bases: dict[str, BaseModelRuntime] = {}
+        self._base_digests: dict[str, dict[str, str]] = {}
+        for name in self.store.manifest.bases:
+            self._load_base(name)
+        c = config.cache
+        self.cache = VariantCache(self._decode_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
+                                  tuple(c.pinned))
+        self._queue: asyncio.Queue[Row] | None = None
+        self._worker: asyncio.Task | None = None
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
+        self._accepting = True
+        self.on_batch: Callable[[int], None] | None = None
+
+    # ---- bases and variants
+    def _load_base(self, name: str) -> None:
+        self.store.verify(self.store.base(name))  # every file against its manifest sha256
+        rt = BaseModelRuntime(name, self.store.base_dir(name), self.config.device)
+        tensors = {n: p.detach() for n, p in rt.model.state_dict(keep_vars=False).items()}
+        self._base_digests[name] = {n: sha256_hex(as_bytes(t)) for n, t in tensors.items()}
+        self.bases[name] = rt
+
+    def _decode_variant(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """Runs in a worker thread: FM-Delta file -> the tensors that differ from the base, plus the head."""
+        entry = self.store.variant(name)
+        rt = self.bases[entry.base]
+        base = dict(rt.model.state_dict())
+        fmd = FmdFile(self.store.variant_dir(name) / DELTA_FILE)
+        tensors = fmd.decode_all(base, base_digests=self._base_digests[entry.base], share_unchanged=True)
+        weights, head = rt.split_variant(tensors)
+        return weights, {"head": head, "labels": entry.labels}
+
+    def resolve(self, model: str) -> tuple[str, str | None]:
+        """model name -> (base, variant or None for the base itself)."""
+        if model in self.bases:
+            return model, None
+        variant = self.store.manifest.variants.get(model)
+        if variant is None:
+            names = [*self.bases, *self.store.manifest.variants]
+            close = difflib.get_close_matches(model, names, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise VariantNotFound(f"model '{model}' does not exist{hint}")
+        return variant.base, model
+
+    def models(self) -> list[ModelInfo]:
+        out = [ModelInfo(n, "base", None, "device", None) for n in self.bases]
+        out += [ModelInfo(v.name, v.kind, v.base, self.cache.residency(v.name), v.labels)
+                for v in self.store.manifest.variants.values()]
+        return out
+
+    def reload_store(self) -> None:
+        """Pick up variants added or removed in the store; cached weights of removed ones are dropped."""
+        before = set(self.store.manifest.variants)
+        self.store.reload()
+        for name in before - set(self.store.manifest.variants):
+            self.cache.drop(name)
+        for name in set(self.store.manifest.bases) - set(self.bases):
+            self._load_base(name)
+
+    def info(self, name: str) -> ModelInfo:
+        for m in self.models():
+            if m.name == name:
+                return m
+        raise VariantNotFound(f"model '{name}' does not exist")
+
+    async def add_variant(self, name: str, base: str, path: str) -> ModelInfo:
+        """Store a full fine-tune (HF directory) as an FM-Delta variant, atomically; served at once."""
+        await asyncio.to_thread(add_full_variant, self.store, name, base, path)
+        self.reload_store()
+        return self.info(name)
+
+    async def remove_variant(self, name: str) -> None:
+        self.store.variant(name)  # 404 for an unknown name; bases are not removed over HTTP
+        await asyncio.to_thread(self.store.remove, name)
+        self.reload_store()
+
+    # ---- requests
+    async def classify(self, model: str, texts: list[str]) -> tuple[list[str], torch.Tensor]:
+        base, variant = self.resolve(model)
+        entry = self.store.manifest.variants.get(variant) if variant else None
+        if entry is None or not entry.labels:
+            raise BadRequest(f"model '{model}' is not a classifier")
+        return entry.labels, await self._submit("classify", base, variant, texts)
+
+    async def embed(self, model: str, texts: list[str]) -> torch.Tensor:
+        base, variant = self.resolve(model)
+        return await self._submit("embed", base, variant, texts)
+
+    async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
+                       messages: list[dict] | None = None) -> Generation:
+        """A text completion of `prompt`, or a chat completion of `messages` under the base's chat template."""
+        base, variant = self.resolve(model)
+        rt = self.bases[base]
+        rt.require_causal()
+        ids = rt.chat_prompt(messages) if messages is not None else rt.encode_prompt(prompt or "")
+        return await self._submit("generate", base, variant, (ids, params))
+
+    async def _submit(self, op: Op, base: str, variant: str | None, payload: Any):
+        if not self._accepting:
+            raise Overloaded("server is shutting down")
+        self._ensure_started()
+        row = Row(op, base, variant, payload, asyncio.get_running_loop().create_future())
+        try:
+            self._queue.put_nowait(row)
+        except asyncio.QueueFull:
+            raise Overloaded(f"{self._queue.maxsize} requests already waiting; retry later") from None
+        return await row.future
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize() if self._queue else 0
+
+    # ---- scheduling
+    def _ensure_started(self) -> None:
+        """The queue and the scheduler live on the event loop that serves requests (one per replica)."""
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._queue = asyncio.Queue(maxsize=self.config.batch.max_queue)
+            self._worker = loop.create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        b = self.config.batch
+        while True:
+            rows = [await self._queue.get()]
+            deadline = time.perf_counter() + b.batch_wait_timeout_s
+            while len(rows) < b.max_batch_size:
+                try:
+                    rows.append(await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.perf_counter())))
+                except TimeoutError:
+                    break
+            if self.on_batch:
+                self.on_batch(len(rows))
+            groups: dict[tuple, list[Row]] = {}
+            for r in rows:
+                groups.setdefault((r.op, r.base, r.variant), []).append(r)
+            for group in groups.values():
+                await self._run_group(group)
+            for _ in rows:
+                self._queue.task_done()
+
+    async def _run_group(self, rows: list[Row]) -> None:
+        op, base, variant = rows[0].op, rows[0].base, rows[0].variant
+        loop = asyncio.get_running_loop()
+        try:
+            if variant is None:
+                results = await loop.run_in_executor(self._compute, self._compute_group, op, base, rows, None, {})
+            else:
+                async with self.cache.use(variant) as entry:
+                    results = await loop.run_in_executor(self._compute, self._compute_group, op, base, rows,
+                                                         entry.weights, entry.extra)
+        except Exception as e:  # every row of the group fails the same way; other groups go on
+            for r in rows:
+                if not r.future.done():
+                    r.future.set_exception(e)
+            return
+        for r, res in zip(rows, results):
+            if not r.future.done():
+                r.future.set_result(res)
+
+    def _compute_group(self, op: Op, base: str, rows: list[Row], weights, extra: dict) -> list:
+        rt = self.bases[base]
+        if op == "generate":
+            return rt.generate([r.payload[0] for r in rows], [r.payload[1] for r in rows], weights)
+        texts = [t for r in rows for t in r.payload]
+        out = rt.embed(texts, weights) if op == "embed" else rt.classify(texts, weights, extra.get("head", {}))
+        results, at = [], 0
+        for r in rows:
+            results.append(out[at:at + len(r.payload)])
+            at += len(r.payload)
+        return results
+
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests and wait for those already queued or running."""
+        self._accepting = False
+        if self._queue is not None:
+            try:
+                await asyncio.wait_for(self._queue.join(), timeout_s)
+            except TimeoutError:
+                pass
+        if self._worker is not None:
+            self._worker.cancel()
+        self._compute.shutdown(wait=True)
+

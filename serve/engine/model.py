@@ -1,0 +1,203 @@
+"""One base model in memory, run for groups of rows with a variant's weights swapped in.
+
+A variant never copies the base module: `torch.func.functional_call` runs the one base module with the
+variant's differing tensors in place of the base's, for that call only. Encoders give embeddings (mean
+pooling + L2 normalisation, as all-MiniLM-L6-v2's sentence-transformers config says) and classification
+(BERT pooler + the variant's own head); causal LMs generate with a KV cache.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.func import functional_call
+
+from serve.codecs.fmdelta_file import match_base_name
+from serve.errors import BadRequest, VariantIncompatible
+
+HEAD_PREFIXES = ("classifier.",)
+"""Tensors of a BertForSequenceClassification fine-tune that are its own head, not base weights."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Generation:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+
+
+class BaseModelRuntime:
+    def __init__(self, name: str, model_dir: str | Path, device: str = "cpu"):
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+        self.name = name
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(model_dir)
+        self.causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+        cls = AutoModelForCausalLM if self.causal else AutoModel
+        self.model = cls.from_pretrained(model_dir, dtype="auto").to(self.device).eval()  # as stored: deltas match
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.causal and self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.max_length = int(getattr(config, "max_position_embeddings", 512))
+        self._params = dict(self.model.named_parameters())
+        self._param_names = set(self._params)
+        eos = self.model.generation_config.eos_token_id if self.causal else None
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._params.values())
+
+    def split_variant(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """A full fine-tune's tensors -> (module weights that differ from the base, its head).
+
+        Tensors identical to the base's (the same object or equal bytes) are left out: the base's are used.
+        """
+        weights, head = {}, {}
+        for name, t in tensors.items():
+            target = match_base_name(name, self._param_names)
+            if target is None:
+                if not name.startswith(HEAD_PREFIXES):
+                    raise VariantIncompatible(f"tensor '{name}' matches nothing in base '{self.name}'")
+                head[name.split(".", 1)[1]] = t
+                continue
+            base_t = self._params[target]
+            if t.shape != base_t.shape:
+                raise VariantIncompatible(f"tensor '{name}' is {list(t.shape)}; base '{self.name}' has "
+                                          f"{list(base_t.shape)}")
+            if t is base_t or torch.equal(t, base_t.detach().to(t.device)):
+                continue
+            weights[target] = t.to(base_t.dtype)
+        return weights, head
+
+    def _call(self, weights: dict[str, torch.Tensor] | None, **kwargs):
+        if not weights:
+            return self.model(**kwargs)
+        return functional_call(self.model, weights, args=(), kwargs=kwargs, strict=False)
+
+    def _tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer(texts, padding=True, truncation=True, max_length=min(self.max_length, 512),
+                             return_tensors="pt")
+        return {k: v.to(self.device) for k, v in enc.items()}
+
+    @torch.no_grad()
+    def embed(self, texts: list[str], weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """[n, hidden] unit vectors: mean of the last hidden states over real tokens."""
+        self._need(encoder=True)
+        enc = self._tokenize(texts)
+        hidden = self._call(weights, **enc).last_hidden_state  # [n, seq, hidden]
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    @torch.no_grad()
+    def classify(self, texts: list[str], weights: dict[str, torch.Tensor] | None, head: dict) -> torch.Tensor:
+        """[n, labels] probabilities, as BertForSequenceClassification computes them in eval mode."""
+        self._need(encoder=True)
+        if "weight" not in head or "bias" not in head:
+            raise BadRequest("this model has no classifier head")
+        pooled = self._call(weights, **self._tokenize(texts)).pooler_output  # [n, hidden]
+        logits = pooled @ head["weight"].T + head["bias"]  # [n, labels]
+        return logits.softmax(-1)
+
+    def _need(self, encoder: bool) -> None:
+        if encoder == self.causal:
+            what = "an encoder" if encoder else "a causal language model"
+            raise BadRequest(f"model '{self.name}' is not {what}")
+
+    def require_causal(self) -> None:
+        self._need(encoder=False)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise BadRequest(f"model '{self.name}' has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return list(ids)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 weights: dict[str, torch.Tensor] | None = None) -> list[Generation]:
+        """Rows of one variant, left-padded into one batch, decoded step by step with a shared KV cache."""
+        from transformers import DynamicCache
+
+        self._need(encoder=False)
+        n = len(prompts)
+        longest = max(len(p) for p in prompts)
+        if longest + max(p.max_tokens for p in params) > self.max_length:
+            raise BadRequest(f"prompt plus max_tokens exceeds the context of {self.max_length} tokens")
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((n, longest), pad, dtype=torch.long)
+        mask = torch.zeros((n, longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p):] = torch.tensor(p)
+            mask[i, longest - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [Generation(prompt_tokens=len(p)) for p in prompts]
+        rngs = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        done = [False] * n
+        cache = DynamicCache()
+        step_ids = ids
+        for _ in range(max(p.max_tokens for p in params)):
+            out = self._call(weights, input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :].float()  # [n, vocab]
+            next_ids = []
+            for i in range(n):
+                tok = pad if done[i] else _pick(logits[i], params[i], rngs[i])
+                next_ids.append(tok)
+                if not done[i]:
+                    done[i] = self._advance(gens[i], tok, params[i])
+            if all(done):
+                break
+            step_ids = torch.tensor(next_ids, device=self.device).unsqueeze(-1)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=-1)
+            positions = positions[:, -1:] + 1
+        return gens
+
+    def _advance(self, gen: Generation, tok: int, params: SamplingParams) -> bool:
+        """Append one token; -> whether the row is finished."""
+        if tok in self.eos_ids:
+            gen.finish_reason = "stop"
+            return True
+        gen.token_ids.append(tok)
+        gen.text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        for s in params.stop:
+            at = gen.text.find(s)
+            if at >= 0:
+                gen.text = gen.text[:at]
+                gen.finish_reason = "stop"
+                return True
+        if len(gen.token_ids) >= params.max_tokens:
+            gen.finish_reason = "length"
+            return True
+        return False
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None) -> int:
+    if params.temperature <= 0:
+        return int(logits.argmax())
+    probs = (logits / params.temperature).softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=rng))
+

@@ -1,0 +1,1 @@
+"""HTTP: OpenAI-compatible schemas and the FastAPI routes over an engine."""

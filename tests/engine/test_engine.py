@@ -1,0 +1,136 @@
+"""The engine against transformers run directly on the same weights: identical tokens, same probabilities."""
+
+import asyncio
+
+import pytest
+import torch
+
+from serve.config import ServeConfig
+from serve.engine.engine import Engine
+from serve.engine.model import SamplingParams
+from serve.errors import BadRequest, Overloaded, VariantNotFound
+
+
+@pytest.fixture(scope="module")
+def engine(serving_store):
+    root, _ = serving_store
+    return Engine(ServeConfig(store=root))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def reference_greedy(model_dir, prompt: str, n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tok(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    new = out[0, ids["input_ids"].shape[1]:].tolist()
+    return new[: new.index(2)] if 2 in new else new  # up to eos, which the engine does not emit
+
+
+@pytest.mark.parametrize("model", ["tiny-lm", "tiny-lm-top", "tiny-lm-all"])
+def test_greedy_tokens_equal_transformers_generate(engine, serving_store, model):
+    _, refs = serving_store
+    prompt = "the cat sat on the mat and"
+    gen = run(engine.complete(model, SamplingParams(max_tokens=12, temperature=0), prompt=prompt))
+    assert gen.token_ids == reference_greedy(refs[model], prompt, 12)
+    assert gen.prompt_tokens == len(prompt.split())
+
+
+def test_variants_really_differ_from_the_base(engine):
+    outs = {m: run(engine.complete(m, SamplingParams(max_tokens=12, temperature=0), prompt="the dog ran to"))
+            for m in ("tiny-lm", "tiny-lm-top", "tiny-lm-all")}
+    assert len({tuple(g.token_ids) for g in outs.values()}) == 3
+
+
+def test_mixed_concurrent_rows_equal_single_requests(engine):
+    prompts = [("tiny-lm", "hello world"), ("tiny-lm-all", "the big red"), ("tiny-lm", "one two three four"),
+               ("tiny-lm-top", "a cat"), ("tiny-lm-all", "sun moon star sky sea")]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    single = [run(engine.complete(m, params, prompt=p)).token_ids for m, p in prompts]
+
+    async def together():
+        return await asyncio.gather(*(engine.complete(m, params, prompt=p) for m, p in prompts))
+
+    assert [g.token_ids for g in run(together())] == single
+
+
+def test_seeded_sampling_repeats_and_stop_strings_cut(engine):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7)
+    a = run(engine.complete("tiny-lm", params, prompt="the cat"))
+    b = run(engine.complete("tiny-lm", params, prompt="the cat"))
+    assert a.token_ids == b.token_ids
+    greedy = run(engine.complete("tiny-lm", SamplingParams(max_tokens=10, temperature=0), prompt="the cat"))
+    words = greedy.text.split()
+    cut = run(engine.complete("tiny-lm", SamplingParams(max_tokens=10, temperature=0, stop=(words[2],)),
+                              prompt="the cat"))
+    assert cut.finish_reason == "stop" and words[2] not in cut.text.split()
+
+
+def test_chat_uses_the_template(engine):
+    gen = run(engine.complete("tiny-lm", SamplingParams(max_tokens=4, temperature=0),
+                              messages=[{"role": "user", "content": "hello"}]))
+    assert gen.prompt_tokens == 3  # "user:" "hello" "assistant:"
+
+
+def test_classifier_variant_equals_transformers(engine, serving_store):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _, refs = serving_store
+    texts = ["a fine day at the sea", "the worst film I have seen", "ok"]
+    labels, probs = run(engine.classify("minilm-clf", texts))
+    model = AutoModelForSequenceClassification.from_pretrained(refs["minilm-clf"]).eval()
+    tok = AutoTokenizer.from_pretrained(refs["minilm-clf"])
+    with torch.no_grad():
+        ref = torch.cat([model(**tok([t], return_tensors="pt")).logits.softmax(-1) for t in texts])
+    assert labels == ["neg", "pos", "other"]
+    torch.testing.assert_close(probs, ref, atol=1e-5, rtol=0)
+    assert probs.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+def test_embeddings_are_sentence_transformers_mean_pooling(engine, serving_store):
+    from transformers import AutoModel, AutoTokenizer
+
+    _, refs = serving_store
+    out = run(engine.embed("minilm", ["the cat sat", "a dog"]))
+    model = AutoModel.from_pretrained(refs["minilm"]).eval()
+    tok = AutoTokenizer.from_pretrained(refs["minilm"])
+    with torch.no_grad():
+        h = model(**tok(["the cat sat"], return_tensors="pt")).last_hidden_state.mean(1)
+    torch.testing.assert_close(out[0], torch.nn.functional.normalize(h, dim=-1)[0], atol=1e-5, rtol=0)
+
+
+def test_wrong_kind_and_unknown_models(engine):
+    with pytest.raises(VariantNotFound, match="did you mean 'tiny-lm-top'"):
+        run(engine.complete("tiny-lm-tpo", SamplingParams(), prompt="x"))
+    with pytest.raises(BadRequest, match="not a classifier"):
+        run(engine.classify("minilm", ["x"]))
+    with pytest.raises(BadRequest, match="not a causal"):
+        run(engine.complete("minilm-clf", SamplingParams(), prompt="x"))
+
+
+def test_full_queue_refuses_with_overloaded(serving_store):
+    root, _ = serving_store
+    eng = Engine(ServeConfig(store=root, batch={"max_queue": 2, "max_batch_size": 1}))
+
+    async def flood():
+        return await asyncio.gather(*(eng.complete("tiny-lm", SamplingParams(max_tokens=2), prompt="a")
+                                      for _ in range(8)), return_exceptions=True)
+
+    results = run(flood())
+    assert any(isinstance(r, Overloaded) for r in results)
+    assert any(not isinstance(r, Exception) for r in results)
+
+
+def test_top_layer_finetune_holds_only_what_it_changed(engine):
+    async def load():
+        async with engine.cache.use("tiny-lm-top") as top, engine.cache.use("tiny-lm-all") as full:
+            return set(top.weights), top.nbytes, full.nbytes
+
+    names, top_bytes, all_bytes = run(load())
+    assert names and all(".layers.1." in n for n in names)
+    assert top_bytes < all_bytes / 2

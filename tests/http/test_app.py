@@ -1,0 +1,195 @@
+"""The HTTP contract over a real engine: the official openai client, auth, limits, errors, metrics, admin."""
+
+import base64
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.config import ServeConfig, key_digest
+from serve.engine.engine import Engine
+from serve.http.app import build_http_app
+
+KEYS = {"alice": "sk-alice", "bob": "sk-bob", "admin": "sk-admin"}
+
+
+@pytest.fixture(scope="module")
+def client(serving_store):
+    root, _ = serving_store
+    config = ServeConfig(
+        store=root,
+        tenants=[{"name": "alice", "key_sha256": [key_digest(KEYS["alice"])], "models": ["*"]},
+                 {"name": "bob", "key_sha256": [key_digest(KEYS["bob"])], "models": ["tiny-lm"]}],
+        admin_key_sha256=[key_digest(KEYS["admin"])],
+        limits={"max_request_bytes": 4096, "max_tokens": 32, "max_inputs": 4})
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        yield c
+
+
+def auth(who: str = "alice") -> dict:
+    return {"Authorization": f"Bearer {KEYS[who]}"}
+
+
+def test_official_openai_client_completions_chat_embeddings(client):
+    from openai import OpenAI
+
+    oa = OpenAI(base_url="http://testserver/v1", api_key=KEYS["alice"], http_client=client, max_retries=0)
+    c = oa.completions.create(model="tiny-lm-all", prompt="the cat sat", max_tokens=6, temperature=0)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage.prompt_tokens == 3
+    chat = oa.chat.completions.create(model="tiny-lm", messages=[{"role": "user", "content": "hello"}],
+                                      max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    emb = oa.embeddings.create(model="minilm", input=["a cat", "a dog"])  # the client asks for base64
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) == 384
+    assert abs(np.linalg.norm(emb.data[0].embedding) - 1) < 1e-5
+    ids = {m.id for m in oa.models.list()}
+    assert {"tiny-lm", "tiny-lm-top", "minilm", "minilm-clf"} <= ids
+
+
+def test_completion_over_http_matches_the_engine_direct(client):
+    body = {"model": "tiny-lm-top", "prompt": "one two three", "max_tokens": 8, "temperature": 0}
+    a = client.post("/v1/completions", json=body, headers=auth()).json()
+    b = client.post("/v1/completions", json=body, headers=auth()).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"]["completion_tokens"] >= 1
+
+
+def test_classify_returns_labels_and_probabilities(client):
+    r = client.post("/v1/classify", json={"model": "minilm-clf", "input": ["good", "bad"]}, headers=auth())
+    assert r.status_code == 200
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == [0, 1]
+    for d in data:
+        assert set(d["probs"]) == {"neg", "pos", "other"} and abs(sum(d["probs"].values()) - 1) < 1e-5
+        assert d["label"] == max(d["probs"], key=d["probs"].get)
+
+
+def test_embeddings_float_and_base64_agree(client):
+    f = client.post("/v1/embeddings", json={"model": "minilm", "input": "sun"}, headers=auth()).json()
+    b = client.post("/v1/embeddings", json={"model": "minilm", "input": "sun", "encoding_format": "base64"},
+                    headers=auth()).json()
+    decoded = np.frombuffer(base64.b64decode(b["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(decoded, f["data"][0]["embedding"], atol=1e-7)
+
+
+@pytest.mark.parametrize("headers,model,status,code", [
+    ({}, "tiny-lm", 401, "unauthorized"),
+    ({"Authorization": "Bearer sk-nobody"}, "tiny-lm", 401, "unauthorized"),
+    ({"Authorization": f"Bearer {KEYS['bob']}"}, "tiny-lm-all", 403, "forbidden"),
+    ({"Authorization": f"Bearer {KEYS['bob']}"}, "tiny-lm", 200, None),
+    ({"Authorization": f"Bearer {KEYS['alice']}"}, "tiny-lm-tpo", 404, "variant_not_found"),
+])
+def test_auth_and_routing(client, headers, model, status, code):
+    r = client.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 2}, headers=headers)
+    assert r.status_code == status
+    if code:
+        assert r.json()["error"]["code"] == code and "\n" not in r.json()["error"]["message"]
+
+
+def test_unknown_model_names_close_matches(client):
+    r = client.post("/v1/completions", json={"model": "tiny-lm-tpo", "prompt": "a"}, headers=auth())
+    assert "did you mean 'tiny-lm-top'" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"model": "tiny-lm", "prompt": "a", "max_tokens": 0}, 422, "max_tokens"),
+    ({"model": "tiny-lm", "prompt": "a", "stream": True}, 422, "stream"),
+    ({"model": "tiny-lm", "prompt": "a", "bogus": 1}, 422, "bogus"),
+    ({"model": "tiny-lm"}, 422, "prompt"),
+    ({"model": "tiny-lm", "prompt": "a", "max_tokens": 33}, 400, "limit of 32"),
+    ({"model": "tiny-lm", "prompt": "a " * 3000}, 413, "exceeds"),
+])
+def test_invalid_and_oversized_bodies(client, body, status, fragment):
+    r = client.post("/v1/completions", json=body, headers=auth())
+    assert r.status_code == status and fragment in r.json()["error"]["message"]
+
+
+def test_too_many_inputs_is_413_and_wrong_kind_is_400(client):
+    r = client.post("/v1/classify", json={"model": "minilm-clf", "input": ["a"] * 5}, headers=auth())
+    assert r.status_code == 413
+    r = client.post("/v1/classify", json={"model": "tiny-lm", "input": "a"}, headers=auth())
+    assert r.status_code == 400 and "not a classifier" in r.json()["error"]["message"]
+
+
+def test_models_show_kind_parent_and_residency(client):
+    client.post("/v1/classify", json={"model": "minilm-clf", "input": "warm"}, headers=auth())
+    cards = {m["id"]: m for m in client.get("/v1/models", headers=auth()).json()["data"]}
+    assert cards["minilm-clf"]["kind"] == "full" and cards["minilm-clf"]["parent"] == "minilm"
+    assert cards["minilm-clf"]["residency"] == "device" and cards["minilm"]["kind"] == "base"
+    bob = {m["id"] for m in client.get("/v1/models", headers=auth("bob")).json()["data"]}
+    assert bob == {"tiny-lm"}
+
+
+def test_metrics_are_prometheus_text(client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.post("/v1/completions", json={"model": "tiny-lm", "prompt": "a", "max_tokens": 2}, headers=auth())
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert {"manyfold_requests", "manyfold_request_latency_seconds", "manyfold_cache_events",
+            "manyfold_variant_resident", "manyfold_batch_size", "manyfold_queue_depth",
+            "manyfold_tokens"} <= set(families)
+    ok = [s for s in families["manyfold_requests"].samples
+          if s.labels.get("model") == "tiny-lm" and s.labels.get("status") == "200"]
+    assert ok and ok[0].value >= 1
+
+
+def test_admin_add_and_remove_without_restart(client, serving_store, tmp_path):
+    from tests.models import write_perturbed
+
+    _, refs = serving_store
+    ft = write_perturbed(refs["tiny-lm"], tmp_path / "new-ft", seed=9, scale=0.5)
+    body = {"name": "tiny-lm-new", "base": "tiny-lm", "path": str(ft)}
+    assert client.post("/v1/admin/variants", json=body, headers=auth()).status_code == 401
+    r = client.post("/v1/admin/variants", json=body, headers=auth("admin"))
+    assert r.status_code == 201 and r.json()["parent"] == "tiny-lm"
+    gen = client.post("/v1/completions", json={"model": "tiny-lm-new", "prompt": "a", "max_tokens": 3},
+                      headers=auth())
+    assert gen.status_code == 200
+    assert client.post("/v1/admin/variants", json=body, headers=auth("admin")).status_code == 400
+    assert client.delete("/v1/admin/variants/tiny-lm-new", headers=auth("admin")).status_code == 200
+    gone = client.post("/v1/completions", json={"model": "tiny-lm-new", "prompt": "a"}, headers=auth())
+    assert gone.status_code == 404
+    assert client.delete("/v1/admin/variants/tiny-lm-new", headers=auth("admin")).status_code == 404
+
+
+def test_corrupt_variant_fails_alone(serving_store, tmp_path):
+    """A damaged FM-Delta file: its variant answers 500 with one line; every other model keeps serving."""
+    import shutil
+
+    root, _ = serving_store
+    copy = tmp_path / "store"
+    shutil.copytree(root, copy)
+    path = copy / "variants" / "tiny-lm-all" / "delta.fmd"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    config = ServeConfig(store=copy)
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        bad = c.post("/v1/completions", json={"model": "tiny-lm-all", "prompt": "a", "max_tokens": 2})
+        assert bad.status_code == 500 and "checksum mismatch" in bad.json()["error"]["message"]
+        for model in ("tiny-lm", "tiny-lm-top"):
+            assert c.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 2}).status_code == 200
+        assert c.get("/healthz").json() == {"status": "ok"}
+
+
+def test_overload_is_429_with_retry_after(serving_store):
+    import threading
+
+    root, _ = serving_store
+    config = ServeConfig(store=root, batch={"max_queue": 1, "max_batch_size": 1})
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        codes, headers = [], []
+
+        def call():
+            r = c.post("/v1/completions", json={"model": "tiny-lm", "prompt": "a b c", "max_tokens": 30})
+            codes.append(r.status_code)
+            headers.append(r.headers.get("retry-after"))
+
+        threads = [threading.Thread(target=call) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert 429 in codes and 200 in codes
+    assert all(h == "1" for code, h in zip(codes, headers) if code == 429)

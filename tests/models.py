@@ -1,0 +1,58 @@
+"""Model directories for serving tests: a tiny random Llama with a word-level tokenizer (built in code, no
+download), and classifier / causal "fine-tunes" made by perturbing a base (real fine-tuning is tested in
+test_demo.py)."""
+
+from pathlib import Path
+
+import torch
+
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "system:", "user:", "assistant:"] + (
+    "the a cat dog sat on mat and ran to house tree big small red blue green one two three four five six "
+    "seven eight nine ten is was what where who why how yes no hello world good bad day night sun moon "
+    "star sky sea fish bird eat drink sleep play run walk talk read write book pen").split()
+
+
+def write_tiny_causal(path: Path, seed: int = 0) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
+    fast.save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                      initializer_range=1.0)  # wide init: clear argmax margins and varied text, not one token
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def write_perturbed(src: Path, dst: Path, seed: int, scale: float = 0.02, only: str | None = None,
+                    labels: list[str] | None = None) -> Path:
+    """A 'fine-tune' of the model in src: every float tensor (or those containing `only`) nudged; with
+    labels, saved as BertForSequenceClassification with a fresh head."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(src)
+    if labels:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            src, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            label2id={label: i for i, label in enumerate(labels)})
+    elif any(a.endswith("ForCausalLM") for a in config.architectures or []):
+        model = AutoModelForCausalLM.from_pretrained(src)
+    else:
+        model = AutoModel.from_pretrained(src)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and (only is None or only in name):
+                p.add_(torch.randn_like(p) * scale * (p.abs().mean() + 1e-3))
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if "token" in f.name or f.name in ("vocab.txt", "special_tokens_map.json"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
