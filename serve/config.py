@@ -5,10 +5,15 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve.errors import ConfigError
-from serve.store.manifest import StrictModel
+
+
+class StrictModel(BaseModel):
+    """Settings people write: unknown keys are errors; "8000" for a port is fine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class CacheConfig(StrictModel):
@@ -38,6 +43,30 @@ class LimitsConfig(StrictModel):
     max_input_chars: Annotated[int, Field(ge=1)] = 20_000
 
 
+class AutoscalingConfig(StrictModel):
+    min_replicas: Annotated[int, Field(ge=0)] = 1
+    max_replicas: Annotated[int, Field(ge=1)] = 2
+    target_ongoing_requests: Annotated[float, Field(gt=0)] = 8.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        return self
+
+
+class DeploymentConfig(StrictModel):
+    """Ray Serve settings of one base's model deployment."""
+
+    num_replicas: Annotated[int, Field(ge=1)] = 1
+    autoscaling: AutoscalingConfig | None = None
+    """When set, Ray Serve scales replicas between its bounds and num_replicas is ignored."""
+    num_cpus: Annotated[float, Field(gt=0)] = 1.0
+    max_ongoing_requests: Annotated[int, Field(ge=1)] = 256
+    graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    """In-flight requests get this long to finish when a replica stops."""
+
+
 class TenantConfig(StrictModel):
     name: str
     key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
@@ -55,6 +84,11 @@ class ServeConfig(StrictModel):
     """Empty: no authentication (loopback demos). Otherwise every request needs a tenant's key."""
     admin_key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = []
     """Keys allowed on /v1/admin routes."""
+    deployment: DeploymentConfig = DeploymentConfig()
+    """Defaults for every base's model deployment."""
+    deployments: dict[str, DeploymentConfig] = {}
+    """Per-base overrides, by base name."""
+    ingress_replicas: Annotated[int, Field(ge=1)] = 1
     cache: CacheConfig = CacheConfig()
     batch: BatchConfig = BatchConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -97,7 +131,7 @@ def load_config(path: str | Path, **overrides) -> ServeConfig:
 
 def parse_config(data: dict, where: str = "config") -> ServeConfig:
     try:
-        return ServeConfig.model_validate(data, strict=False)
+        return ServeConfig.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from e

@@ -1,81 +1,92 @@
-"""Prometheus metrics of one server: request counters and histograms, plus engine state read at scrape time.
+"""Prometheus metrics: request counters and histograms kept here, engine counters rendered from snapshots.
 
-Label cardinality is bounded: `model` is a name the store knows (or "unknown"), and at most MAX_MODEL_LABELS
-distinct names get their own series; the rest share "other".
+Engines may live in other processes (Ray replicas), so their state arrives as plain snapshots
+(Engine.snapshot) and residency lists, and is rendered at scrape time. Label cardinality is bounded: at most
+MAX_MODEL_LABELS model names get their own series; the rest share "other", unknown names are "unknown".
 """
 
 import time
-from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from serve.engine.stats import SECONDS_BUCKETS
 
 MAX_MODEL_LABELS = 256
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class EngineCollector(Collector):
-    """Cache hits/misses/evictions, residency per variant, queue depth: read from the engine when scraped."""
+def _histogram(name: str, doc: str, dist: dict) -> HistogramMetricFamily:
+    cumulative, running = [], 0
+    for bound, count in zip([*dist["buckets"], float("inf")], dist["counts"]):
+        running += count
+        cumulative.append(("+Inf" if bound == float("inf") else str(bound), running))
+    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=dist["total"])
 
-    def __init__(self, engine):
-        self.engine = engine
 
-    def collect(self) -> Iterable[Metric]:
-        stats = self.engine.cache.stats
-        events = CounterMetricFamily("manyfold_cache_events", "Variant cache lookups and evictions", labels=["event"])
-        for event, value in (("hit", stats.hits), ("miss", stats.misses), ("eviction", stats.evictions)):
-            events.add_metric([event], value)
-        yield events
-        resident = GaugeMetricFamily("manyfold_variant_resident", "1 where a variant's weights are held",
-                                     labels=["model", "tier"])
-        for info in self.engine.models()[:MAX_MODEL_LABELS]:
-            for tier in ("device", "cpu", "disk"):
-                resident.add_metric([info.name, tier], 1.0 if info.residency == tier else 0.0)
-        yield resident
-        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier", labels=["tier"])
-        for tier in ("device", "cpu"):
-            used.add_metric([tier], self.engine.cache.used_bytes(tier))
-        yield used
-        yield GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for the scheduler", value=self.engine.queue_depth)
+def _merge(dists: list[dict]) -> dict:
+    out = {"buckets": dists[0]["buckets"], "counts": [0] * len(dists[0]["counts"]), "total": 0.0}
+    for d in dists:
+        out["counts"] = [a + b for a, b in zip(out["counts"], d["counts"])]
+        out["total"] += d["total"]
+    return out
 
 
 class Metrics:
-    def __init__(self, known_models: Callable[[], set[str]]):
+    def __init__(self):
         self.registry = CollectorRegistry()
-        self._known = known_models
         self._labelled: set[str] = set()
         r = self.registry
         self.requests = Counter("manyfold_requests", "HTTP requests", ["model", "route", "status"], registry=r)
         self.tokens = Counter("manyfold_tokens", "Tokens processed", ["model", "kind"], registry=r)
         self.latency = Histogram("manyfold_request_latency_seconds", "Request latency", ["model", "route"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.load_latency = Histogram("manyfold_variant_load_seconds", "Decode time of a cold variant", ["model"],
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("manyfold_batch_size", "Rows per scheduler step",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+                                 buckets=SECONDS_BUCKETS, registry=r)
 
-    def attach(self, engine) -> None:
-        self.registry.register(EngineCollector(engine))
-        engine.cache.on_load = lambda name, s: self.load_latency.labels(self.model_label(name)).observe(s)
-        engine.on_batch = self.batch_size.observe
-
-    def model_label(self, name: str | None) -> str:
+    def model_label(self, name: str | None, status: int = 200) -> str:
         if not name:
             return "none"
-        if name in self._labelled:
-            return name
-        if name not in self._known():
+        if status == 404:
             return "unknown"
-        if len(self._labelled) >= MAX_MODEL_LABELS:
-            return "other"
-        self._labelled.add(name)
+        if name not in self._labelled:
+            if len(self._labelled) >= MAX_MODEL_LABELS:
+                return "other"
+            self._labelled.add(name)
         return name
 
     def observe(self, model: str | None, route: str, status: int, started_s: float) -> None:
-        label = self.model_label(model)
+        label = self.model_label(model, status)
         self.requests.labels(label, route, str(status)).inc()
         self.latency.labels(label, route).observe(time.perf_counter() - started_s)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, snapshots: list[dict], models: list) -> bytes:
+        """This process's metrics plus the engines' snapshots and every model's residency."""
+        extra = CollectorRegistry()
+        families = []
+        events = CounterMetricFamily("manyfold_cache_events", "Variant cache lookups and evictions", labels=["event"])
+        for event in ("hit", "miss", "eviction"):
+            key = {"hit": "cache_hits", "miss": "cache_misses", "eviction": "cache_evictions"}[event]
+            events.add_metric([event], sum(s[key] for s in snapshots))
+        families.append(events)
+        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier", labels=["tier"])
+        for tier in ("device", "cpu"):
+            used.add_metric([tier], sum(s["cache_bytes"][tier] for s in snapshots))
+        families.append(used)
+        families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",
+                                          value=sum(s["queue_depth"] for s in snapshots)))
+        if snapshots:
+            families.append(_histogram("manyfold_batch_size", "Rows per scheduler step",
+                                       _merge([s["batch_sizes"] for s in snapshots])))
+            families.append(_histogram("manyfold_variant_load_seconds", "Decode time of a cold variant",
+                                       _merge([s["load_seconds"] for s in snapshots])))
+        resident = GaugeMetricFamily("manyfold_variant_resident", "1 where a model's weights are held",
+                                     labels=["model", "tier"])
+        for m in models[:MAX_MODEL_LABELS]:
+            for tier in ("device", "cpu", "disk"):
+                resident.add_metric([m.name, tier], 1.0 if m.residency == tier else 0.0)
+        families.append(resident)
+
+        class _Snapshot:
+            def collect(self):
+                return families
+
+        extra.register(_Snapshot())
+        return generate_latest(self.registry) + generate_latest(extra)

@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from serve.engine.stats import SECONDS_BUCKETS, Distribution
 from serve.errors import CapacityExceeded
 
 Residency = Literal["device", "cpu", "disk"]
@@ -37,8 +38,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    loads: int = 0
-    load_seconds: list[float] = field(default_factory=list)
+    load_seconds: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
 
 
 def weights_nbytes(weights: dict[str, torch.Tensor], extra: dict) -> int:
@@ -60,7 +60,6 @@ class VariantCache:
         self._tiers: dict[str, OrderedDict[str, CachedVariant]] = {"device": OrderedDict(), "cpu": OrderedDict()}
         self._loading: dict[str, asyncio.Future] = {}
         self.stats = CacheStats()
-        self.on_load: Callable[[str, float], None] | None = None
 
     # ---- what is where
     def residency(self, name: str) -> Residency:
@@ -117,12 +116,7 @@ class VariantCache:
         if entry.nbytes > self.device_bytes:
             raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
                                    f"{self.device_bytes >> 20} MiB")
-        seconds = time.perf_counter() - t0
-        self.stats.loads += 1
-        self.stats.load_seconds.append(seconds)
-        del self.stats.load_seconds[:-1000]
-        if self.on_load:
-            self.on_load(name, seconds)
+        self.stats.load_seconds.observe(time.perf_counter() - t0)
         return self._promote(entry)
 
     def _promote(self, entry: CachedVariant) -> CachedVariant:

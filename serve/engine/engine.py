@@ -7,9 +7,7 @@ Base rows share one forward; each full variant's rows run with its weights swapp
 """
 
 import asyncio
-import difflib
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +18,7 @@ from serve.codecs.fmdelta_file import FmdFile
 from serve.config import ServeConfig
 from serve.engine.cache import Residency, VariantCache
 from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
+from serve.engine.stats import BATCH_BUCKETS, Distribution
 from serve.errors import BadRequest, Overloaded, VariantNotFound
 from serve.store.store import Store
 from serve.store.tensors import as_bytes, sha256_hex
@@ -48,13 +47,17 @@ class ModelInfo:
 
 
 class Engine:
-    def __init__(self, config: ServeConfig):
+    """Results are plain Python values (lists, dataclasses), so they cross process boundaries as they are."""
+
+    def __init__(self, config: ServeConfig, bases: list[str] | None = None):
         self.config = config
         self.store = Store(config.store)
         self.bases: dict[str, BaseModelRuntime] = {}
         self._base_digests: dict[str, dict[str, str]] = {}
+        self._only = set(bases) if bases is not None else None
         for name in self.store.manifest.bases:
-            self._load_base(name)
+            if self._only is None or name in self._only:
+                self._load_base(name)
         c = config.cache
         self.cache = VariantCache(self._decode_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
                                   tuple(c.pinned))
@@ -62,7 +65,7 @@ class Engine:
         self._worker: asyncio.Task | None = None
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
         self._accepting = True
-        self.on_batch: Callable[[int], None] | None = None
+        self.batch_sizes = Distribution(BATCH_BUCKETS)
 
     # ---- bases and variants
     def _load_base(self, name: str) -> None:
@@ -82,35 +85,56 @@ class Engine:
         weights, head = rt.split_variant(tensors)
         return weights, {"head": head, "labels": entry.labels}
 
+    def refresh(self) -> None:
+        """Follow the store: another process (the ingress, on an admin call) may have changed it."""
+        before = set(self.store.manifest.variants)
+        if self.store.refresh():
+            self._apply_store_change(before)
+
     def resolve(self, model: str) -> tuple[str, str | None]:
         """model name -> (base, variant or None for the base itself)."""
-        if model in self.bases:
-            return model, None
-        variant = self.store.manifest.variants.get(model)
-        if variant is None:
-            names = [*self.bases, *self.store.manifest.variants]
-            close = difflib.get_close_matches(model, names, n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise VariantNotFound(f"model '{model}' does not exist{hint}")
-        return variant.base, model
+        self.refresh()
+        base, variant = self.store.resolve(model)
+        if base not in self.bases:
+            raise VariantNotFound(f"model '{model}' is not served here (its base '{base}' is another replica's)")
+        return base, variant
 
-    def models(self) -> list[ModelInfo]:
+    def model_infos(self) -> list[ModelInfo]:
         out = [ModelInfo(n, "base", None, "device", None) for n in self.bases]
         out += [ModelInfo(v.name, v.kind, v.base, self.cache.residency(v.name), v.labels)
-                for v in self.store.manifest.variants.values()]
+                for v in self.store.manifest.variants.values() if v.base in self.bases]
         return out
+
+    async def models(self) -> list[ModelInfo]:
+        self.refresh()
+        return self.model_infos()
+
+    async def snapshots(self) -> list[dict]:
+        return [await self.snapshot()]
+
+    async def snapshot(self) -> dict:
+        """Counters for metrics: cache events and bytes, queue depth, batch sizes, decode times."""
+        st = self.cache.stats
+        return {"cache_hits": st.hits, "cache_misses": st.misses, "cache_evictions": st.evictions,
+                "cache_bytes": {t: self.cache.used_bytes(t) for t in ("device", "cpu")},
+                "queue_depth": self.queue_depth, "batch_sizes": self.batch_sizes.to_dict(),
+                "load_seconds": st.load_seconds.to_dict()}
 
     def reload_store(self) -> None:
         """Pick up variants added or removed in the store; cached weights of removed ones are dropped."""
         before = set(self.store.manifest.variants)
         self.store.reload()
+        self._apply_store_change(before)
+
+    def _apply_store_change(self, before: set[str]) -> None:
         for name in before - set(self.store.manifest.variants):
             self.cache.drop(name)
         for name in set(self.store.manifest.bases) - set(self.bases):
-            self._load_base(name)
+            if self._only is None or name in self._only:
+                self._load_base(name)
 
     def info(self, name: str) -> ModelInfo:
-        for m in self.models():
+        for m in self.model_infos():
             if m.name == name:
                 return m
         raise VariantNotFound(f"model '{name}' does not exist")
@@ -127,16 +151,18 @@ class Engine:
         self.reload_store()
 
     # ---- requests
-    async def classify(self, model: str, texts: list[str]) -> tuple[list[str], torch.Tensor]:
+    async def classify(self, model: str, texts: list[str]) -> tuple[list[str], list[list[float]]]:
+        """-> (labels, one probability row per text)."""
         base, variant = self.resolve(model)
         entry = self.store.manifest.variants.get(variant) if variant else None
         if entry is None or not entry.labels:
             raise BadRequest(f"model '{model}' is not a classifier")
-        return entry.labels, await self._submit("classify", base, variant, texts)
+        return entry.labels, (await self._submit("classify", base, variant, texts)).tolist()
 
-    async def embed(self, model: str, texts: list[str]) -> torch.Tensor:
+    async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
+        """-> one unit vector per text."""
         base, variant = self.resolve(model)
-        return await self._submit("embed", base, variant, texts)
+        return (await self._submit("embed", base, variant, texts)).tolist()
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
                        messages: list[dict] | None = None) -> Generation:
@@ -180,8 +206,7 @@ class Engine:
                     rows.append(await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.perf_counter())))
                 except TimeoutError:
                     break
-            if self.on_batch:
-                self.on_batch(len(rows))
+            self.batch_sizes.observe(len(rows))
             groups: dict[tuple, list[Row]] = {}
             for r in rows:
                 groups.setdefault((r.op, r.base, r.variant), []).append(r)

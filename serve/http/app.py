@@ -32,8 +32,7 @@ def _error(status: int, code: str, message: str, headers: dict | None = None) ->
 
 def build_http_app(backend, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="Manyfold", version="0.1.0")
-    metrics = Metrics(lambda: {m.name for m in backend.models()})
-    metrics.attach(backend)
+    metrics = Metrics()
     tenants = {k: t for t in config.tenants for k in t.key_sha256}
     limits = config.limits
 
@@ -122,12 +121,13 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = metrics.render(await backend.snapshots(), await backend.models())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=S.ModelList)
     async def models(t=Depends(tenant)):
         cards = [S.ModelCard(id=m.name, kind=m.kind, parent=m.base, residency=m.residency, labels=m.labels)
-                 for m in backend.models() if t is None or "*" in t.models or m.name in t.models]
+                 for m in await backend.models() if t is None or "*" in t.models or m.name in t.models]
         return S.ModelList(data=cards)
 
     @app.post("/v1/completions", response_model=S.CompletionResponse)
@@ -162,7 +162,7 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         check_texts(texts)
         labels, probs = await backend.classify(body.model, texts)
         data = []
-        for i, row in enumerate(probs.tolist()):
+        for i, row in enumerate(probs):
             data.append(S.Classification(index=i, label=labels[int(np.argmax(row))],
                                          probs=dict(zip(labels, row))))
         return S.ClassifyResponse(model=body.model, data=data)
@@ -172,7 +172,7 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         allow(request, t, body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
         check_texts(texts)
-        vectors = (await backend.embed(body.model, texts)).float().cpu().numpy()
+        vectors = np.asarray(await backend.embed(body.model, texts), dtype=np.float32)
         if body.encoding_format == "base64":
             data = [S.Embedding(index=i, embedding=base64.b64encode(v.astype("<f4").tobytes()).decode())
                     for i, v in enumerate(vectors)]

@@ -9,6 +9,7 @@ manifest atomically, all under an exclusive lock; a crash at any point leaves th
 """
 
 import contextlib
+import difflib
 import fcntl
 import hashlib
 import json
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from serve.errors import ArtifactError, BadRequest, VariantNotFound
-from serve.store.manifest import (BaseEntry, FileEntry, StoreManifest, VariantEntry, read_manifest,
+from serve.store.manifest import (MANIFEST, BaseEntry, FileEntry, StoreManifest, VariantEntry, read_manifest,
                                   write_manifest)
 from serve.store.tensors import SafetensorsSource, fingerprint, weight_files
 from serve.store.writer import fsync_dir
@@ -39,16 +40,40 @@ def file_sha256(path: Path) -> str:
 class Store:
     def __init__(self, root: str | Path, create: bool = False):
         self.root = Path(root)
-        if create and not (self.root / "manifest.json").exists():
+        if create and not (self.root / MANIFEST).exists():
             self.root.mkdir(parents=True, exist_ok=True)
             with self._locked():
-                if not (self.root / "manifest.json").exists():
+                if not (self.root / MANIFEST).exists():
                     write_manifest(self.root, StoreManifest())
-        self.manifest = read_manifest(self.root)
+        self.reload()
+
+    def _stamp(self) -> tuple[int, int]:
+        st = (self.root / MANIFEST).stat()
+        return st.st_mtime_ns, st.st_size
 
     def reload(self) -> StoreManifest:
+        # Stamp first: a change racing the read makes the next refresh() read again, never miss it.
+        stamp = self._stamp() if (self.root / MANIFEST).exists() else None
         self.manifest = read_manifest(self.root)
+        self._read_stamp = stamp
         return self.manifest
+
+    def refresh(self) -> bool:
+        """Re-read the manifest if another process changed it; -> whether it changed."""
+        if self._stamp() == self._read_stamp:
+            return False
+        self.reload()
+        return True
+
+    def resolve(self, model: str) -> tuple[str, str | None]:
+        """A model name -> (its base, the variant or None for a base); unknown names suggest close ones."""
+        if model in self.manifest.bases:
+            return model, None
+        if model in self.manifest.variants:
+            return self.manifest.variants[model].base, model
+        close = difflib.get_close_matches(model, [*self.manifest.bases, *self.manifest.variants], n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise VariantNotFound(f"model '{model}' does not exist{hint}")
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -88,8 +88,8 @@ def test_classifier_variant_equals_transformers(engine, serving_store):
     with torch.no_grad():
         ref = torch.cat([model(**tok([t], return_tensors="pt")).logits.softmax(-1) for t in texts])
     assert labels == ["neg", "pos", "other"]
-    torch.testing.assert_close(probs, ref, atol=1e-5, rtol=0)
-    assert probs.argmax(-1).tolist() == ref.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(probs), ref, atol=1e-5, rtol=0)
+    assert torch.tensor(probs).argmax(-1).tolist() == ref.argmax(-1).tolist()
 
 
 def test_embeddings_are_sentence_transformers_mean_pooling(engine, serving_store):
@@ -101,7 +101,7 @@ def test_embeddings_are_sentence_transformers_mean_pooling(engine, serving_store
     tok = AutoTokenizer.from_pretrained(refs["minilm"])
     with torch.no_grad():
         h = model(**tok(["the cat sat"], return_tensors="pt")).last_hidden_state.mean(1)
-    torch.testing.assert_close(out[0], torch.nn.functional.normalize(h, dim=-1)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(out[0]), torch.nn.functional.normalize(h, dim=-1)[0], atol=1e-5, rtol=0)
 
 
 def test_wrong_kind_and_unknown_models(engine):

@@ -1,0 +1,76 @@
+"""The Ray Serve application: one EngineReplica deployment per base of the store, behind an HTTP ingress.
+
+`serve run serve.app:build_app store=/path/to/store` (or a Serve config YAML, see deploy/) calls build_app
+with the ServeConfig fields as its arguments.
+"""
+
+from collections.abc import Callable
+
+import serve.deployments  # noqa: F401  (first: it keeps Ray on loopback before ray is imported)
+from ray import serve
+from ray.serve import Application
+
+from serve.config import ServeConfig, parse_config
+from serve.deployments.replica import EngineReplica
+from serve.store.store import Store
+
+
+def deployment_name(base: str) -> str:
+    return f"base-{base}"
+
+
+def _ingress(config: ServeConfig, bases: list[str]):
+    def build():
+        from serve.deployments.router import Router
+        from serve.http.app import build_http_app
+
+        handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
+        return build_http_app(Router(config.store, handles), config)
+
+    @serve.ingress(build)
+    class Ingress:
+        def __init__(self, *replicas):
+            """The base deployments are bound here so Serve deploys them with the app; the router
+            reaches them by name."""
+
+    return serve.deployment(Ingress, name="Ingress", num_replicas=config.ingress_replicas,
+                            ray_actor_options={"num_cpus": 0})
+
+
+def build_app(args: dict | ServeConfig) -> Application:
+    config = args if isinstance(args, ServeConfig) else parse_config(dict(args), "serve application args")
+    bases = list(Store(config.store).manifest.bases)
+    children = []
+    for base in bases:
+        d = config.deployments.get(base, config.deployment)
+        options = {"name": deployment_name(base), "ray_actor_options": {"num_cpus": d.num_cpus},
+                   "max_ongoing_requests": d.max_ongoing_requests,
+                   "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s}
+        if d.autoscaling is not None:
+            options["autoscaling_config"] = d.autoscaling.model_dump()
+        else:
+            options["num_replicas"] = d.num_replicas
+        children.append(EngineReplica.options(**options).bind(config.model_dump(mode="json"), base))
+    return _ingress(config, bases).bind(*children)
+
+
+def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> None:
+    """Start Ray on this machine, serve the store on config.host:config.port, block until SIGINT/SIGTERM,
+    then shut down gracefully (replicas finish their in-flight requests first)."""
+    import signal
+    import threading
+
+    import ray
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(include_dashboard=False, logging_level="WARNING", configure_logging=True)
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build_app(config), name="manyfold", route_prefix="/", logging_config={"log_level": "WARNING"})
+        ready(f"http://{config.host}:{config.port}")
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()

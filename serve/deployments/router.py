@@ -1,0 +1,69 @@
+"""Router: the ingress's backend. Sends each request to its base's deployment, with the variant as Ray's
+multiplexed model id so that replicas already holding a full variant get its requests."""
+
+import asyncio
+from pathlib import Path
+
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from serve.engine.engine import ModelInfo
+from serve.engine.model import SamplingParams
+from serve.errors import ManyfoldError, Overloaded
+from serve.store.store import Store
+from serve.variants.full import add_full_variant
+
+
+class Router:
+    def __init__(self, store_root: str | Path, handles: dict[str, DeploymentHandle]):
+        self.store = Store(store_root)
+        self.handles = handles
+
+    def _handle(self, model: str) -> DeploymentHandle:
+        self.store.refresh()
+        base, variant = self.store.resolve(model)
+        handle = self.handles[base]
+        return handle.options(multiplexed_model_id=variant) if variant else handle
+
+    @staticmethod
+    async def _call(response):
+        """Await a replica; its ManyfoldErrors come back as themselves, one line, not Ray's wrapper."""
+        try:
+            return await response
+        except BackPressureError as e:
+            raise Overloaded("every replica of this model is at capacity; retry later") from e
+        except ManyfoldError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ManyfoldError):
+                raise cause from None
+            raise type(e)(str(e).splitlines()[0]) from None
+
+    async def classify(self, model: str, texts: list[str]):
+        return await self._call(self._handle(model).classify.remote(model, texts))
+
+    async def embed(self, model: str, texts: list[str]):
+        return await self._call(self._handle(model).embed.remote(model, texts))
+
+    async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
+                       messages: list[dict] | None = None):
+        return await self._call(self._handle(model).complete.remote(model, params, prompt=prompt,
+                                                                     messages=messages))
+
+    async def models(self) -> list[ModelInfo]:
+        per_base = await asyncio.gather(*(self._call(h.models.remote()) for h in self.handles.values()))
+        return [m for infos in per_base for m in infos]
+
+    async def snapshots(self) -> list[dict]:
+        return list(await asyncio.gather(*(self._call(h.snapshot.remote()) for h in self.handles.values())))
+
+    async def add_variant(self, name: str, base: str, path: str) -> ModelInfo:
+        """Written to the store here; replicas see the new manifest on their next request."""
+        if base not in self.handles:
+            self.store.base(base)  # VariantNotFound for an unknown base
+        entry, _ = await asyncio.to_thread(add_full_variant, self.store, name, base, path)
+        return ModelInfo(entry.name, entry.kind, entry.base, "disk", entry.labels)
+
+    async def remove_variant(self, name: str) -> None:
+        self.store.refresh()
+        self.store.variant(name)
+        await asyncio.to_thread(self.store.remove, name)

@@ -1,0 +1,30 @@
+"""Plain counters the engine keeps for metrics, free of any metrics library (the HTTP layer renders them)."""
+
+import bisect
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Distribution:
+    """A fixed-bucket histogram: counts[i] observations <= buckets[i]; the last count is above them all."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

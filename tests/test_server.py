@@ -1,0 +1,160 @@
+"""End to end: Ray Serve on loopback serving two bases and their FM-Delta variants over real HTTP."""
+
+import shutil
+import socket
+import threading
+
+import httpx
+import pytest
+import torch
+
+from serve.config import ServeConfig, key_digest
+from tests.engine.test_engine import reference_greedy
+
+pytestmark = pytest.mark.slow
+KEY = "sk-e2e"
+ADMIN = "sk-e2e-admin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(serving_store, tmp_path_factory):
+    import serve.deployments  # noqa: F401  (loopback env before ray)
+    import ray
+    from ray import serve
+
+    from serve.app import build_app
+
+    src, refs = serving_store
+    root = tmp_path_factory.mktemp("e2e") / "store"
+    shutil.copytree(src, root)
+    broken = root / "variants" / "tiny-lm-broken"
+    shutil.copytree(root / "variants" / "tiny-lm-all", broken)
+    data = bytearray((broken / "delta.fmd").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (broken / "delta.fmd").write_bytes(bytes(data))
+    manifest = (root / "manifest.json").read_text()
+    import json
+
+    m = json.loads(manifest)
+    entry = dict(m["variants"]["tiny-lm-all"], name="tiny-lm-broken")
+    entry["files"] = [dict(f, path=f["path"].replace("tiny-lm-all", "tiny-lm-broken")) for f in entry["files"]]
+    m["variants"]["tiny-lm-broken"] = entry
+    (root / "manifest.json").write_text(json.dumps(m))
+
+    port = free_port()
+    config = ServeConfig(store=root, port=port, deployment={"num_cpus": 0.5},
+                         tenants=[{"name": "e2e", "key_sha256": [key_digest(KEY)]}],
+                         admin_key_sha256=[key_digest(ADMIN)], limits={"max_request_bytes": 65536})
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name="manyfold", route_prefix="/")
+    yield f"http://127.0.0.1:{port}", refs, root
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        yield c
+
+
+def test_openai_client_gets_transformers_identical_greedy_tokens(server):
+    from openai import OpenAI
+
+    url, refs, _ = server
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    prompt = "the cat sat on the mat and"
+    for model in ("tiny-lm", "tiny-lm-all"):
+        c = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+        expected = reference_greedy(refs[model], prompt, 10)
+        assert c.usage.completion_tokens == len(expected)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(refs[model])
+        assert c.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+    chat = client.chat.completions.create(model="tiny-lm-top", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_classifier_over_http_equals_transformers(server, http):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _, refs, _ = server
+    texts = ["what a lovely morning", "terrible service"]
+    data = http.post("/v1/classify", json={"model": "minilm-clf", "input": texts}).json()["data"]
+    model = AutoModelForSequenceClassification.from_pretrained(refs["minilm-clf"]).eval()
+    tok = AutoTokenizer.from_pretrained(refs["minilm-clf"])
+    with torch.no_grad():
+        for d, text in zip(data, texts):
+            ref = model(**tok([text], return_tensors="pt")).logits.softmax(-1)[0]
+            assert d["label"] == model.config.id2label[int(ref.argmax())]
+            got = torch.tensor([d["probs"][model.config.id2label[i]] for i in range(len(ref))])
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_concurrent_requests_across_bases_and_variants_all_succeed(server):
+    url = server[0]
+    jobs = [("/v1/completions", {"model": m, "prompt": "one two three", "max_tokens": 4})
+            for m in ("tiny-lm", "tiny-lm-top", "tiny-lm-all")] * 4
+    jobs += [("/v1/classify", {"model": "minilm-clf", "input": "hi"}),
+             ("/v1/embeddings", {"model": "minilm", "input": "hi"})] * 4
+    codes = []
+
+    def call(path, body):
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+            codes.append(c.post(path, json=body).status_code)
+
+    threads = [threading.Thread(target=call, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == [200] * len(jobs)
+
+
+def test_errors_over_http(server, http):
+    url = server[0]
+    assert httpx.post(f"{url}/v1/completions", json={"model": "tiny-lm", "prompt": "a"}).status_code == 401
+    r = http.post("/v1/completions", json={"model": "tiny-lm-tpo", "prompt": "a"})
+    assert r.status_code == 404 and "did you mean" in r.json()["error"]["message"]
+    assert http.post("/v1/completions", json={"model": "tiny-lm", "prompt": "a" * 70000}).status_code == 413
+    assert http.post("/v1/completions", json={"model": "tiny-lm", "prompt": 5}).status_code == 422
+
+
+def test_corrupt_variant_fails_alone_over_http(http):
+    bad = http.post("/v1/completions", json={"model": "tiny-lm-broken", "prompt": "a", "max_tokens": 2})
+    assert bad.status_code == 500 and "checksum mismatch" in bad.json()["error"]["message"]
+    assert "\n" not in bad.json()["error"]["message"]
+    ok = http.post("/v1/completions", json={"model": "tiny-lm-all", "prompt": "a", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_admin_add_and_remove_reach_the_replicas(server, http, tmp_path):
+    from tests.models import write_perturbed
+
+    _, refs, _ = server
+    ft = write_perturbed(refs["tiny-lm"], tmp_path / "ft", seed=11, scale=0.5)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = http.post("/v1/admin/variants", json={"name": "tiny-lm-hot", "base": "tiny-lm", "path": str(ft)},
+                  headers=admin)
+    assert r.status_code == 201
+    assert http.post("/v1/completions", json={"model": "tiny-lm-hot", "prompt": "a", "max_tokens": 2}).status_code == 200
+    assert http.delete("/v1/admin/variants/tiny-lm-hot", headers=admin).status_code == 200
+    assert http.post("/v1/completions", json={"model": "tiny-lm-hot", "prompt": "a"}).status_code == 404
+
+
+def test_models_and_metrics(http):
+    http.post("/v1/classify", json={"model": "minilm-clf", "input": "x"})
+    cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert cards["minilm-clf"]["residency"] == "device" and cards["tiny-lm"]["kind"] == "base"
+    text = http.get("/metrics").text
+    assert 'manyfold_requests_total{model="minilm-clf",route="/v1/classify",status="200"}' in text
+    assert "manyfold_cache_events_total" in text and "manyfold_batch_size_bucket" in text
