@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serve.errors import ConfigError
 
@@ -93,6 +93,11 @@ class ServeConfig(StrictModel):
     batch: BatchConfig = BatchConfig()
     limits: LimitsConfig = LimitsConfig()
 
+    @field_validator("store")
+    @classmethod
+    def _expand_home(cls, v: Path) -> Path:
+        return v.expanduser()
+
     @model_validator(mode="after")
     def _keys_are_unique(self) -> "ServeConfig":
         seen: dict[str, str] = {}
@@ -115,15 +120,13 @@ def load_config(path: str | Path, **overrides) -> ServeConfig:
         text = path.read_text()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from e
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid {path.suffix[1:] or 'JSON'} ({e})") from e
+    try:
+        data = (yaml.safe_load(text) or {}) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (ValueError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"{path}: not valid {path.suffix[1:] or 'JSON'} ({first})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return parse_config({**data, **{k: v for k, v in overrides.items() if v is not None}}, str(path))
