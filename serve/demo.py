@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from serve.data.datasets import CLASSIFICATION, Dataset, home
-from serve.data.models import minilm_dir
+from serve.data.models import minilm_dir, smollm2_dir
 from serve.store.store import Store
 from serve.variants.full import add_full_variant
 
@@ -33,6 +33,75 @@ TASKS = (
     DemoTask("minilm-sentiment", "sentiment", 480, 64),
     DemoTask("minilm-spam", "spam", 480, 64),
 )
+
+LM_BASE = "smollm2"
+
+
+@dataclass(frozen=True)
+class LmTask:
+    """A full fine-tune of SmolLM2 that trains only its top layers (the rest stay bit-identical to the base,
+    which FM-Delta stores for free): the first demo build stays within minutes on two cores."""
+
+    variant: str
+    corpus: str
+    steps: int
+    top_layers: int = 2
+    batch_size: int = 4
+    max_len: int = 128
+    lr: float = 3e-4
+
+
+LM_TASKS = (
+    LmTask("smollm2-fortunes", "fortunes", 24),
+    LmTask("smollm2-news", "news", 24),
+)
+
+
+def lm_corpus(name: str) -> list[str]:
+    from serve.data.datasets import bbc_topics, fortunes
+
+    if name == "fortunes":
+        return fortunes("train")
+    if name == "news":
+        return [e.text for e in bbc_topics("train").examples]
+    raise ValueError(f"unknown corpus '{name}'")
+
+
+def finetune_lm_top_layers(base_dir: Path, texts: list[str], out_dir: Path, task: LmTask, seed: int = 0,
+                           log: Callable[[str], None] = print) -> float:
+    """Next-token training of the top `task.top_layers` decoder layers and the final norm; -> last loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    n_layers = model.config.num_hidden_layers
+    trainable = [f"model.layers.{i}." for i in range(n_layers - task.top_layers, n_layers)] + ["model.norm."]
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad = any(name.startswith(t) for t in trainable)
+        if p.requires_grad:
+            params.append(p)
+    opt = torch.optim.AdamW(params, lr=task.lr)
+    rng = random.Random(seed)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(task.steps):
+        batch = rng.sample(texts, task.batch_size)
+        enc = tok(batch, truncation=True, max_length=task.max_len, padding=True, return_tensors="pt")
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 8 == 0 or step == task.steps - 1:
+            log(f"  {task.variant}: step {step + 1}/{task.steps} loss {loss.item():.3f}")
+    model.eval()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return loss.item()
 
 
 def demo_store_dir() -> Path:
@@ -88,10 +157,21 @@ def classifier_accuracy(model, tok, data: Dataset, max_len: int, limit: int = 20
 
 
 def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TASKS,
-                     log: Callable[[str], None] = print) -> Store:
-    """Add the base and every missing demo variant; returns the opened store."""
+                     lm_tasks: tuple[LmTask, ...] = LM_TASKS, log: Callable[[str], None] = print) -> Store:
+    """Add the bases and every missing demo variant; returns the opened store."""
     root = root or demo_store_dir()
     store = Store(root, create=True)
+    if lm_tasks and LM_BASE not in store.manifest.bases:
+        log(f"adding base '{LM_BASE}' (SmolLM2-135M-Instruct, converted once from the packaged GGUF)")
+        store.add_base(LM_BASE, smollm2_dir())
+    for task in lm_tasks:
+        if task.variant in store.manifest.variants:
+            continue
+        log(f"fine-tuning '{task.variant}': top {task.top_layers} layers, {task.steps} steps on {task.corpus}")
+        with tempfile.TemporaryDirectory() as tmp:
+            finetune_lm_top_layers(store.base_dir(LM_BASE), lm_corpus(task.corpus), Path(tmp), task, log=log)
+            _, stats = add_full_variant(store, task.variant, LM_BASE, tmp)
+        log(f"  stored {stats.raw_bytes / 1e6:.1f} MB as {stats.file_bytes / 1e6:.1f} MB FM-Delta ({stats.ratio:.1%})")
     if BASE not in store.manifest.bases:
         log(f"adding base '{BASE}' (all-MiniLM-L6-v2)")
         store.add_base(BASE, minilm_dir())

@@ -18,7 +18,7 @@ def test_real_finetune_roundtrips_through_the_store(tmp_path):
 
     tasks = (DemoTask("minilm-spam", "spam", 48, 32),)
     logs: list[str] = []
-    store = build_demo_store(tmp_path / "store", tasks=tasks, log=logs.append)
+    store = build_demo_store(tmp_path / "store", tasks=tasks, lm_tasks=(), log=logs.append)
     assert any("FM-Delta" in m for m in logs)
     entry = store.variant("minilm-spam")
     assert entry.labels == ["ham", "spam"] and entry.base == "minilm"
@@ -39,5 +39,49 @@ def test_real_finetune_roundtrips_through_the_store(tmp_path):
     assert probs.shape == (1, 2) and model.config.id2label[0] == "ham"
 
     logs.clear()
-    build_demo_store(tmp_path / "store", tasks=tasks, log=logs.append)  # cached: nothing to do
+    build_demo_store(tmp_path / "store", tasks=tasks, lm_tasks=(), log=logs.append)  # cached: nothing to do
     assert logs == []
+
+
+def test_smollm2_top_layer_variant_serves_transformers_identical_tokens(tmp_path):
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serve.config import ServeConfig
+    from serve.data.models import smollm2_dir
+    from serve.demo import LmTask, finetune_lm_top_layers, lm_corpus
+    from serve.engine.engine import Engine
+    from serve.engine.model import SamplingParams
+    from serve.store.store import Store
+    from serve.variants.full import add_full_variant
+
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("smollm2", smollm2_dir())
+    task = LmTask("smollm2-ft", "fortunes", steps=2, lr=1e-3)
+    finetune_lm_top_layers(store.base_dir("smollm2"), lm_corpus("fortunes"), tmp_path / "ft", task, log=lambda m: None)
+    add_full_variant(store, "smollm2-ft", "smollm2", tmp_path / "ft")
+
+    engine = Engine(ServeConfig(store=store.root))
+    messages = [{"role": "user", "content": "Tell me something wise."}]
+    params = SamplingParams(max_tokens=12, temperature=0)
+
+    async def serve_both():
+        base = await engine.complete("smollm2", params, messages=messages)
+        ft = await engine.complete("smollm2-ft", params, messages=messages)
+        async with engine.cache.use("smollm2-ft") as entry:
+            held = set(entry.weights)
+        return base, ft, held
+
+    base, ft, held = asyncio.run(serve_both())
+    assert held and all(n.startswith(("model.layers.28.", "model.layers.29.", "model.norm.")) for n in held)
+    for gen, model_dir in ((base, smollm2_dir()), (ft, tmp_path / "ft")):
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+        expected = out[0, ids["input_ids"].shape[1]:].tolist()
+        eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+                  else [model.generation_config.eos_token_id])
+        cut = next((i for i, t in enumerate(expected) if t in eos), len(expected))
+        assert gen.token_ids == expected[:cut]

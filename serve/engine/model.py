@@ -64,7 +64,8 @@ class BaseModelRuntime:
     def split_variant(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
         """A full fine-tune's tensors -> (module weights that differ from the base, its head).
 
-        Tensors identical to the base's (the same object or equal bytes) are left out: the base's are used.
+        Tensors the fine-tune left unchanged arrive as the base's own objects (FmdFile.decode_all with
+        share_unchanged) and are left out: the module keeps using its own.
         """
         weights, head = {}, {}
         for name, t in tensors.items():
@@ -78,7 +79,7 @@ class BaseModelRuntime:
             if t.shape != base_t.shape:
                 raise VariantIncompatible(f"tensor '{name}' is {list(t.shape)}; base '{self.name}' has "
                                           f"{list(base_t.shape)}")
-            if t is base_t or torch.equal(t, base_t.detach().to(t.device)):
+            if t is base_t or (t.data_ptr() == base_t.data_ptr() and t.dtype == base_t.dtype):
                 continue
             weights[target] = t.to(base_t.dtype)
         return weights, head
