@@ -174,9 +174,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_fmdelta(args: argparse.Namespace) -> None:
-    from serve.bench import run_fmdelta_bench
+    from serve.bench.fmdelta import run_fmdelta_bench
 
     run_fmdelta_bench(Path(args.store) if args.store else None, Path(args.out), args.repeats)
+
+
+def cmd_bench_coldstart(args: argparse.Namespace) -> None:
+    from serve.bench.coldstart import run_coldstart_bench
+
+    run_coldstart_bench(Path(args.store) if args.store else None, Path(args.out), args.repeats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
     b.add_argument("--out", default="bench-results/fmdelta.json")
     b.add_argument("--repeats", type=int, default=3)
+    cs = add(bench, "coldstart", cmd_bench_coldstart, "a variant's first and later requests against loading it in full")
+    cs.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
+    cs.add_argument("--out", default="bench-results/coldstart.json")
+    cs.add_argument("--repeats", type=int, default=3)
     return p
 
 

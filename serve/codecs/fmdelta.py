@@ -177,6 +177,20 @@ def pool_map(workers: int) -> Mapper:
     return run
 
 
+def map_tensors(names: Sequence[str], is_big: Callable[[str], bool], fn: Callable[[str, Mapper], object],
+                workers: int) -> dict:
+    """fn(name, map_fn) for every name, on one pool of `workers` threads: small tensors are single jobs; big
+    tensors spread their chunks over the same pool, queued behind the small jobs, so no core idles between
+    phases. -> {name: result} in the order of names."""
+    if workers <= 1:
+        return {n: fn(n, _serial_map) for n in names}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {n: pool.submit(fn, n, _serial_map) for n in names if not is_big(n)}
+        out = {n: fn(n, lambda f, items: list(pool.map(f, items))) for n in names if is_big(n)}
+        out.update({n: f.result() for n, f in futures.items()})
+    return {n: out[n] for n in names}
+
+
 def _spans(n: int, chunk_elems: int) -> list[tuple[int, int]]:
     return [(i, min(i + chunk_elems, n)) for i in range(0, n, chunk_elems)]
 

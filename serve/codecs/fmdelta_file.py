@@ -9,8 +9,8 @@ Layout (little-endian):
   56  H bytes   header, UTF-8 JSON (FmdHeader)
   ..  zero padding to a multiple of 64
   P   payload: per tensor, for each chunk its rANS words then its raw-bit words (uint32)
-Offsets in the header are relative to P. Every tensor records the sha256 of its payload (checked before
-decoding), of the base tensor it was coded against (a wrong base fails clearly) and of its own bytes
+Offsets in the header are relative to P. Every tensor records the digest (XXH3-128) of its payload (checked
+before decoding), of the base tensor it was coded against (a wrong base fails clearly) and of its own bytes
 (checked after decoding: lossless means bit-identical).
 """
 
@@ -26,13 +26,16 @@ from typing import Annotated, Literal
 
 import numpy as np
 import torch
+import xxhash
 from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from serve.codecs import entropy
-from serve.codecs.fmdelta import CHUNK_ELEMS, Chunk, alphabet_size, decode_delta, encode_delta, pool_map
+from serve.codecs.fmdelta import (CHUNK_ELEMS, Chunk, Mapper, alphabet_size, decode_delta, encode_delta,
+                                  map_tensors, pool_map)
 from serve.errors import ArtifactError, VariantIncompatible
 from serve.store.manifest import Sha256, StrictModel
-from serve.store.tensors import DTYPES, FLOAT_BITS, as_bytes, dtype_name, fingerprint, save_tensors, sha256_hex
+from serve.store.tensors import (DIGEST, DTYPES, FLOAT_BITS, as_bytes, digest_hex, dtype_name, fingerprint,
+                                 save_tensors)
 from serve.store.writer import atomic_write
 
 MAGIC = b"MFDELTA\0"
@@ -43,6 +46,7 @@ MAX_HEADER_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 1 << 40
 
 NonNeg = Annotated[int, Field(ge=0)]
+Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 
 
 class ChunkRecord(StrictModel):
@@ -55,23 +59,23 @@ class TensorRecord(StrictModel):
     name: Annotated[str, StringConstraints(min_length=1)]
     dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
     shape: list[NonNeg]
-    sha256: Sha256
+    digest: Digest
     codec: Literal["delta", "same", "raw"]
     """delta: coded against base_name; same: identical to base_name; raw: stored standalone."""
     offset: NonNeg
     length: NonNeg
-    payload_sha256: Sha256
+    payload_digest: Digest
     base_name: str | None = None
-    base_sha256: Sha256 | None = None
+    base_digest: Digest | None = None
     freqs: list[NonNeg] | None = None
     chunks: list[ChunkRecord] | None = None
 
     @model_validator(mode="after")
     def _fields_match_codec(self) -> "TensorRecord":
-        has_base = self.base_name is not None and self.base_sha256 is not None
+        has_base = self.base_name is not None and self.base_digest is not None
         has_model = self.freqs is not None and self.chunks is not None
         want = {"delta": (True, True), "same": (True, False), "raw": (False, False)}[self.codec]
-        if (has_base, has_model) != want or (self.base_name is None) != (self.base_sha256 is None):
+        if (has_base, has_model) != want or (self.base_name is None) != (self.base_digest is None):
             raise ValueError(f"fields do not match codec '{self.codec}'")
         return self
 
@@ -87,6 +91,7 @@ class TensorRecord(StrictModel):
 class FmdHeader(StrictModel):
     format: Literal["manyfold.fmdelta"] = "manyfold.fmdelta"
     scale_bits: Literal[16] = entropy.SCALE_BITS
+    checksum: Literal["xxh3_128"] = DIGEST
     base_fingerprint: Sha256
     """fingerprint() of the whole base this file was made against."""
     metadata: dict[str, str] = {}
@@ -130,15 +135,15 @@ class _Encoded:
 
 
 def _encode_tensor(name: str, fine: torch.Tensor, base: torch.Tensor | None, base_name: str | None,
-                   base_sha256: str | None, map_fn) -> _Encoded:
+                   base_digest: str | None, map_fn) -> _Encoded:
     dtype = dtype_name(fine)
     fine_bytes = as_bytes(fine)
-    record = {"name": name, "dtype": dtype, "shape": list(fine.shape), "sha256": sha256_hex(fine_bytes)}
+    record = {"name": name, "dtype": dtype, "shape": list(fine.shape), "digest": digest_hex(fine_bytes)}
     deltable = (base is not None and dtype in FLOAT_BITS and base.dtype == fine.dtype
                 and base.shape == fine.shape and fine.numel() > 0)
     if deltable:
-        base_ref = {"base_name": base_name, "base_sha256": base_sha256}
-        if base_ref["base_sha256"] == record["sha256"]:
+        base_ref = {"base_name": base_name, "base_digest": base_digest}
+        if base_digest == record["digest"]:
             return _Encoded({**record, "codec": "same", **base_ref}, [], 0.0)
         coded = encode_delta(_bits_view(base), _bits_view(fine), CHUNK_ELEMS, map_fn)
         if coded.nbytes < fine_bytes.nbytes:
@@ -159,7 +164,7 @@ def compress(base: Mapping[str, torch.Tensor], fine: Mapping[str, torch.Tensor],
     fine = {n: fine[n] for n in fine}
     base_names = set(base)
     names = list(fine)
-    base_digests = dict(zip(base, pool_map(workers)(lambda n: sha256_hex(as_bytes(base[n])), list(base))))
+    base_digests = dict(zip(base, pool_map(workers)(lambda n: digest_hex(as_bytes(base[n])), list(base))))
 
     def one(name: str, map_fn) -> _Encoded:
         base_name = match_base_name(name, base_names)
@@ -168,21 +173,17 @@ def compress(base: Mapping[str, torch.Tensor], fine: Mapping[str, torch.Tensor],
             progress(name)
         return enc
 
-    # Big tensors one at a time with their chunks spread over the workers; small ones side by side.
-    big = {n for n in names if fine[n].numel() > CHUNK_ELEMS}
-    encoded = {n: one(n, pool_map(workers)) for n in names if n in big}
-    small = [n for n in names if n not in big]
-    encoded.update(zip(small, pool_map(workers)(lambda n: one(n, pool_map(1)), small)))
+    encoded = map_tensors(names, lambda n: fine[n].numel() > CHUNK_ELEMS, one, workers)
 
     records, parts, offset = [], [], 0
     for name in names:
         enc = encoded[name]
         blob = [np.ascontiguousarray(p).view(np.uint8) for p in enc.parts]
-        digest = hashlib.sha256()
+        digest = xxhash.xxh3_128()
         for b in blob:
             digest.update(b)
         length = sum(b.nbytes for b in blob)
-        records.append({**enc.record, "offset": offset, "length": length, "payload_sha256": digest.hexdigest()})
+        records.append({**enc.record, "offset": offset, "length": length, "payload_digest": digest.hexdigest()})
         parts.extend(blob)
         offset += length
     header = FmdHeader(base_fingerprint=fingerprint(base, base_digests), metadata=dict(metadata or {}),
@@ -278,7 +279,7 @@ class FmdFile:
     def payload(self, r: TensorRecord) -> np.ndarray:
         start = self._payload_start + r.offset
         data = np.frombuffer(self._map, np.uint8, r.length, start) if r.length else np.empty(0, np.uint8)
-        if sha256_hex(data) != r.payload_sha256:
+        if digest_hex(data) != r.payload_digest:
             raise self._fail(f"tensor '{r.name}': payload checksum mismatch (file is corrupt)")
         return data
 
@@ -286,7 +287,7 @@ class FmdFile:
                    base_digests: Mapping[str, str] | None = None) -> torch.Tensor:
         """The base tensor r was coded against; raises VariantIncompatible if base is not that base.
 
-        base_digests: sha256 of base tensors the caller has already verified (a server hashes its base once).
+        base_digests: digests of base tensors the caller has already computed (a server hashes its base once).
         """
         if r.base_name not in base:
             raise VariantIncompatible(f"{self.path}: base has no tensor '{r.base_name}'; wrong --base?")
@@ -296,7 +297,7 @@ class FmdFile:
                 f"{self.path}: base tensor '{r.base_name}' is {dtype_name(t)}{list(t.shape)}, "
                 f"the delta expects {r.dtype}{r.shape}; wrong --base?")
         digest = base_digests.get(r.base_name) if base_digests else None
-        if (digest or sha256_hex(as_bytes(t))) != r.base_sha256:
+        if (digest or digest_hex(as_bytes(t))) != r.base_digest:
             raise VariantIncompatible(
                 f"{self.path}: made against a different base (tensor '{r.base_name}' differs); wrong --base?")
         return t
@@ -304,9 +305,9 @@ class FmdFile:
     def decode(self, name: str, base: Mapping[str, torch.Tensor], workers: int = 1) -> torch.Tensor:
         """One tensor, bit-identical to the fine-tune's, or an error naming the file and the tensor."""
         r = self.records[name]
-        return self._decode(r, None if r.codec == "raw" else self.check_base(r, base), workers)
+        return self._decode(r, None if r.codec == "raw" else self.check_base(r, base), pool_map(workers))
 
-    def _decode(self, r: TensorRecord, base_t: torch.Tensor | None, workers: int,
+    def _decode(self, r: TensorRecord, base_t: torch.Tensor | None, map_fn: Mapper,
                 share_unchanged: bool = False) -> torch.Tensor:
         name = r.name
         if r.codec == "same" and share_unchanged:
@@ -320,10 +321,10 @@ class FmdFile:
         else:
             base_bits = as_bytes(base_t).view(FLOAT_BITS[r.dtype])
             status = decode_delta(base_bits, np.asarray(r.freqs, np.uint32), self._chunks(r, data),
-                                  as_bytes(out).view(FLOAT_BITS[r.dtype]), pool_map(workers))
+                                  as_bytes(out).view(FLOAT_BITS[r.dtype]), map_fn)
             if status != entropy.OK:
                 raise self._fail(f"tensor '{name}': {entropy.STATUS_TEXT[status]} (file is corrupt)")
-        if sha256_hex(as_bytes(out)) != r.sha256:
+        if digest_hex(as_bytes(out)) != r.digest:
             raise self._fail(f"tensor '{name}': decoded bytes do not match their checksum")
         return out
 
@@ -351,17 +352,13 @@ class FmdFile:
         base_of = {n: self.check_base(self.records[n], base, base_digests)
                    for n in names if self.records[n].codec != "raw"}
 
-        def one(name: str, inner: int) -> torch.Tensor:
-            t = self._decode(self.records[name], base_of.get(name), inner, share_unchanged)
+        def one(name: str, map_fn: Mapper) -> torch.Tensor:
+            t = self._decode(self.records[name], base_of.get(name), map_fn, share_unchanged)
             if progress:
                 progress(name)
             return t
 
-        big = [n for n in names if self.records[n].numel > CHUNK_ELEMS]
-        out = {n: one(n, workers) for n in big}
-        small = [n for n in names if n not in out]
-        out.update(zip(small, pool_map(workers)(lambda n: one(n, 1), small)))
-        return {n: out[n] for n in names}
+        return map_tensors(names, lambda n: self.records[n].numel > CHUNK_ELEMS, one, workers)
 
 
 def _first_error(e: Exception) -> str:

@@ -21,7 +21,7 @@ from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
 from serve.engine.stats import BATCH_BUCKETS, Distribution
 from serve.errors import BadRequest, Overloaded, VariantNotFound
 from serve.store.store import Store
-from serve.store.tensors import as_bytes, sha256_hex
+from serve.store.tensors import tensor_digest
 from serve.variants.full import DELTA_FILE, add_full_variant
 
 Op = Literal["classify", "embed", "generate"]
@@ -72,7 +72,7 @@ class Engine:
         self.store.verify(self.store.base(name))  # every file against its manifest sha256
         rt = BaseModelRuntime(name, self.store.base_dir(name), self.config.device)
         tensors = {n: p.detach() for n, p in rt.model.state_dict(keep_vars=False).items()}
-        self._base_digests[name] = {n: sha256_hex(as_bytes(t)) for n, t in tensors.items()}
+        self._base_digests[name] = {n: tensor_digest(t) for n, t in tensors.items()}
         self.bases[name] = rt
 
     def _decode_variant(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:

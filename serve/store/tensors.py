@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -38,12 +39,18 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def sha256_hex(data: np.ndarray | bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+DIGEST = "xxh3_128"
+"""Per-tensor checksum: XXH3-128 runs at ~24 GB/s here against sha256's 1.8, so verifying every decoded
+tensor costs almost nothing on the cold path. It guards against corruption, not forgery: files at rest are
+sha256-checked against the store manifest."""
 
 
-def tensor_sha256(t: torch.Tensor) -> str:
-    return sha256_hex(as_bytes(t))
+def digest_hex(data: np.ndarray | bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    return digest_hex(as_bytes(t))
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -105,13 +112,13 @@ class SafetensorsSource(Mapping[str, torch.Tensor]):
 
 
 def fingerprint(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str] | None = None) -> str:
-    """Identity of a whole set of tensors: sha256 over sorted 'name dtype shape sha256' lines.
+    """Identity of a whole set of tensors: sha256 over sorted 'name dtype shape digest' lines.
 
-    digests, when given, are the tensors' sha256 already computed (each tensor is hashed once)."""
+    digests, when given, are the tensors' digests already computed (each tensor is hashed once)."""
     lines = []
     for name in sorted(tensors):
         t = tensors[name]
-        digest = digests[name] if digests is not None else tensor_sha256(t)
+        digest = digests[name] if digests is not None else tensor_digest(t)
         lines.append(f"{name} {dtype_name(t)} {list(t.shape)} {digest}\n")
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 

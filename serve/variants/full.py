@@ -14,6 +14,8 @@ from serve.store.tensors import SafetensorsSource, save_tensors
 
 DELTA_FILE = "delta.fmd"
 _CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("vocab.txt", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
+"""Besides every file with "token" in its name: what a variant shares with its base's tokenizer."""
 
 
 def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, workers: int | None = None,
@@ -62,7 +64,7 @@ def extract_full_variant(store: Store, name: str, out_dir: str | Path, workers: 
     out_dir.mkdir(parents=True, exist_ok=True)
     base_dir = store.base_dir(entry.base)
     for p in base_dir.iterdir():
-        if p.is_file() and ("token" in p.name or p.name in ("vocab.txt", "merges.txt", "special_tokens_map.json")):
+        if p.is_file() and ("token" in p.name or p.name in TOKENIZER_FILES):
             shutil.copy2(p, out_dir / p.name)
     for f in _CONFIG_FILES:
         if (store.variant_dir(name) / f).is_file():
