@@ -12,7 +12,7 @@ QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup demo test bench loadtest clean-venv
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/manyfold bench fmdelta
+	$(VENV)/bin/manyfold bench coldstart
+
+loadtest: $(STAMP)
+	$(PY) -m pip install -q -e '.[loadtest]' $(QUIET)
+	$(PY) -m loadtests.run
 
 clean-venv:
 	rm -rf $(VENV)

@@ -32,6 +32,8 @@ class BatchConfig(StrictModel):
     """How long the scheduler waits for more rows before running a partial batch."""
     max_queue: Annotated[int, Field(ge=1)] = 256
     """Requests waiting beyond this are refused with 429."""
+    max_concurrent_groups: Annotated[int, Field(ge=1, le=64)] = 4
+    """Variant groups in flight at once: while one waits for its variant's decode, the others run."""
 
 
 class LimitsConfig(StrictModel):

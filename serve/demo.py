@@ -110,8 +110,12 @@ def demo_store_dir() -> Path:
 
 def finetune_classifier(base_dir: Path, data: Dataset, out_dir: Path, n_train: int, max_len: int,
                         test: Dataset | None = None, lr: float = 1e-4, batch_size: int = 16,
-                        seed: int = 0, log: Callable[[str], None] = print) -> float | None:
-    """One epoch of full fine-tuning (every weight, plus a fresh head); saves a HF dir, returns test accuracy."""
+                        seed: int = 0, top_layers: int | None = None,
+                        log: Callable[[str], None] = print) -> float | None:
+    """One epoch of fine-tuning with a fresh head; saves a HF dir, returns test accuracy.
+
+    Every weight trains, or with top_layers only the top encoder layers, the pooler and the head (the rest
+    stays bit-identical to the base, which FM-Delta stores and the engine holds for free)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -124,7 +128,12 @@ def finetune_classifier(base_dir: Path, data: Dataset, out_dir: Path, n_train: i
         label2id={label: i for i, label in enumerate(data.labels)})
     label_id = {label: i for i, label in enumerate(data.labels)}
     examples = random.Random(seed).sample(data.examples, min(n_train, len(data.examples)))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if top_layers is not None:
+        n = model.config.num_hidden_layers
+        keep = tuple(f"bert.encoder.layer.{i}." for i in range(n - top_layers, n)) + ("bert.pooler.", "classifier.")
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith(keep)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     steps = range(0, len(examples), batch_size)
     for i, start in enumerate(steps):

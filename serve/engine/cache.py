@@ -73,9 +73,13 @@ class VariantCache:
 
     # ---- use
     @asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[CachedVariant]:
-        """The decoded variant, held on the device tier for the duration of the block."""
+    async def use(self, name: str, requests: int = 1) -> AsyncIterator[CachedVariant]:
+        """The decoded variant, held on the device tier for the duration of the block.
+
+        requests: how many requests this one lookup serves (a batch group); the others count as hits, as
+        requests waiting on another's decode do, so hit rates compare with per-request caches."""
         entry = await self._acquire(name)
+        self.stats.hits += requests - 1
         entry.in_use += 1
         try:
             yield entry

@@ -194,6 +194,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
             self._queue = asyncio.Queue(maxsize=self.config.batch.max_queue)
+            self._group_slots = asyncio.Semaphore(self.config.batch.max_concurrent_groups)
             self._worker = loop.create_task(self._schedule())
 
     async def _schedule(self) -> None:
@@ -210,19 +211,28 @@ class Engine:
             groups: dict[tuple, list[Row]] = {}
             for r in rows:
                 groups.setdefault((r.op, r.base, r.variant), []).append(r)
+            # Groups run side by side (bounded): a cold variant decoding in its worker thread does not hold up
+            # the groups behind it, whose variants are resident. Compute itself stays on one thread.
             for group in groups.values():
-                await self._run_group(group)
+                await self._group_slots.acquire()
+                asyncio.get_running_loop().create_task(self._run_group(group))
+
+    async def _run_group(self, rows: list[Row]) -> None:
+        try:
+            await self._run_group_rows(rows)
+        finally:
+            self._group_slots.release()
             for _ in rows:
                 self._queue.task_done()
 
-    async def _run_group(self, rows: list[Row]) -> None:
+    async def _run_group_rows(self, rows: list[Row]) -> None:
         op, base, variant = rows[0].op, rows[0].base, rows[0].variant
         loop = asyncio.get_running_loop()
         try:
             if variant is None:
                 results = await loop.run_in_executor(self._compute, self._compute_group, op, base, rows, None, {})
             else:
-                async with self.cache.use(variant) as entry:
+                async with self.cache.use(variant, requests=len(rows)) as entry:
                     results = await loop.run_in_executor(self._compute, self._compute_group, op, base, rows,
                                                          entry.weights, entry.extra)
         except Exception as e:  # every row of the group fails the same way; other groups go on

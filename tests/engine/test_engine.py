@@ -134,3 +134,33 @@ def test_top_layer_finetune_holds_only_what_it_changed(engine):
     names, top_bytes, all_bytes = run(load())
     assert names and all(".layers.1." in n for n in names)
     assert top_bytes < all_bytes / 2
+
+
+def test_a_cold_decode_does_not_hold_up_resident_variants(serving_store):
+    import time
+
+    root, _ = serving_store
+    eng = Engine(ServeConfig(store=root))
+    decode = eng.cache._loader
+
+    def slow_decode(name):
+        if name == "tiny-lm-all":
+            time.sleep(1.5)
+        return decode(name)
+
+    eng.cache._loader = slow_decode
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    async def race():
+        await eng.complete("tiny-lm-top", params, prompt="a")  # resident from here on
+        done = {}
+
+        async def call(model):
+            await eng.complete(model, params, prompt="a b")
+            done[model] = time.perf_counter()
+
+        await asyncio.gather(call("tiny-lm-all"), call("tiny-lm-top"))
+        return done
+
+    done = run(race())
+    assert done["tiny-lm-top"] < done["tiny-lm-all"] - 1.0

@@ -1,0 +1,194 @@
+"""Manyfold against two baselines under the same Zipf load at the same memory budget; JSON + PNG + table.
+
+    python -m loadtests.run [--variants 20] [--rate 20] [--duration 30] [--budget-models 4]
+
+Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
+cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
+a budget of 4, most of the variant set is always cold.
+"""
+
+import argparse
+import asyncio
+import json
+import platform
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import serve.deployments  # noqa: F401  (Ray on loopback: set before ray is imported)
+import psutil
+import ray
+from ray import serve
+
+from loadtests.baselines import LruServer, multiplex_server
+from loadtests.generator import LoadSpec, run_load
+from loadtests.variants import BASE, SCENARIOS, build_loadtest_store, variant_names
+from serve.app import build_app
+from serve.bench.fmdelta import machine
+from serve.config import ServeConfig
+from serve.data.datasets import CLASSIFICATION
+
+MIB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PeakMemory:
+    """Peak summed RSS of one Serve application's model replicas (its HTTP ingress, if any, apart), every 0.25 s."""
+
+    def __init__(self, app: str):
+        self.app, self.peak, self.peak_ingress, self._stop = app, 0, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _rss(self) -> tuple[int, int]:
+        models = ingress = 0
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                if f"ServeReplica:{self.app}:Ingress" in cmd:
+                    ingress += p.memory_info().rss
+                elif f"ServeReplica:{self.app}:" in cmd:
+                    models += p.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return models, ingress
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            models, ingress = self._rss()
+            self.peak, self.peak_ingress = max(self.peak, models), max(self.peak_ingress, ingress)
+            self._stop.wait(0.25)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def manyfold_hit_rate(url: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics").text
+    counts = {m[0]: float(m[1]) for m in re.findall(r'manyfold_cache_events_total\{event="(\w+)"\} ([0-9.e+]+)', text)}
+    total = counts.get("hit", 0) + counts.get("miss", 0)
+    return counts.get("hit", 0) / total if total else float("nan")
+
+
+def baseline_hit_rate(url: str) -> float:
+    import httpx
+
+    s = httpx.get(f"{url}/stats", headers={"serve_multiplexed_model_id": "x"}).json()
+    total = s["hits"] + s["misses"]
+    return s["hits"] / total if total else float("nan")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["system"] for r in rows]
+    a.bar(names, [r["throughput_rps"] for r in rows], color=["#3b7", "#888", "#bbb"])
+    a.set_ylabel("completed requests / s")
+    a.set_title("throughput")
+    width = 0.25
+    for i, key in enumerate(("p50_s", "p95_s", "p99_s")):
+        b.bar([x + i * width for x in range(len(rows))], [r[key] * 1000 for r in rows], width, label=key[:3])
+    b.set_xticks([x + width for x in range(len(rows))], names)
+    b.set_ylabel("latency (ms)")
+    b.set_yscale("log")
+    b.set_title("latency")
+    b.legend()
+    fig.suptitle(f"{rows[0]['variants']} variants ({rows[0]['scenario']}), Zipf s={rows[0]['zipf_s']}, {rows[0]['rate_rps']} req/s offered, "
+                 f"budget {rows[0]['budget_models']} models")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", type=int, default=20)
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="full",
+                   help="variants train every weight, or only the top two layers and the head")
+    p.add_argument("--rate", type=float, default=8.0, help="offered requests per second")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per system")
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--budget-models", type=int, default=4)
+    p.add_argument("--systems", default="manyfold,lru,multiplex")
+    p.add_argument("--out", default="bench-results/loadtest")
+    args = p.parse_args(argv)
+
+    store, plain = build_loadtest_store(args.variants, scenario=args.scenario)
+    variants = variant_names(args.variants)
+    texts = {}
+    for v in variants:
+        task = v.split("-")[1]
+        texts[v] = [e.text[:2000] for e in CLASSIFICATION[task]("test").examples[:200]]
+    model_bytes = max(store.variant(v).raw_bytes for v in variants)
+    budget = args.budget_models * model_bytes
+    base_bytes = store.base(BASE).params * 4
+    spec = LoadSpec(rate_rps=args.rate, duration_s=args.duration, zipf_s=args.zipf)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    apps = {
+        "manyfold": lambda: build_app(ServeConfig(
+            store=store.root, deployment={"num_cpus": 1},
+            cache={"device_mib": max(1, (budget - base_bytes) // MIB), "cpu_mib": 0})),
+        "lru": lambda: LruServer.bind(str(plain), budget),
+        "multiplex": lambda: multiplex_server(str(plain), args.budget_models).bind(),
+    }
+    rows = []
+    try:
+        for name in args.systems.split(","):
+            serve.run(apps[name](), name=name, route_prefix="/", logging_config={"log_level": "WARNING"})
+            asyncio.run(run_load(url, variants[:1], texts, LoadSpec(rate_rps=2, duration_s=1)))  # warm up
+            with PeakMemory(name) as mem:
+                result = asyncio.run(run_load(url, variants, texts, spec))
+            hit = manyfold_hit_rate(url) if name == "manyfold" else baseline_hit_rate(url)
+            rows.append({"system": name, **result.summary(), "cache_hit_rate": hit, "peak_rss_mib": mem.peak / MIB,
+                         "peak_ingress_rss_mib": mem.peak_ingress / MIB, "scenario": args.scenario,
+                         "variants": args.variants, "zipf_s": args.zipf, "rate_rps": args.rate,
+                         "duration_s": args.duration, "budget_models": args.budget_models,
+                         "budget_mib": budget / MIB})
+            serve.delete(name)
+            time.sleep(2)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    print(f"machine: {machine()}; {platform.platform()}")
+    what = "every weight trained" if args.scenario == "full" else "top 2 layers + head trained"
+    print(f"{args.variants} MiniLM fine-tunes ({what}), Zipf s={args.zipf}, {args.rate} req/s offered for "
+          f"{args.duration} s, weight budget {args.budget_models} models ({budget / MIB:.0f} MiB)")
+    print(f"{'system':<10} {'ok':>5} {'err':>4} {'rps':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'hit':>6} "
+          f"{'model RSS MiB':>14} {'ingress MiB':>12}")
+    for r in rows:
+        print(f"{r['system']:<10} {r['ok']:>5} {r['errors']:>4} {r['throughput_rps']:>6.1f} {r['p50_s'] * 1000:>8.0f} "
+              f"{r['p95_s'] * 1000:>8.0f} {r['p99_s'] * 1000:>8.0f} {r['cache_hit_rate']:>6.1%} "
+              f"{r['peak_rss_mib']:>14.0f} {r['peak_ingress_rss_mib']:>12.0f}")
+    print("rps: completed requests per second of wall time; hit: share of requests served without a load or "
+          "decode; model RSS: peak summed RSS of the model replicas; ingress: Manyfold's separate HTTP replica")
+    out = Path(f"{args.out}-{args.scenario}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
