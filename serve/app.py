@@ -15,6 +15,11 @@ from serve.deployments.replica import EngineReplica
 from serve.store.store import Store
 
 
+REPLICA_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc otherwise raises its mmap threshold as big blocks are freed, and evicted variants' memory stays in the
+heap instead of going back to the OS: a fixed threshold keeps every tensor-sized block mmapped."""
+
+
 def deployment_name(base: str) -> str:
     return f"base-{base}"
 
@@ -43,7 +48,8 @@ def build_app(args: dict | ServeConfig) -> Application:
     children = []
     for base in bases:
         d = config.deployments.get(base, config.deployment)
-        options = {"name": deployment_name(base), "ray_actor_options": {"num_cpus": d.num_cpus},
+        actor = {"num_cpus": d.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}}
+        options = {"name": deployment_name(base), "ray_actor_options": actor,
                    "max_ongoing_requests": d.max_ongoing_requests,
                    "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s}
         if d.autoscaling is not None:

@@ -59,6 +59,7 @@ class VariantCache:
         self.pinned = set(pinned)
         self._tiers: dict[str, OrderedDict[str, CachedVariant]] = {"device": OrderedDict(), "cpu": OrderedDict()}
         self._loading: dict[str, asyncio.Future] = {}
+        self._decode_gate: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self.stats = CacheStats()
 
     # ---- what is where
@@ -113,9 +114,17 @@ class VariantCache:
         finally:
             del self._loading[name]
 
+    def _gate(self) -> asyncio.Semaphore:
+        """One decode at a time: it already uses every core, and each in flight is memory beyond the budget."""
+        loop = asyncio.get_running_loop()
+        if self._decode_gate is None or self._decode_gate[0] is not loop:
+            self._decode_gate = (loop, asyncio.Semaphore(1))
+        return self._decode_gate[1]
+
     async def _load(self, name: str) -> CachedVariant:
-        t0 = time.perf_counter()
-        weights, extra = await asyncio.to_thread(self._loader, name)
+        async with self._gate():
+            t0 = time.perf_counter()
+            weights, extra = await asyncio.to_thread(self._loader, name)
         entry = CachedVariant(name, weights, extra, weights_nbytes(weights, extra))
         if entry.nbytes > self.device_bytes:
             raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "

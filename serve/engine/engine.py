@@ -54,6 +54,7 @@ class Engine:
         self.store = Store(config.store)
         self.bases: dict[str, BaseModelRuntime] = {}
         self._base_digests: dict[str, dict[str, str]] = {}
+        self._base_tensors: dict[str, dict[str, torch.Tensor]] = {}
         self._only = set(bases) if bases is not None else None
         for name in self.store.manifest.bases:
             if self._only is None or name in self._only:
@@ -71,18 +72,20 @@ class Engine:
     def _load_base(self, name: str) -> None:
         self.store.verify(self.store.base(name))  # every file against its manifest sha256
         rt = BaseModelRuntime(name, self.store.base_dir(name), self.config.device)
-        tensors = {n: p.detach() for n, p in rt.model.state_dict(keep_vars=False).items()}
+        # Taken once, before any call swaps variant weights into the module: decodes run in other threads
+        # while a batch runs, and must always read the base's own tensors.
+        tensors = {n: t.detach() for n, t in rt.model.state_dict().items()}
+        self._base_tensors[name] = tensors
         self._base_digests[name] = {n: tensor_digest(t) for n, t in tensors.items()}
         self.bases[name] = rt
 
     def _decode_variant(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
         """Runs in a worker thread: FM-Delta file -> the tensors that differ from the base, plus the head."""
         entry = self.store.variant(name)
-        rt = self.bases[entry.base]
-        base = dict(rt.model.state_dict())
         fmd = FmdFile(self.store.variant_dir(name) / DELTA_FILE)
-        tensors = fmd.decode_all(base, base_digests=self._base_digests[entry.base], share_unchanged=True)
-        weights, head = rt.split_variant(tensors)
+        tensors = fmd.decode_all(self._base_tensors[entry.base], base_digests=self._base_digests[entry.base],
+                                 share_unchanged=True)
+        weights, head = self.bases[entry.base].split_variant(tensors)
         return weights, {"head": head, "labels": entry.labels}
 
     def refresh(self) -> None:

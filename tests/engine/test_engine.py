@@ -164,3 +164,22 @@ def test_a_cold_decode_does_not_hold_up_resident_variants(serving_store):
 
     done = run(race())
     assert done["tiny-lm-top"] < done["tiny-lm-all"] - 1.0
+
+
+def test_eviction_churn_under_concurrency_keeps_outputs_exact(serving_store):
+    """A cache that holds one variant, rows of three models at once: variants decode again and again, while
+    other groups' batches run with their weights swapped in; every answer equals the single-request one."""
+    root, _ = serving_store
+    eng = Engine(ServeConfig(store=root))
+    params = SamplingParams(max_tokens=6, temperature=0)
+    models = ["tiny-lm-top", "tiny-lm-all", "tiny-lm"] * 4
+    single = {m: run(eng.complete(m, params, prompt="one two three")).token_ids for m in set(models)}
+    eng.cache.device_bytes = max(e.nbytes for e in eng.cache._tiers["device"].values())
+    eng.cache.cpu_bytes = 0
+
+    async def churn():
+        return await asyncio.gather(*(eng.complete(m, params, prompt="one two three") for m in models))
+
+    for _ in range(3):
+        assert [g.token_ids for g in run(churn())] == [single[m] for m in models]
+    assert eng.cache.stats.evictions > 0
