@@ -176,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_bench_fmdelta(args: argparse.Namespace) -> None:
     from serve.bench.fmdelta import run_fmdelta_bench
 
-    run_fmdelta_bench(Path(args.store) if args.store else None, Path(args.out), args.repeats)
+    run_fmdelta_bench(Path(args.store) if args.store else None, Path(args.out), args.repeats, args.max_mb)
 
 
 def cmd_bench_coldstart(args: argparse.Namespace) -> None:
@@ -241,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
     b.add_argument("--out", default="bench-results/fmdelta.json")
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--max-mb", type=float, default=200.0, help="skip fine-tunes larger than this")
     cs = add(bench, "coldstart", cmd_bench_coldstart, "a variant's first and later requests against loading it in full")
     cs.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
     cs.add_argument("--out", default="bench-results/coldstart.json")

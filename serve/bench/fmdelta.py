@@ -115,7 +115,8 @@ def print_table(rows: list[dict]) -> None:
           "c/d: compression/decompression MB/s of fine-tune bytes (median), checksums included")
 
 
-def run_fmdelta_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> list[dict]:
+def run_fmdelta_bench(store_dir: Path | None, out: Path, repeats: int = 3, max_mb: float = 200.0) -> list[dict]:
+    """max_mb: skip fine-tunes larger than this (lzma -9 runs at ~1.5 MB/s here: SmolLM2 would take an hour)."""
     if store_dir is None:
         from serve.demo import build_demo_store
 
@@ -125,7 +126,7 @@ def run_fmdelta_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> li
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in store.manifest.variants.values():
-            if v.kind != "full":
+            if v.kind != "full" or v.raw_bytes > max_mb * 1e6:
                 continue
             src = SafetensorsSource(store.base_dir(v.base))
             base = {k: src[k] for k in src}

@@ -43,3 +43,7 @@ class EngineReplica:
 
     async def snapshot(self) -> dict:
         return await self.engine.snapshot()
+
+    async def __del__(self):
+        """Serve calls this when the replica stops: finish what is queued, then release the compute thread."""
+        await self.engine.drain(timeout_s=25.0)
