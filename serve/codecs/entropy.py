@@ -66,13 +66,6 @@ def order0_bits(counts: np.ndarray) -> float:
     return float(-(counts * np.log2(counts / total)).sum())
 
 
-def coded_bits(counts: np.ndarray, freqs: np.ndarray, scale_bits: int = SCALE_BITS) -> float:
-    """Ideal size of a stream under the quantised model; coded size minus this is the coder's overhead."""
-    counts = np.asarray(counts, dtype=np.float64)
-    present = counts > 0
-    return float((counts[present] * (scale_bits - np.log2(freqs[present].astype(np.float64)))).sum())
-
-
 @njit(cache=True, nogil=True)
 def cumulative(freqs: np.ndarray) -> np.ndarray:
     cum = np.zeros(freqs.size + 1, np.uint32)
