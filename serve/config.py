@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from serve.errors import ConfigError
+from serve.errors import ConfigError, first_error
 
 
 class StrictModel(BaseModel):
@@ -138,5 +138,4 @@ def parse_config(data: dict, where: str = "config") -> ServeConfig:
     try:
         return ServeConfig.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+        raise ConfigError(f"{where}: {first_error(e)}") from e

@@ -1,6 +1,13 @@
 """Typed errors. Each carries a stable `code` and the HTTP status the API layer maps it to."""
 
 
+def first_error(e, skip: tuple[str, ...] = ()) -> str:
+    """The first problem of a pydantic (or FastAPI request) validation error as 'loc: msg', one line."""
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if p not in skip)
+    return f"{loc}: {err['msg']}" if loc else err["msg"]
+
+
 class ManyfoldError(Exception):
     """Base of every error Manyfold raises on purpose; its message is one line for a user."""
 

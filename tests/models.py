@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from serve.variants.full import TOKENIZER_FILES
+from serve.variants.full import is_tokenizer_file
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "system:", "user:", "assistant:"] + (
     "the a cat dog sat on mat and ran to house tree big small red blue green one two three four five six "
@@ -55,6 +55,6 @@ def write_perturbed(src: Path, dst: Path, seed: int, scale: float = 0.02, only: 
                 p.add_(torch.randn_like(p) * scale * (p.abs().mean() + 1e-3))
     model.save_pretrained(dst)
     for f in src.iterdir():
-        if "token" in f.name or f.name in TOKENIZER_FILES:
+        if is_tokenizer_file(f.name):
             (dst / f.name).write_bytes(f.read_bytes())
     return dst

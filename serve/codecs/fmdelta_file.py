@@ -32,7 +32,7 @@ from pydantic import Field, StringConstraints, ValidationError, model_validator
 from serve.codecs import entropy
 from serve.codecs.fmdelta import (CHUNK_ELEMS, Chunk, Mapper, alphabet_size, decode_delta, encode_delta,
                                   map_tensors, pool_map)
-from serve.errors import ArtifactError, VariantIncompatible
+from serve.errors import ArtifactError, VariantIncompatible, first_error
 from serve.store.manifest import Sha256, StrictModel
 from serve.store.tensors import (DIGEST, DTYPES, FLOAT_BITS, as_bytes, digest_hex, dtype_name, fingerprint,
                                  save_tensors)
@@ -106,6 +106,8 @@ class CompressStats:
     order0_bytes: float
     """Order-0 bound of the delta streams plus raw bits, plus every tensor not delta-coded at full size."""
     codecs: dict[str, int]
+    base_fingerprint: str
+    """fingerprint() of the base the file was coded against, as its header records it."""
 
     @property
     def ratio(self) -> float:
@@ -197,7 +199,7 @@ def compress(base: Mapping[str, torch.Tensor], fine: Mapping[str, torch.Tensor],
         codecs[r["codec"]] = codecs.get(r["codec"], 0) + 1
     return CompressStats(raw_bytes=sum(r.nbytes for r in header.tensors),
                          file_bytes=file_bytes, order0_bytes=sum(e.order0_bytes for e in encoded.values()),
-                         codecs=codecs)
+                         codecs=codecs, base_fingerprint=header.base_fingerprint)
 
 
 class FmdFile:
@@ -232,8 +234,10 @@ class FmdFile:
             raise self._fail("header checksum mismatch (file is corrupt)")
         try:
             header = FmdHeader.model_validate(json.loads(raw))
-        except (ValueError, ValidationError) as e:
-            raise self._fail(f"malformed header ({_first_error(e)})") from e
+        except ValidationError as e:
+            raise self._fail(f"malformed header ({first_error(e)})") from e
+        except ValueError as e:
+            raise self._fail(f"malformed header ({str(e).splitlines()[0]})") from e
         self._payload_start = _PREFIX.size + header_len + (-(_PREFIX.size + header_len) % _ALIGN)
         self._check_layout(header, size - self._payload_start)
         return header
@@ -359,13 +363,6 @@ class FmdFile:
             return t
 
         return map_tensors(names, lambda n: self.records[n].numel > CHUNK_ELEMS, one, workers)
-
-
-def _first_error(e: Exception) -> str:
-    if isinstance(e, ValidationError):
-        err = e.errors()[0]
-        return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-    return str(e).splitlines()[0]
 
 
 def decompress(fmd: str | Path, base: Mapping[str, torch.Tensor], out: str | Path,

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.config import ServeConfig, key_digest
 from serve.engine.model import SamplingParams
-from serve.errors import BadRequest, Forbidden, ManyfoldError, TooLarge, Unauthorized
+from serve.errors import BadRequest, Forbidden, ManyfoldError, TooLarge, Unauthorized, first_error
 from serve.http import schemas as S
 from serve.metrics import Metrics
 
@@ -44,9 +44,7 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if p != "body")
-        return _error(422, "invalid_request", f"{loc}: {err['msg']}" if loc else err["msg"])
+        return _error(422, "invalid_request", first_error(e, skip=("body",)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

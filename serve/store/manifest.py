@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from serve.errors import ArtifactError
+from serve.errors import ArtifactError, first_error
 from serve.store.writer import atomic_write
 
 MANIFEST = "manifest.json"
@@ -76,8 +76,7 @@ def read_manifest(root: Path) -> StoreManifest:
             raise ArtifactError(f"{path}: store version {data.get('version')}; this Manyfold reads {VERSION}")
         return StoreManifest.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ArtifactError(f"{path}: malformed manifest ({'.'.join(map(str, err['loc']))}: {err['msg']})") from e
+        raise ArtifactError(f"{path}: malformed manifest ({first_error(e)})") from e
     except ValueError as e:
         raise ArtifactError(f"{path}: malformed manifest ({e})") from e
 

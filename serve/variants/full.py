@@ -15,7 +15,11 @@ from serve.store.tensors import SafetensorsSource, save_tensors
 DELTA_FILE = "delta.fmd"
 _CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("vocab.txt", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
-"""Besides every file with "token" in its name: what a variant shares with its base's tokenizer."""
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """What a variant shares with its base's tokenizer: TOKENIZER_FILES and every file named *token*."""
+    return "token" in name or name in TOKENIZER_FILES
 
 
 def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, workers: int | None = None,
@@ -30,7 +34,7 @@ def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, 
     with store.stage() as staged:
         stats = compress(base_tensors, fine, staged / DELTA_FILE, metadata=fine.metadata, workers=workers,
                          progress=progress)
-        if FmdFile(staged / DELTA_FILE).header.base_fingerprint != base_entry.fingerprint:
+        if stats.base_fingerprint != base_entry.fingerprint:
             raise VariantIncompatible(f"store base '{base}' changed on disk since it was added")
         for f in _CONFIG_FILES:
             if (finetuned / f).is_file():
@@ -47,28 +51,32 @@ def _labels(config: dict) -> list[str] | None:
     return [str(id2label[k]) for k in sorted(id2label, key=int)]
 
 
-def load_full_variant(store: Store, name: str, workers: int | None = None) -> dict[str, torch.Tensor]:
-    """Decode a full variant's tensors, bit-identical to the fine-tune that was added."""
+def _delta_file(store: Store, name: str) -> FmdFile:
     entry = store.variant(name)
     if entry.kind != "full":
         raise ArtifactError(f"variant '{name}' is of kind '{entry.kind}', not 'full'")
-    fmd = FmdFile(store.variant_dir(name) / DELTA_FILE)
-    return fmd.decode_all(SafetensorsSource(store.base_dir(entry.base)), workers=workers)
+    return FmdFile(store.variant_dir(name) / DELTA_FILE)
+
+
+def load_full_variant(store: Store, name: str, workers: int | None = None) -> dict[str, torch.Tensor]:
+    """Decode a full variant's tensors, bit-identical to the fine-tune that was added."""
+    base = SafetensorsSource(store.base_dir(store.variant(name).base))
+    return _delta_file(store, name).decode_all(base, workers=workers)
 
 
 def extract_full_variant(store: Store, name: str, out_dir: str | Path, workers: int | None = None) -> Path:
     """Write a full variant back out as a HF model directory (config + model.safetensors + the base's tokenizer)."""
     out_dir = Path(out_dir)
-    tensors = load_full_variant(store, name, workers)
+    fmd = _delta_file(store, name)
     entry = store.variant(name)
+    tensors = fmd.decode_all(SafetensorsSource(store.base_dir(entry.base)), workers=workers)
     out_dir.mkdir(parents=True, exist_ok=True)
     base_dir = store.base_dir(entry.base)
     for p in base_dir.iterdir():
-        if p.is_file() and ("token" in p.name or p.name in TOKENIZER_FILES):
+        if p.is_file() and is_tokenizer_file(p.name):
             shutil.copy2(p, out_dir / p.name)
     for f in _CONFIG_FILES:
         if (store.variant_dir(name) / f).is_file():
             shutil.copy2(store.variant_dir(name) / f, out_dir / f)
-    metadata = FmdFile(store.variant_dir(name) / DELTA_FILE).header.metadata
-    save_tensors(out_dir / "model.safetensors", tensors, metadata=metadata or None)
+    save_tensors(out_dir / "model.safetensors", tensors, metadata=fmd.header.metadata or None)
     return out_dir
