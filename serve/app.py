@@ -50,7 +50,7 @@ def build_app(args: dict | ServeConfig) -> Application:
         d = config.deployments.get(base, config.deployment)
         actor = {"num_cpus": d.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}}
         options = {"name": deployment_name(base), "ray_actor_options": actor,
-                   "max_ongoing_requests": d.max_ongoing_requests,
+                   "max_ongoing_requests": d.max_ongoing_requests, "max_queued_requests": d.max_queued_requests,
                    "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s}
         if d.autoscaling is not None:
             options["autoscaling_config"] = d.autoscaling.model_dump()

@@ -65,6 +65,10 @@ class DeploymentConfig(StrictModel):
     """When set, Ray Serve scales replicas between its bounds and num_replicas is ignored."""
     num_cpus: Annotated[float, Field(gt=0)] = 1.0
     max_ongoing_requests: Annotated[int, Field(ge=1)] = 256
+    """Requests one replica takes at once; its engine queues and batches them."""
+    max_queued_requests: Annotated[int, Field(ge=1)] = 1024
+    """Requests the ingress holds for this base while every replica is at max_ongoing_requests; beyond
+    that, 429 with Retry-After."""
     graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     """In-flight requests get this long to finish when a replica stops."""
 

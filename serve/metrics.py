@@ -66,8 +66,9 @@ class Metrics:
             key = {"hit": "cache_hits", "miss": "cache_misses", "eviction": "cache_evictions"}[event]
             events.add_metric([event], sum(s[key] for s in snapshots))
         families.append(events)
-        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier", labels=["tier"])
-        for tier in ("device", "cpu"):
+        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier; recycled: buffers of "
+                                 "evicted variants kept for the next decode", labels=["tier"])
+        for tier in ("device", "cpu", "recycled"):
             used.add_metric([tier], sum(s["cache_bytes"][tier] for s in snapshots))
         families.append(used)
         families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",

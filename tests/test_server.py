@@ -59,6 +59,24 @@ def server(serving_store, tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tight_server(server):
+    """A second app on the same Ray with queues of one: tiny-lm's replica takes one request at a time, so
+    Ray's own queue fills first; MiniLM's takes many, so its engine's queue fills first."""
+    from ray import serve
+
+    from serve.app import build_app
+
+    url, _, root = server
+    config = ServeConfig(store=root, deployment={"num_cpus": 0.5, "max_ongoing_requests": 1,
+                                                 "max_queued_requests": 1},
+                         deployments={"minilm": {"num_cpus": 0.5, "max_ongoing_requests": 64}},
+                         batch={"max_batch_size": 1, "max_queue": 1})
+    serve.run(build_app(config), name="tight", route_prefix="/tight")
+    yield f"{url}/tight"
+    serve.delete("tight")
+
+
 @pytest.fixture
 def http(server):
     with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
@@ -158,3 +176,28 @@ def test_models_and_metrics(http):
     text = http.get("/metrics").text
     assert 'manyfold_requests_total{model="minilm-clf",route="/v1/classify",status="200"}' in text
     assert "manyfold_cache_events_total" in text and "manyfold_batch_size_bucket" in text
+
+
+@pytest.mark.parametrize("path, body, refused_by", [
+    ("/v1/completions", {"model": "tiny-lm-all", "prompt": "one two three", "max_tokens": 24}, "at capacity"),
+    ("/v1/embeddings", {"model": "minilm", "input": ["a long enough sentence to take a while"] * 16},
+     "already waiting"),
+])
+def test_a_flood_gets_429_with_retry_after_and_nothing_breaks(tight_server, path, body, refused_by):
+    responses = []
+
+    def call():
+        with httpx.Client(base_url=tight_server, timeout=120) as c:
+            responses.append(c.post(path, json=body))
+
+    threads = [threading.Thread(target=call) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {r.status_code for r in responses} == {200, 429}
+    refused = [r for r in responses if r.status_code == 429]
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in refused)
+    assert any(refused_by in r.json()["error"]["message"] for r in refused)
+    with httpx.Client(base_url=tight_server, timeout=120) as c:
+        assert c.post(path, json=body).status_code == 200

@@ -2,7 +2,9 @@
 
 For every full variant of the store, medians over repeats, on one machine in one run:
   baseline  load the fine-tune's uncompressed safetensors with transformers and run the request
-  cold      the engine (bases already resident) serves the variant's first request: FM-Delta decode + run
+  cold      the engine (bases already resident) serves the variant's first request: FM-Delta decode + run,
+            decoding into the buffers of an evicted variant, as every cold load does once the cache is full
+  fresh     the same, into newly allocated memory, as the first loads after a start do (no variant evicted yet)
   hot       the same request with the variant resident
   base      the same request on the base model itself (what a hot variant should cost)
 The request is one classification for classifier variants, 8 greedy tokens for causal LM variants.
@@ -89,8 +91,8 @@ def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> 
         await _request(engine, name, causal)  # and the codec's JIT cache
         ref_files = [p for p in ref_dir.iterdir() if p.is_file()]
         variant_files = [store.root / f.path for f in store.variant(name).files]
-        t: dict[str, list[float]] = {k: [] for k in ("baseline_s", "cold_s", "baseline_disk_s", "cold_disk_s",
-                                                     "hot_s", "base_s")}
+        t: dict[str, list[float]] = {k: [] for k in ("baseline_s", "cold_s", "fresh_s", "baseline_disk_s",
+                                                     "cold_disk_s", "hot_s", "base_s")}
         for _ in range(repeats):
             for suffix, evict in (("_s", False), ("_disk_s", True)):
                 if evict:
@@ -102,11 +104,15 @@ def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> 
                 if evict:
                     evict_page_cache(variant_files)
                 t["cold" + suffix].append(await _timed(engine, name, causal))
+            engine.cache.drop(name)
+            engine.cache.buffers.clear()
+            t["fresh_s"].append(await _timed(engine, name, causal))
         for _ in range(max(5, repeats)):
             t["hot_s"].append(await _timed(engine, name, causal))
             t["base_s"].append(await _timed(engine, base, causal))
         med = {k: statistics.median(v) for k, v in t.items()}
         return {"variant": name, "base": base, **med, "cold_over_baseline": med["cold_s"] / med["baseline_s"],
+                "fresh_over_baseline": med["fresh_s"] / med["baseline_s"],
                 "cold_over_baseline_disk": med["cold_disk_s"] / med["baseline_disk_s"],
                 "hot_over_base": med["hot_s"] / med["base_s"]}
 
@@ -116,17 +122,19 @@ def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> 
             ref_dir = extract_full_variant(store, v.name, Path(tmp) / v.name)
             rows.append(asyncio.run(measure(v.name, v.base, causal, ref_dir)))
     print(f"machine: {machine()}")
-    print(f"{'':<20} {'page cache warm':^28} {'evicted (cold on disk)':^28}")
-    print(f"{'variant':<20} {'baseline s':>10} {'cold s':>8} {'ratio':>8} {'baseline s':>10} {'cold s':>8} {'ratio':>8} "
-          f"{'hot s':>8} {'base s':>8} {'hot/base':>8}")
+    print(f"{'':<20} {'page cache warm':^46} {'evicted (cold on disk)':^28}")
+    print(f"{'variant':<20} {'baseline s':>10} {'cold s':>8} {'ratio':>8} {'fresh s':>8} {'ratio':>8} "
+          f"{'baseline s':>10} {'cold s':>8} {'ratio':>8} {'hot s':>8} {'base s':>8} {'hot/base':>8}")
     for r in rows:
         print(f"{r['variant']:<20} {r['baseline_s']:>10.3f} {r['cold_s']:>8.3f} {r['cold_over_baseline']:>8.2f} "
+              f"{r['fresh_s']:>8.3f} {r['fresh_over_baseline']:>8.2f} "
               f"{r['baseline_disk_s']:>10.3f} {r['cold_disk_s']:>8.3f} {r['cold_over_baseline_disk']:>8.2f} "
               f"{r['hot_s']:>8.3f} {r['base_s']:>8.3f} {r['hot_over_base']:>8.2f}")
     print("baseline: load the uncompressed fine-tune with transformers + run the request; cold: the variant's first "
-          "request through the engine, FM-Delta decode included; hot: resident variant; base: the base model itself; "
-          f"request: 1 classification or 8 greedy tokens; medians of {repeats} (cold, baseline) and "
-          f"{max(5, repeats)} (hot, base)")
+          "request through the engine, FM-Delta decode included, into an evicted variant's buffers (a full cache); "
+          "fresh: the same into new memory (the first loads after a start); hot: resident variant; base: the base "
+          f"model itself; request: 1 classification or 8 greedy tokens; medians of {repeats} (cold, fresh, "
+          f"baseline) and {max(5, repeats)} (hot, base)")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "repeats": repeats, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")

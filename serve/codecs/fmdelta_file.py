@@ -34,8 +34,8 @@ from serve.codecs.fmdelta import (CHUNK_ELEMS, Chunk, Mapper, alphabet_size, dec
                                   map_tensors, pool_map)
 from serve.errors import ArtifactError, VariantIncompatible, first_error
 from serve.store.manifest import Sha256, StrictModel
-from serve.store.tensors import (DIGEST, DTYPES, FLOAT_BITS, as_bytes, digest_hex, dtype_name, fingerprint,
-                                 save_tensors)
+from serve.store.tensors import (DIGEST, DTYPES, FLOAT_BITS, Alloc, as_bytes, digest_hex, dtype_name,
+                                 fingerprint, save_tensors)
 from serve.store.writer import atomic_write
 
 MAGIC = b"MFDELTA\0"
@@ -312,12 +312,12 @@ class FmdFile:
         return self._decode(r, None if r.codec == "raw" else self.check_base(r, base), pool_map(workers))
 
     def _decode(self, r: TensorRecord, base_t: torch.Tensor | None, map_fn: Mapper,
-                share_unchanged: bool = False) -> torch.Tensor:
+                share_unchanged: bool = False, alloc: Alloc = torch.empty) -> torch.Tensor:
         name = r.name
         if r.codec == "same" and share_unchanged:
             return base_t  # check_base proved its bytes are this tensor's
         data = self.payload(r)
-        out = torch.empty(r.shape, dtype=DTYPES[r.dtype])
+        out = alloc(r.shape, dtype=DTYPES[r.dtype])
         if r.codec == "raw":
             as_bytes(out)[:] = data
         elif r.codec == "same":
@@ -343,10 +343,11 @@ class FmdFile:
 
     def decode_all(self, base: Mapping[str, torch.Tensor], names: Sequence[str] | None = None,
                    workers: int | None = None, progress: Callable[[str], None] | None = None,
-                   base_digests: Mapping[str, str] | None = None,
-                   share_unchanged: bool = False) -> dict[str, torch.Tensor]:
+                   base_digests: Mapping[str, str] | None = None, share_unchanged: bool = False,
+                   alloc: Alloc = torch.empty) -> dict[str, torch.Tensor]:
         """Every tensor (or those named). share_unchanged: tensors equal to the base are returned as the
-        base's own tensor objects, not copies (a server keeps one copy of what a fine-tune left alone)."""
+        base's own tensor objects, not copies (a server keeps one copy of what a fine-tune left alone).
+        alloc(shape, dtype=...) makes each output tensor: a server hands in recycled, already-faulted memory."""
         workers = workers or os.cpu_count() or 1
         names = list(names) if names is not None else list(self.records)
         for n in names:
@@ -357,7 +358,7 @@ class FmdFile:
                    for n in names if self.records[n].codec != "raw"}
 
         def one(name: str, map_fn: Mapper) -> torch.Tensor:
-            t = self._decode(self.records[name], base_of.get(name), map_fn, share_unchanged)
+            t = self._decode(self.records[name], base_of.get(name), map_fn, share_unchanged, alloc)
             if progress:
                 progress(name)
             return t

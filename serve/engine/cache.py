@@ -3,13 +3,15 @@
 - Exactly one decode per cold variant: every request that waits for it awaits the same future.
 - Decoding runs in a worker thread, off the event loop.
 - Entries in use by a running batch are never evicted; pinned entries never leave the device tier.
-- Eviction drops the cache's references at once, so the memory goes back as soon as no batch holds it.
+- Eviction drops the cache's references at once, so the memory goes back as soon as no batch holds it;
+  the buffers a decode wrote go to a BufferPool that the next decode writes into.
 """
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -18,6 +20,7 @@ import torch
 
 from serve.engine.stats import SECONDS_BUCKETS, Distribution
 from serve.errors import CapacityExceeded
+from serve.store.tensors import Alloc
 
 Residency = Literal["device", "cpu", "disk"]
 
@@ -31,6 +34,9 @@ class CachedVariant:
     """Kind-specific pieces that are not module weights (a classifier head, labels)."""
     nbytes: int = 0
     in_use: int = 0
+    owned: list[torch.Tensor] = field(default_factory=list)
+    """The buffers its decode took from the pool (never a base tensor): recycled when it leaves memory."""
+    resident: bool = True
 
 
 @dataclass
@@ -43,10 +49,63 @@ class CacheStats:
 
 def weights_nbytes(weights: dict[str, torch.Tensor], extra: dict) -> int:
     tensors = [*weights.values(), *(v for v in extra.values() if isinstance(v, torch.Tensor))]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(_nbytes(t) for t in tensors)
 
 
-Loader = Callable[[str], tuple[dict[str, torch.Tensor], dict]]
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class BufferPool:
+    """Host memory of evicted variants, kept for the next decode to write into.
+
+    A freed 90 MB variant goes back to the OS, and the next decode faults every page back in: on the VMs
+    measured here that is 30-200 ms, as long as the decode itself. A decode in flight already needs one
+    variant's worth of memory beyond the cache's budget; the pool keeps that room, at most the largest
+    variant seen, instead of returning it. Buffers are matched by dtype and shape (the variants of one base
+    share their tensors' shapes); the least recently returned go first when it is over its size.
+    """
+
+    def __init__(self) -> None:
+        self.max_bytes = 0
+        self.free_bytes = 0
+        self._free: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()  # decodes take from worker threads while the event loop returns
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        key = (dtype, tuple(shape))
+        with self._lock:
+            buffers = self._free.get(key)
+            if buffers:
+                t = buffers.pop()
+                self.free_bytes -= _nbytes(t)
+                if not buffers:
+                    del self._free[key]
+                return t
+        return torch.empty(key[1], dtype=dtype)
+
+    def clear(self) -> None:
+        """Give every buffer back to the allocator."""
+        with self._lock:
+            self._free.clear()
+            self.free_bytes = 0
+
+    def put(self, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            for t in tensors:
+                key = (t.dtype, tuple(t.shape))
+                self._free.setdefault(key, []).append(t)
+                self._free.move_to_end(key)
+                self.free_bytes += _nbytes(t)
+            while self.free_bytes > self.max_bytes:
+                key, buffers = next(iter(self._free.items()))
+                self.free_bytes -= _nbytes(buffers.pop())
+                if not buffers:
+                    del self._free[key]
+
+
+Loader = Callable[[str, Alloc], tuple[dict[str, torch.Tensor], dict]]
+"""loader(name, alloc) -> (weights, extra): decodes a variant, making its new tensors with alloc(shape, dtype)."""
 
 
 class VariantCache:
@@ -60,6 +119,7 @@ class VariantCache:
         self._tiers: dict[str, OrderedDict[str, CachedVariant]] = {"device": OrderedDict(), "cpu": OrderedDict()}
         self._loading: dict[str, asyncio.Future] = {}
         self._decode_gate: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        self.buffers = BufferPool()
         self.stats = CacheStats()
 
     # ---- what is where
@@ -99,7 +159,11 @@ class VariantCache:
             return self._promote(self._tiers["cpu"].pop(name))
         if name in self._loading:  # someone is decoding it: share that decode
             self.stats.hits += 1
-            return await asyncio.shield(self._loading[name])
+            entry = await asyncio.shield(self._loading[name])
+            if entry.resident:
+                return entry
+            # Evicted between its decode and this waiter's turn, its buffers recycled: decode it again.
+            return await self._acquire(name)
         self.stats.misses += 1
         future = asyncio.get_running_loop().create_future()
         self._loading[name] = future
@@ -122,11 +186,23 @@ class VariantCache:
         return self._decode_gate[1]
 
     async def _load(self, name: str) -> CachedVariant:
+        owned: list[torch.Tensor] = []
+
+        def alloc(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+            owned.append(self.buffers.take(shape, dtype))
+            return owned[-1]
+
         async with self._gate():
             t0 = time.perf_counter()
-            weights, extra = await asyncio.to_thread(self._loader, name)
-        entry = CachedVariant(name, weights, extra, weights_nbytes(weights, extra))
+            try:
+                weights, extra = await asyncio.to_thread(self._loader, name, alloc)
+            except BaseException:
+                self.buffers.put(owned)
+                raise
+        entry = CachedVariant(name, weights, extra, weights_nbytes(weights, extra), owned=owned)
+        self.buffers.max_bytes = max(self.buffers.max_bytes, entry.nbytes)
         if entry.nbytes > self.device_bytes:
+            self._release(entry)
             raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
                                    f"{self.device_bytes >> 20} MiB")
         self.stats.load_seconds.observe(time.perf_counter() - t0)
@@ -134,6 +210,8 @@ class VariantCache:
 
     def _promote(self, entry: CachedVariant) -> CachedVariant:
         entry.weights = {k: v.to(self.device) for k, v in entry.weights.items()}
+        if self.device.type != "cpu":
+            entry.owned = []  # host staging copies: freed, not pooled (a head in extra may still use one)
         self._tiers["device"][entry.name] = entry
         self._fit()
         return entry
@@ -153,14 +231,23 @@ class VariantCache:
                 entry.weights = {k: v.to("cpu") for k, v in entry.weights.items()}
                 cpu[name] = entry
             else:
+                self._release(entry)
                 self.stats.evictions += 1
         for name in self._victims("cpu"):
             if self.used_bytes("cpu") <= self.cpu_bytes:
                 break
-            del cpu[name]
+            self._release(cpu.pop(name))
             self.stats.evictions += 1
+
+    def _release(self, entry: CachedVariant) -> None:
+        """entry has left memory: its decode buffers go to the pool unless a running batch still reads them."""
+        entry.resident = False
+        if entry.in_use == 0:
+            self.buffers.put(entry.owned)
+        entry.owned = []
 
     def drop(self, name: str) -> None:
         """Forget a variant (removed or replaced in the store); a running batch keeps its own reference."""
         for entries in self._tiers.values():
-            entries.pop(name, None)
+            if name in entries:
+                self._release(entries.pop(name))

@@ -21,7 +21,7 @@ from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
 from serve.engine.stats import BATCH_BUCKETS, Distribution
 from serve.errors import BadRequest, Overloaded, VariantNotFound
 from serve.store.store import Store
-from serve.store.tensors import tensor_digest
+from serve.store.tensors import Alloc, tensor_digest
 from serve.variants.full import DELTA_FILE, add_full_variant
 
 Op = Literal["classify", "embed", "generate"]
@@ -79,12 +79,12 @@ class Engine:
         self._base_digests[name] = {n: tensor_digest(t) for n, t in tensors.items()}
         self.bases[name] = rt
 
-    def _decode_variant(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    def _decode_variant(self, name: str, alloc: Alloc) -> tuple[dict[str, torch.Tensor], dict]:
         """Runs in a worker thread: FM-Delta file -> the tensors that differ from the base, plus the head."""
         entry = self.store.variant(name)
         fmd = FmdFile(self.store.variant_dir(name) / DELTA_FILE)
         tensors = fmd.decode_all(self._base_tensors[entry.base], base_digests=self._base_digests[entry.base],
-                                 share_unchanged=True)
+                                 share_unchanged=True, alloc=alloc)
         weights, head = self.bases[entry.base].split_variant(tensors)
         return weights, {"head": head, "labels": entry.labels}
 
@@ -119,7 +119,8 @@ class Engine:
         """Counters for metrics: cache events and bytes, queue depth, batch sizes, decode times."""
         st = self.cache.stats
         return {"cache_hits": st.hits, "cache_misses": st.misses, "cache_evictions": st.evictions,
-                "cache_bytes": {t: self.cache.used_bytes(t) for t in ("device", "cpu")},
+                "cache_bytes": {"device": self.cache.used_bytes("device"), "cpu": self.cache.used_bytes("cpu"),
+                                "recycled": self.cache.buffers.free_bytes},
                 "queue_depth": self.queue_depth, "batch_sizes": self.batch_sizes.to_dict(),
                 "load_seconds": st.load_seconds.to_dict()}
 

@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,11 @@ FLOAT_BITS = {"F32": np.uint32, "F16": np.uint16, "BF16": np.uint16}
 """Float dtypes FM-Delta codes, with the unsigned type of their bit pattern."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+Alloc = Callable[..., torch.Tensor]
+"""Makes an uninitialised tensor, alloc(shape, dtype=...) as torch.empty: decoders take one so that a server
+can hand them recycled memory."""
 
 
 def dtype_name(t: torch.Tensor) -> str:

@@ -9,6 +9,7 @@ from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.model import SamplingParams
 from serve.errors import BadRequest, Overloaded, VariantNotFound
+from tests.conftest import same_bits
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +144,10 @@ def test_a_cold_decode_does_not_hold_up_resident_variants(serving_store):
     eng = Engine(ServeConfig(store=root))
     decode = eng.cache._loader
 
-    def slow_decode(name):
+    def slow_decode(name, alloc):
         if name == "tiny-lm-all":
             time.sleep(1.5)
-        return decode(name)
+        return decode(name, alloc)
 
     eng.cache._loader = slow_decode
     params = SamplingParams(max_tokens=2, temperature=0)
@@ -183,3 +184,31 @@ def test_eviction_churn_under_concurrency_keeps_outputs_exact(serving_store):
     for _ in range(3):
         assert [g.token_ids for g in run(churn())] == [single[m] for m in models]
     assert eng.cache.stats.evictions > 0
+
+
+def test_evicted_buffers_are_decoded_into_again_but_never_while_in_use(serving_store):
+    root, _ = serving_store
+    eng = Engine(ServeConfig(store=root))
+    params = SamplingParams(max_tokens=6, temperature=0)
+    expected = run(eng.complete("tiny-lm-all", params, prompt="one two")).token_ids
+    base_ptrs = {t.data_ptr() for t in eng._base_tensors["tiny-lm"].values()}
+
+    def ptrs(name):
+        return {t.data_ptr() for t in eng.cache._tiers["device"][name].weights.values()}
+
+    first = ptrs("tiny-lm-all")
+    eng.cache.drop("tiny-lm-all")
+    assert eng.cache.buffers.free_bytes > 0
+    assert run(eng.complete("tiny-lm-all", params, prompt="one two")).token_ids == expected
+    assert ptrs("tiny-lm-all") == first and not first & base_ptrs
+
+    async def drop_while_running():
+        async with eng.cache.use("tiny-lm-all") as entry:
+            held = {k: v.clone() for k, v in entry.weights.items()}
+            eng.cache.drop("tiny-lm-all")
+            await eng.complete("tiny-lm-top", params, prompt="one two")  # a decode that wants buffers
+            return all(same_bits(entry.weights[k], v) for k, v in held.items())
+
+    free_before = eng.cache.buffers.free_bytes
+    assert run(drop_while_running())
+    assert eng.cache.buffers.free_bytes <= free_before
