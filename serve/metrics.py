@@ -74,7 +74,7 @@ class Metrics:
         families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",
                                           value=sum(s["queue_depth"] for s in snapshots)))
         if snapshots:
-            families.append(_histogram("manyfold_batch_size", "Rows per scheduler step",
+            families.append(_histogram("manyfold_batch_size", "Rows per forward pass",
                                        _merge([s["batch_sizes"] for s in snapshots])))
             families.append(_histogram("manyfold_variant_load_seconds", "Decode time of a cold variant",
                                        _merge([s["load_seconds"] for s in snapshots])))

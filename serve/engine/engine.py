@@ -1,14 +1,19 @@
 """Engine: the bases of a store in memory, a variant cache, and a batching scheduler. No Ray, no HTTP.
 
 Requests become rows in a bounded queue (full -> Overloaded, HTTP 429). The scheduler takes the first waiting
-row, gathers more for up to `batch_wait_timeout_s` or `max_batch_size` rows, groups them by (operation, base,
-variant) and runs each group in one forward on a single compute thread, so the event loop keeps answering.
-Base rows share one forward; each full variant's rows run with its weights swapped in (see model.py).
+row, gathers more for up to `batch_wait_timeout_s` or `max_batch_size` rows, and groups them by (operation,
+base, variant). Base rows share one forward; each full variant's rows run with its weights swapped in (see
+model.py). A classify or embed group is one forward. Generation is continuous: a generate group becomes its
+variant's running DecodeBatch, which later rows for that variant join between decode steps, up to
+`max_batch_size` rows. Every forward runs on one compute thread, so the event loop keeps answering, and the
+running groups take turns step by step: a long generation does not hold up a classification.
 """
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,6 +22,7 @@ import torch
 from serve.codecs.fmdelta_file import FmdFile
 from serve.config import ServeConfig
 from serve.engine.cache import Residency, VariantCache
+from serve.engine.generation import DecodeBatch
 from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
 from serve.engine.stats import BATCH_BUCKETS, Distribution
 from serve.errors import BadRequest, Overloaded, VariantNotFound
@@ -27,7 +33,7 @@ from serve.variants.full import DELTA_FILE, add_full_variant
 Op = Literal["classify", "embed", "generate"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
     op: Op
     base: str
@@ -35,6 +41,19 @@ class Row:
     payload: Any
     future: asyncio.Future
     enqueued_s: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Generating:
+    """A variant's running generation: its DecodeBatch, the rows in it, and rows waiting to join."""
+
+    pending: list[Row]
+    capacity: int
+    running: list[Row] = field(default_factory=list)
+    batch: DecodeBatch | None = None
+
+    def room(self) -> int:
+        return self.capacity - len(self.running) - len(self.pending)
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,7 @@ class Engine:
                                   tuple(c.pinned))
         self._queue: asyncio.Queue[Row] | None = None
         self._worker: asyncio.Task | None = None
+        self._generating: dict[tuple[str, str | None], _Generating] = {}
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
         self._accepting = True
         self.batch_sizes = Distribution(BATCH_BUCKETS)
@@ -175,6 +195,7 @@ class Engine:
         rt = self.bases[base]
         rt.require_causal()
         ids = rt.chat_prompt(messages) if messages is not None else rt.encode_prompt(prompt or "")
+        rt.check_fits(ids, params)
         return await self._submit("generate", base, variant, (ids, params))
 
     async def _submit(self, op: Op, base: str, variant: str | None, payload: Any):
@@ -211,47 +232,84 @@ class Engine:
                     rows.append(await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.perf_counter())))
                 except TimeoutError:
                     break
-            self.batch_sizes.observe(len(rows))
             groups: dict[tuple, list[Row]] = {}
             for r in rows:
-                groups.setdefault((r.op, r.base, r.variant), []).append(r)
+                running = self._generating.get((r.base, r.variant)) if r.op == "generate" else None
+                if running is not None and running.room() > 0:
+                    running.pending.append(r)
+                    if r.variant is not None:
+                        self.cache.stats.hits += 1  # the running batch holds its variant
+                else:
+                    groups.setdefault((r.op, r.base, r.variant), []).append(r)
             # Groups run side by side (bounded): a cold variant decoding in its worker thread does not hold up
             # the groups behind it, whose variants are resident. Compute itself stays on one thread.
-            for group in groups.values():
+            for (op, _, _), group in groups.items():
                 await self._group_slots.acquire()
-                asyncio.get_running_loop().create_task(self._run_group(group))
+                run = self._run_generation if op == "generate" else self._run_group
+                asyncio.get_running_loop().create_task(run(group))
+
+    @asynccontextmanager
+    async def _weights(self, variant: str | None, requests: int) -> AsyncIterator[tuple[dict | None, dict]]:
+        """(weights, extra) of a variant, held in the cache for the block; (None, {}) for the base itself."""
+        if variant is None:
+            yield None, {}
+            return
+        async with self.cache.use(variant, requests=requests) as entry:
+            yield entry.weights, entry.extra
+
+    def _resolve(self, row: Row, result: Any = None, error: BaseException | None = None) -> None:
+        if not row.future.done():
+            if error is None:
+                row.future.set_result(result)
+            else:
+                row.future.set_exception(error)
+        self._queue.task_done()
 
     async def _run_group(self, rows: list[Row]) -> None:
-        try:
-            await self._run_group_rows(rows)
-        finally:
-            self._group_slots.release()
-            for _ in rows:
-                self._queue.task_done()
-
-    async def _run_group_rows(self, rows: list[Row]) -> None:
-        op, base, variant = rows[0].op, rows[0].base, rows[0].variant
+        """One classify or embed forward for rows of one (base, variant)."""
         loop = asyncio.get_running_loop()
         try:
-            if variant is None:
-                results = await loop.run_in_executor(self._compute, self._compute_group, op, base, rows, None, {})
-            else:
-                async with self.cache.use(variant, requests=len(rows)) as entry:
-                    results = await loop.run_in_executor(self._compute, self._compute_group, op, base, rows,
-                                                         entry.weights, entry.extra)
+            async with self._weights(rows[0].variant, len(rows)) as (weights, extra):
+                results = await loop.run_in_executor(self._compute, self._compute_group, rows, weights, extra)
+            self.batch_sizes.observe(len(rows))
         except Exception as e:  # every row of the group fails the same way; other groups go on
             for r in rows:
-                if not r.future.done():
-                    r.future.set_exception(e)
-            return
-        for r, res in zip(rows, results):
-            if not r.future.done():
-                r.future.set_result(res)
+                self._resolve(r, error=e)
+        else:
+            for r, res in zip(rows, results):
+                self._resolve(r, res)
+        finally:
+            self._group_slots.release()
 
-    def _compute_group(self, op: Op, base: str, rows: list[Row], weights, extra: dict) -> list:
-        rt = self.bases[base]
-        if op == "generate":
-            return rt.generate([r.payload[0] for r in rows], [r.payload[1] for r in rows], weights)
+    async def _run_generation(self, rows: list[Row]) -> None:
+        """The running DecodeBatch of one (base, variant): admits waiting rows, steps, until none are left."""
+        base, variant = rows[0].base, rows[0].variant
+        key, loop = (base, variant), asyncio.get_running_loop()
+        group = _Generating(list(rows), self.config.batch.max_batch_size)
+        self._generating[key] = group
+        try:
+            async with self._weights(variant, len(rows)) as (weights, _):
+                group.batch = DecodeBatch(self.bases[base], weights)
+                while group.pending or len(group.batch):
+                    new, group.pending = group.pending, []
+                    group.running += new
+                    finished = await loop.run_in_executor(
+                        self._compute, group.batch.run, [r.payload[0] for r in new], [r.payload[1] for r in new],
+                        new)
+                    self.batch_sizes.observe(len(group.batch) + len(finished))
+                    for row, gen in finished:
+                        group.running.remove(row)
+                        self._resolve(row, gen)
+        except Exception as e:  # the batch's rows fail together; other batches go on
+            for r in group.running + group.pending:
+                self._resolve(r, error=e)
+        finally:
+            if self._generating.get(key) is group:
+                del self._generating[key]
+            self._group_slots.release()
+
+    def _compute_group(self, rows: list[Row], weights: dict | None, extra: dict) -> list:
+        op, rt = rows[0].op, self.bases[rows[0].base]
         texts = [t for r in rows for t in r.payload]
         out = rt.embed(texts, weights) if op == "embed" else rt.classify(texts, weights, extra.get("head", {}))
         results, at = [], 0

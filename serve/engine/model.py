@@ -3,7 +3,7 @@
 A variant never copies the base module: `torch.func.functional_call` runs the one base module with the
 variant's differing tensors in place of the base's, for that call only. Encoders give embeddings (mean
 pooling + L2 normalisation, as all-MiniLM-L6-v2's sentence-transformers config says) and classification
-(BERT pooler + the variant's own head); causal LMs generate with a KV cache.
+(BERT pooler + the variant's own head); causal LMs generate in serve.engine.generation.
 """
 
 from collections.abc import Mapping
@@ -84,7 +84,7 @@ class BaseModelRuntime:
             weights[target] = t.to(base_t.dtype)
         return weights, head
 
-    def _call(self, weights: dict[str, torch.Tensor] | None, **kwargs):
+    def call(self, weights: dict[str, torch.Tensor] | None, **kwargs):
         if not weights:
             return self.model(**kwargs)
         return functional_call(self.model, weights, args=(), kwargs=kwargs, strict=False)
@@ -99,7 +99,7 @@ class BaseModelRuntime:
         """[n, hidden] unit vectors: mean of the last hidden states over real tokens."""
         self._need(encoder=True)
         enc = self._tokenize(texts)
-        hidden = self._call(weights, **enc).last_hidden_state  # [n, seq, hidden]
+        hidden = self.call(weights, **enc).last_hidden_state  # [n, seq, hidden]
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, dim=-1)
@@ -110,7 +110,7 @@ class BaseModelRuntime:
         self._need(encoder=True)
         if "weight" not in head or "bias" not in head:
             raise BadRequest("this model has no classifier head")
-        pooled = self._call(weights, **self._tokenize(texts)).pooler_output  # [n, hidden]
+        pooled = self.call(weights, **self._tokenize(texts)).pooler_output  # [n, hidden]
         logits = pooled @ head["weight"].T + head["bias"]  # [n, labels]
         return logits.softmax(-1)
 
@@ -132,48 +132,14 @@ class BaseModelRuntime:
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 weights: dict[str, torch.Tensor] | None = None) -> list[Generation]:
-        """Rows of one variant, left-padded into one batch, decoded step by step with a shared KV cache."""
-        from transformers import DynamicCache
+    def check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise BadRequest("the prompt encodes to no tokens")
+        if len(prompt) + params.max_tokens > self.max_length:
+            raise BadRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                             f"context of {self.max_length} tokens")
 
-        self._need(encoder=False)
-        n = len(prompts)
-        longest = max(len(p) for p in prompts)
-        if longest + max(p.max_tokens for p in params) > self.max_length:
-            raise BadRequest(f"prompt plus max_tokens exceeds the context of {self.max_length} tokens")
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((n, longest), pad, dtype=torch.long)
-        mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, longest - len(p):] = torch.tensor(p)
-            mask[i, longest - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [Generation(prompt_tokens=len(p)) for p in prompts]
-        rngs = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
-        done = [False] * n
-        cache = DynamicCache()
-        step_ids = ids
-        for _ in range(max(p.max_tokens for p in params)):
-            out = self._call(weights, input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1, :].float()  # [n, vocab]
-            next_ids = []
-            for i in range(n):
-                tok = pad if done[i] else _pick(logits[i], params[i], rngs[i])
-                next_ids.append(tok)
-                if not done[i]:
-                    done[i] = self._advance(gens[i], tok, params[i])
-            if all(done):
-                break
-            step_ids = torch.tensor(next_ids, device=self.device).unsqueeze(-1)
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=-1)
-            positions = positions[:, -1:] + 1
-        return gens
-
-    def _advance(self, gen: Generation, tok: int, params: SamplingParams) -> bool:
+    def advance(self, gen: Generation, tok: int, params: SamplingParams) -> bool:
         """Append one token; -> whether the row is finished."""
         if tok in self.eos_ids:
             gen.finish_reason = "stop"
@@ -190,15 +156,4 @@ class BaseModelRuntime:
             gen.finish_reason = "length"
             return True
         return False
-
-
-def _pick(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None) -> int:
-    if params.temperature <= 0:
-        return int(logits.argmax())
-    probs = (logits / params.temperature).softmax(-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=rng))
 

@@ -212,3 +212,48 @@ def test_evicted_buffers_are_decoded_into_again_but_never_while_in_use(serving_s
     free_before = eng.cache.buffers.free_bytes
     assert run(drop_while_running())
     assert eng.cache.buffers.free_bytes <= free_before
+
+
+async def _wait_for_forwards(eng: Engine, n: int) -> None:
+    """Until the engine has run n more forward passes (bounded: 10 s)."""
+    target = eng.batch_sizes.count + n
+    for _ in range(10_000):
+        if eng.batch_sizes.count >= target:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"the engine ran fewer than {n} forwards in 10 s")
+
+
+def test_rows_join_a_running_generation_and_give_the_tokens_they_give_alone(serving_store):
+    root, _ = serving_store
+    eng = Engine(ServeConfig(store=root))
+    eng.bases["tiny-lm"].eos_ids = set()  # every row runs to max_tokens: long enough to join
+    long = ("a", SamplingParams(max_tokens=120, temperature=0))
+    joiners = [("the cat sat on the mat and", SamplingParams(max_tokens=5, temperature=0)),
+               ("hello world", SamplingParams(max_tokens=7, temperature=1.0, seed=3))]
+    alone = [run(eng.complete("tiny-lm-all", p, prompt=t)).token_ids for t, p in [long, *joiners]]
+
+    async def together():
+        first = asyncio.ensure_future(eng.complete("tiny-lm-all", long[1], prompt=long[0]))
+        await _wait_for_forwards(eng, 3)
+        before = eng.batch_sizes.counts[2]  # forwards of 3-4 rows
+        later = await asyncio.gather(*(eng.complete("tiny-lm-all", p, prompt=t) for t, p in joiners))
+        assert not first.done() and eng.batch_sizes.counts[2] > before  # they ran inside its batch
+        return [(await first).token_ids] + [g.token_ids for g in later]
+
+    assert run(together()) == alone
+
+
+def test_a_long_generation_does_not_hold_up_a_classification(serving_store):
+    root, _ = serving_store
+    eng = Engine(ServeConfig(store=root))
+    eng.bases["tiny-lm"].eos_ids = set()
+
+    async def race():
+        gen = asyncio.ensure_future(eng.complete("tiny-lm", SamplingParams(max_tokens=200), prompt="a"))
+        await _wait_for_forwards(eng, 2)
+        await eng.classify("minilm-clf", ["a quick one"])
+        return gen.done(), await gen
+
+    done_first, gen = run(race())
+    assert not done_first and len(gen.token_ids) == 200
