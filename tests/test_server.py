@@ -102,6 +102,18 @@ def test_openai_client_gets_transformers_identical_greedy_tokens(server):
     assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
 
 
+def test_openai_client_streams_over_ray(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+    kw = {"model": "tiny-lm-top", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10,
+          "temperature": 0}
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
 def test_classifier_over_http_equals_transformers(server, http):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -38,6 +38,13 @@ class EngineReplica:
         await self._affinity()
         return await self.engine.complete(model, params, prompt=prompt, messages=messages)
 
+    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
+                              messages: list[dict] | None = None):
+        """Called with handle.options(stream=True): each TextDelta goes to the ingress as it comes."""
+        await self._affinity()
+        async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages):
+            yield delta
+
     async def models(self):
         return await self.engine.models()
 

@@ -2,12 +2,14 @@
 multiplexed model id so that replicas already holding a full variant get its requests."""
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from serve.engine.engine import ModelInfo
+from serve.engine.engine import ModelInfo, TextDelta
 from serve.engine.model import SamplingParams
 from serve.errors import ManyfoldError, Overloaded
 from serve.store.store import Store
@@ -26,10 +28,11 @@ class Router:
         return handle.options(multiplexed_model_id=variant) if variant else handle
 
     @staticmethod
-    async def _call(response):
-        """Await a replica; its ManyfoldErrors come back as themselves, one line, not Ray's wrapper."""
+    @contextmanager
+    def _replica_errors() -> Iterator[None]:
+        """A replica's ManyfoldErrors come back as themselves, one line, not Ray's wrapper."""
         try:
-            return await response
+            yield
         except BackPressureError as e:
             raise Overloaded("every replica of this model is at capacity; retry later") from e
         except ManyfoldError as e:
@@ -37,6 +40,10 @@ class Router:
             if isinstance(cause, ManyfoldError):
                 raise cause from None
             raise type(e)(str(e).splitlines()[0]) from None
+
+    async def _call(self, response):
+        with self._replica_errors():
+            return await response
 
     async def classify(self, model: str, texts: list[str]):
         return await self._call(self._handle(model).classify.remote(model, texts))
@@ -48,6 +55,17 @@ class Router:
                        messages: list[dict] | None = None):
         return await self._call(self._handle(model).complete.remote(model, params, prompt=prompt,
                                                                      messages=messages))
+
+    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
+                              messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
+        handle = self._handle(model).options(stream=True)
+        deltas = handle.complete_stream.remote(model, params, prompt=prompt, messages=messages)
+        try:
+            with self._replica_errors():
+                async for delta in deltas:
+                    yield delta
+        finally:
+            deltas.cancel()  # a no-op once it has ended; else the replica stops generating for a client gone
 
     async def models(self) -> list[ModelInfo]:
         per_base = await asyncio.gather(*(self._call(h.models.remote()) for h in self.handles.values()))

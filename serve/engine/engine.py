@@ -40,7 +40,19 @@ class Row:
     variant: str | None
     payload: Any
     future: asyncio.Future
+    stream: asyncio.Queue | None = None
+    """Generation only: the row's text after every step, then None once the future is resolved."""
+    cancelled: bool = False
+    """Its caller has gone: a running generation drops the row at the next step."""
     enqueued_s: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of a streamed completion; the last one carries the whole Generation (finish reason, counts)."""
+
+    text: str
+    final: Generation | None = None
 
 
 @dataclass
@@ -191,23 +203,54 @@ class Engine:
     async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
                        messages: list[dict] | None = None) -> Generation:
         """A text completion of `prompt`, or a chat completion of `messages` under the base's chat template."""
+        return await self._submit(*self._generation_row(model, params, prompt, messages))
+
+    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
+                              messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
+        """complete(), as text pieces while the tokens come. Text that may yet turn out to be the start of a
+        stop string, or half of a multi-byte character, is held back until it cannot."""
+        updates: asyncio.Queue[str | None] = asyncio.Queue()  # one item per decode step: <= max_tokens + 1
+        row = self._enqueue(*self._generation_row(model, params, prompt, messages), stream=updates)
+        held = max((len(s) for s in params.stop), default=1) - 1
+        sent = 0
+        try:
+            while (text := await updates.get()) is not None:
+                end = len(text) - held - text.endswith("\ufffd")
+                if end > sent:
+                    yield TextDelta(text[sent:end])
+                    sent = end
+            gen = row.future.result()
+            yield TextDelta(gen.text[sent:], gen)
+        finally:
+            row.cancelled = not row.future.done()
+
+    def _generation_row(self, model: str, params: SamplingParams, prompt: str | None,
+                        messages: list[dict] | None) -> tuple[Op, str, str | None, tuple]:
         base, variant = self.resolve(model)
         rt = self.bases[base]
         rt.require_causal()
         ids = rt.chat_prompt(messages) if messages is not None else rt.encode_prompt(prompt or "")
         rt.check_fits(ids, params)
-        return await self._submit("generate", base, variant, (ids, params))
+        return "generate", base, variant, (ids, params)
 
-    async def _submit(self, op: Op, base: str, variant: str | None, payload: Any):
+    def _enqueue(self, op: Op, base: str, variant: str | None, payload: Any,
+                 stream: asyncio.Queue | None = None) -> Row:
         if not self._accepting:
             raise Overloaded("server is shutting down")
         self._ensure_started()
-        row = Row(op, base, variant, payload, asyncio.get_running_loop().create_future())
+        row = Row(op, base, variant, payload, asyncio.get_running_loop().create_future(), stream)
         try:
             self._queue.put_nowait(row)
         except asyncio.QueueFull:
             raise Overloaded(f"{self._queue.maxsize} requests already waiting; retry later") from None
-        return await row.future
+        return row
+
+    async def _submit(self, op: Op, base: str, variant: str | None, payload: Any):
+        row = self._enqueue(op, base, variant, payload)
+        try:
+            return await row.future
+        finally:
+            row.cancelled = not row.future.done()
 
     @property
     def queue_depth(self) -> int:
@@ -258,11 +301,15 @@ class Engine:
             yield entry.weights, entry.extra
 
     def _resolve(self, row: Row, result: Any = None, error: BaseException | None = None) -> None:
-        if not row.future.done():
+        if row.cancelled:
+            row.future.cancel()
+        elif not row.future.done():
             if error is None:
                 row.future.set_result(result)
             else:
                 row.future.set_exception(error)
+        if row.stream is not None:
+            row.stream.put_nowait(None)
         self._queue.task_done()
 
     async def _run_group(self, rows: list[Row]) -> None:
@@ -292,11 +339,19 @@ class Engine:
                 group.batch = DecodeBatch(self.bases[base], weights)
                 while group.pending or len(group.batch):
                     new, group.pending = group.pending, []
-                    group.running += new
+                    gone = [r for r in group.running + new if r.cancelled]
+                    for row in gone:
+                        self._resolve(row)  # its caller has gone: it leaves the batch at this step
+                    new = [r for r in new if not r.cancelled]
+                    group.running = [r for r in group.running if not r.cancelled] + new
                     finished = await loop.run_in_executor(
                         self._compute, group.batch.run, [r.payload[0] for r in new], [r.payload[1] for r in new],
-                        new)
-                    self.batch_sizes.observe(len(group.batch) + len(finished))
+                        new, gone)
+                    if len(group.batch) or finished:
+                        self.batch_sizes.observe(len(group.batch) + len(finished))
+                    for row, gen in group.batch.rows():
+                        if row.stream is not None:
+                            row.stream.put_nowait(gen.text)
                     for row, gen in finished:
                         group.running.remove(row)
                         self._resolve(row, gen)

@@ -50,11 +50,19 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def rows(self) -> list[tuple[Any, Generation]]:
+        """(tag, Generation so far) of every running row."""
+        return [(s.tag, s.gen) for s in self.seqs]
+
     @torch.no_grad()
-    def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-            tags: Sequence[Any]) -> list[tuple[Any, Generation]]:
-        """Admit new rows (if any), then one decode step for every row; -> (tag, Generation) of the rows
-        that finished."""
+    def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], tags: Sequence[Any],
+            abort: Sequence[Any] = ()) -> list[tuple[Any, Generation]]:
+        """Drop the rows tagged in abort, admit new rows, then one decode step for every row; -> (tag,
+        Generation) of the rows that finished."""
+        if abort:
+            for s in self.seqs:
+                s.done = s.done or any(s.tag is t for t in abort)
+            self._drop_finished()
         finished = self._admit(prompts, params, tags) if prompts else []
         if self.seqs:
             finished += self._step()

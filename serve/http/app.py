@@ -1,23 +1,26 @@
 """FastAPI routes over an engine: auth, validation, limits, errors as one-line JSON, Prometheus metrics.
 
 `backend` is anything with the Engine's request methods (the local Engine, or a client of a remote one),
-so this module knows nothing of Ray.
+so this module knows nothing of Ray. Completions stream as OpenAI's server-sent events when asked.
 """
 
 import base64
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.config import ServeConfig, key_digest
-from serve.engine.model import SamplingParams
+from serve.engine.engine import TextDelta
+from serve.engine.model import Generation, SamplingParams
 from serve.errors import BadRequest, Forbidden, ManyfoldError, TooLarge, Unauthorized, first_error
 from serve.http import schemas as S
 from serve.metrics import Metrics
@@ -128,15 +131,54 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
                  for m in await backend.models() if t is None or "*" in t.models or m.name in t.models]
         return S.ModelList(data=cards)
 
+    async def stream(body: S._Sampling, deltas: AsyncIterator[TextDelta],
+                     chunk: Callable[[TextDelta, bool], BaseModel],
+                     usage_chunk: Callable[[Generation], BaseModel]) -> StreamingResponse:
+        """Server-sent events. The first piece is awaited before the response starts, so a refusal (404, 429,
+        ...) is still an HTTP status; an error after that is a last `error` event before [DONE]."""
+        first = await anext(deltas)
+
+        async def events() -> AsyncIterator[str]:
+            d, head = first, True
+            try:
+                while True:
+                    yield _sse(chunk(d, head))
+                    head = False
+                    if d.final is not None:
+                        _count_tokens(metrics, body.model, d.final)
+                        if body.stream_options and body.stream_options.include_usage:
+                            yield _sse(usage_chunk(d.final))
+                        break
+                    d = await anext(deltas)
+                yield _SSE_DONE
+            except ManyfoldError as e:
+                yield _sse(S.ErrorBody(error=S.ErrorDetail(message=str(e), type=e.code, code=e.code)))
+                yield _SSE_DONE
+            finally:
+                await deltas.aclose()  # a client that left stops its row's generation
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     @app.post("/v1/completions", response_model=S.CompletionResponse)
     async def completions(body: S.CompletionRequest, request: Request, t=Depends(tenant)):
         allow(request, t, body.model)
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         check_texts([prompt])
-        gen = await backend.complete(body.model, sampling(body, body.max_tokens), prompt=prompt)
+        params = sampling(body, body.max_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            def chunk(d: TextDelta, head: bool) -> S.CompletionChunk:
+                reason = d.final.finish_reason if d.final else None
+                return S.CompletionChunk(id=rid, created=created, model=body.model,
+                                         choices=[S.CompletionChunkChoice(text=d.text, finish_reason=reason)])
+
+            return await stream(body, backend.complete_stream(body.model, params, prompt=prompt), chunk,
+                                lambda gen: S.CompletionChunk(id=rid, created=created, model=body.model,
+                                                              choices=[], usage=_usage(gen)))
+        gen = await backend.complete(body.model, params, prompt=prompt)
         _count_tokens(metrics, body.model, gen)
         return S.CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
+            id=rid, created=created, model=body.model,
             choices=[S.CompletionChoice(index=0, text=gen.text, finish_reason=gen.finish_reason)],
             usage=_usage(gen))
 
@@ -145,10 +187,22 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         allow(request, t, body.model)
         check_texts([m.content for m in body.messages])
         params = sampling(body, body.max_completion_tokens or body.max_tokens)
-        gen = await backend.complete(body.model, params, messages=[m.model_dump() for m in body.messages])
+        messages = [m.model_dump() for m in body.messages]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            def chunk(d: TextDelta, head: bool) -> S.ChatCompletionChunk:
+                delta = S.ChatDelta(role="assistant" if head else None, content=d.text)
+                reason = d.final.finish_reason if d.final else None
+                return S.ChatCompletionChunk(id=rid, created=created, model=body.model,
+                                             choices=[S.ChatChunkChoice(delta=delta, finish_reason=reason)])
+
+            return await stream(body, backend.complete_stream(body.model, params, messages=messages), chunk,
+                                lambda gen: S.ChatCompletionChunk(id=rid, created=created, model=body.model,
+                                                                  choices=[], usage=_usage(gen)))
+        gen = await backend.complete(body.model, params, messages=messages)
         _count_tokens(metrics, body.model, gen)
         return S.ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
+            id=rid, created=created, model=body.model,
             choices=[S.ChatChoice(index=0, message=S.AssistantMessage(content=gen.text),
                                   finish_reason=gen.finish_reason)],
             usage=_usage(gen))
@@ -196,6 +250,13 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         return {"id": name, "deleted": True}
 
     return app
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+def _sse(event: BaseModel) -> str:
+    return f"data: {event.model_dump_json()}\n\n"
 
 
 def _usage(gen) -> S.Usage:

@@ -13,6 +13,11 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class StreamOptions(_Request):
+    include_usage: bool = False
+    """A last chunk with no choices and the request's usage, as OpenAI sends it."""
+
+
 class _Sampling(_Request):
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -21,8 +26,9 @@ class _Sampling(_Request):
     n: Literal[1] = 1
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     seed: int | None = None
-    stream: Literal[False] = False
-    """Streaming is not served yet; asking for it is a 422, not a silent non-stream answer."""
+    stream: bool = False
+    """Server-sent events, one chunk per piece of text, then `data: [DONE]`."""
+    stream_options: StreamOptions | None = None
     user: str | None = None
     frequency_penalty: Literal[0, 0.0] = 0
     presence_penalty: Literal[0, 0.0] = 0
@@ -87,6 +93,42 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
 
 
 class ClassifyRequest(_Request):

@@ -248,6 +248,7 @@ def test_a_long_generation_does_not_hold_up_a_classification(serving_store):
     root, _ = serving_store
     eng = Engine(ServeConfig(store=root))
     eng.bases["tiny-lm"].eos_ids = set()
+    run(eng.classify("minilm-clf", ["resident from here on"]))  # the race is compute, not its decode
 
     async def race():
         gen = asyncio.ensure_future(eng.complete("tiny-lm", SamplingParams(max_tokens=200), prompt="a"))
@@ -257,3 +258,20 @@ def test_a_long_generation_does_not_hold_up_a_classification(serving_store):
 
     done_first, gen = run(race())
     assert not done_first and len(gen.token_ids) == 200
+
+
+def test_a_stream_whose_client_leaves_stops_its_row(serving_store):
+    root, _ = serving_store
+    eng = Engine(ServeConfig(store=root))
+    eng.bases["tiny-lm"].eos_ids = set()
+
+    async def leave():
+        deltas = eng.complete_stream("tiny-lm", SamplingParams(max_tokens=200), prompt="a")
+        pieces = [await anext(deltas), await anext(deltas)]
+        await deltas.aclose()
+        await asyncio.wait_for(eng._queue.join(), 10)  # the row is resolved: it left the batch
+        return pieces
+
+    pieces = run(leave())
+    assert all(p.text and p.final is None for p in pieces)
+    assert not eng._generating and eng.batch_sizes.count < 100

@@ -46,6 +46,43 @@ def test_official_openai_client_completions_chat_embeddings(client):
     assert {"tiny-lm", "tiny-lm-top", "minilm", "minilm-clf"} <= ids
 
 
+def test_streams_carry_the_same_text_as_whole_answers(client):
+    from openai import OpenAI
+
+    oa = OpenAI(base_url="http://testserver/v1", api_key=KEYS["alice"], http_client=client, max_retries=0)
+    kw = {"model": "tiny-lm-all", "max_tokens": 12, "temperature": 0}
+    whole = oa.completions.create(prompt="hello world", **kw)
+    chunks = list(oa.completions.create(prompt="hello world", stream=True,
+                                        stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1  # pieces as they come, not one
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+
+    messages = [{"role": "user", "content": "hello"}]
+    whole = oa.chat.completions.create(messages=messages, **kw)
+    chunks = list(oa.chat.completions.create(messages=messages, stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_a_stream_never_shows_its_stop_string_and_refusals_keep_their_status(client):
+    whole = client.post("/v1/completions", json={"model": "tiny-lm", "prompt": "hello world", "max_tokens": 12,
+                                                 "temperature": 0}, headers=auth()).json()["choices"][0]["text"]
+    stop = whole.split()[2]
+    body = {"model": "tiny-lm", "prompt": "hello world", "max_tokens": 12, "temperature": 0, "stop": stop}
+    cut = client.post("/v1/completions", json=body, headers=auth()).json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=auth()) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    import json
+
+    assert events[-1] == "[DONE]"
+    pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(pieces) == cut and stop not in "".join(pieces)
+    r = client.post("/v1/completions", json={"model": "tiny-lm-tpo", "prompt": "a", "stream": True}, headers=auth())
+    assert r.status_code == 404
+
+
 def test_completion_over_http_matches_the_engine_direct(client):
     body = {"model": "tiny-lm-top", "prompt": "one two three", "max_tokens": 8, "temperature": 0}
     a = client.post("/v1/completions", json=body, headers=auth()).json()
@@ -92,7 +129,7 @@ def test_unknown_model_names_close_matches(client):
 
 @pytest.mark.parametrize("body,status,fragment", [
     ({"model": "tiny-lm", "prompt": "a", "max_tokens": 0}, 422, "max_tokens"),
-    ({"model": "tiny-lm", "prompt": "a", "stream": True}, 422, "stream"),
+    ({"model": "tiny-lm", "prompt": "a", "stream": True, "stream_options": {"bogus": 1}}, 422, "bogus"),
     ({"model": "tiny-lm", "prompt": "a", "bogus": 1}, 422, "bogus"),
     ({"model": "tiny-lm"}, 422, "prompt"),
     ({"model": "tiny-lm", "prompt": "a", "max_tokens": 33}, 400, "limit of 32"),
