@@ -1,4 +1,5 @@
-"""The Ray Serve application: one EngineReplica deployment per base of the store, behind an HTTP ingress.
+"""The Ray Serve application: one EngineReplica deployment per base of the store, behind an HTTP ingress, and
+a ResidencyBoard where the replicas say what they hold.
 
 `serve run serve.app:build_app store=/path/to/store` (or a Serve config YAML, see deploy/) calls build_app
 with the ServeConfig fields as its arguments.
@@ -11,6 +12,7 @@ from ray import serve
 from ray.serve import Application
 
 from serve.config import ServeConfig, parse_config
+from serve.deployments.board import ResidencyBoard
 from serve.deployments.replica import EngineReplica
 from serve.store.store import Store
 
@@ -18,6 +20,9 @@ from serve.store.store import Store
 REPLICA_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 """glibc otherwise raises its mmap threshold as big blocks are freed, and evicted variants' memory stays in the
 heap instead of going back to the OS: a fixed threshold keeps every tensor-sized block mmapped."""
+
+
+BOARD = "residency-board"
 
 
 def deployment_name(base: str) -> str:
@@ -30,7 +35,7 @@ def _ingress(config: ServeConfig, bases: list[str]):
         from serve.http.app import build_http_app
 
         handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
-        return build_http_app(Router(config.store, handles), config)
+        return build_http_app(Router(config.store, handles, serve.get_deployment_handle(BOARD)), config)
 
     @serve.ingress(build)
     class Ingress:
@@ -45,6 +50,7 @@ def _ingress(config: ServeConfig, bases: list[str]):
 def build_app(args: dict | ServeConfig) -> Application:
     config = args if isinstance(args, ServeConfig) else parse_config(dict(args), "serve application args")
     bases = list(Store(config.store).manifest.bases)
+    board = serve.deployment(ResidencyBoard, name=BOARD, num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
     children = []
     for base in bases:
         d = config.deployments.get(base, config.deployment)
@@ -56,7 +62,7 @@ def build_app(args: dict | ServeConfig) -> Application:
             options["autoscaling_config"] = d.autoscaling.model_dump()
         else:
             options["num_replicas"] = d.num_replicas
-        children.append(EngineReplica.options(**options).bind(config.model_dump(mode="json"), base))
+        children.append(EngineReplica.options(**options).bind(config.model_dump(mode="json"), base, board))
     return _ingress(config, bases).bind(*children)
 
 

@@ -48,7 +48,8 @@ def server(serving_store, tmp_path_factory):
     (root / "manifest.json").write_text(json.dumps(m))
 
     port = free_port()
-    config = ServeConfig(store=root, port=port, deployment={"num_cpus": 0.5},
+    config = ServeConfig(store=root, port=port, deployment={"num_cpus": 0.25},
+                         deployments={"tiny-lm": {"num_cpus": 0.25, "num_replicas": 2}},
                          tenants=[{"name": "e2e", "key_sha256": [key_digest(KEY)]}],
                          admin_key_sha256=[key_digest(ADMIN)], limits={"max_request_bytes": 65536})
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
@@ -68,9 +69,9 @@ def tight_server(server):
     from serve.app import build_app
 
     url, _, root = server
-    config = ServeConfig(store=root, deployment={"num_cpus": 0.5, "max_ongoing_requests": 1,
+    config = ServeConfig(store=root, deployment={"num_cpus": 0.25, "max_ongoing_requests": 1,
                                                  "max_queued_requests": 1},
-                         deployments={"minilm": {"num_cpus": 0.5, "max_ongoing_requests": 64}},
+                         deployments={"minilm": {"num_cpus": 0.25, "max_ongoing_requests": 64}},
                          batch={"max_batch_size": 1, "max_queue": 1})
     serve.run(build_app(config), name="tight", route_prefix="/tight")
     yield f"{url}/tight"
@@ -179,6 +180,26 @@ def test_admin_add_and_remove_reach_the_replicas(server, http, tmp_path):
     assert http.post("/v1/completions", json={"model": "tiny-lm-hot", "prompt": "a", "max_tokens": 2}).status_code == 200
     assert http.delete("/v1/admin/variants/tiny-lm-hot", headers=admin).status_code == 200
     assert http.post("/v1/completions", json={"model": "tiny-lm-hot", "prompt": "a"}).status_code == 404
+
+
+def test_models_show_residency_over_every_replica(server, http, tmp_path):
+    """tiny-lm has two replicas; /v1/models reaches one of them per call, yet always sees the variant."""
+    from tests.models import write_perturbed
+
+    ft = write_perturbed(server[1]["tiny-lm"], tmp_path / "ft", seed=12, scale=0.5)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    body = {"name": "tiny-lm-solo", "base": "tiny-lm", "path": str(ft)}
+    assert http.post("/v1/admin/variants", json=body, headers=admin).status_code == 201
+    try:
+        cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+        assert cards["tiny-lm-solo"]["residency"] == "disk"
+        assert http.post("/v1/completions", json={"model": "tiny-lm-solo", "prompt": "a", "max_tokens": 2}
+                         ).status_code == 200
+        for _ in range(8):
+            cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+            assert cards["tiny-lm-solo"]["residency"] == "device"
+    finally:
+        http.delete("/v1/admin/variants/tiny-lm-solo", headers=admin)
 
 
 def test_models_and_metrics(http):

@@ -1,10 +1,17 @@
 """EngineReplica: one Engine serving one base and its variants, as a Ray Serve deployment."""
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from serve.config import parse_config
 from serve.engine.engine import Engine
 from serve.engine.model import SamplingParams
+
+log = logging.getLogger("ray.serve")
 
 MAX_MULTIPLEXED_IDS = 64
 """Variant ids a replica reports to Ray's router as held (affinity only: memory is the cache's budget)."""
@@ -12,38 +19,62 @@ MAX_MULTIPLEXED_IDS = 64
 
 @serve.deployment
 class EngineReplica:
-    def __init__(self, config: dict, base: str):
+    def __init__(self, config: dict, base: str, board: DeploymentHandle):
         self.engine = Engine(parse_config(config), bases=[base])
+        self.board = board
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._reported: dict | None = None
+
+    async def _report(self, force: bool = False) -> None:
+        """Tell the ResidencyBoard what this replica's cache holds, when that changed (or when forced). A
+        board that is away costs a stale /v1/models, never a request or this replica's health."""
+        held = self.engine.cache.resident()
+        if force or held != self._reported:
+            try:
+                await self.board.report.remote(self.replica_id, held)
+                self._reported = held
+            except Exception as e:  # noqa: BLE001
+                log.warning("residency report failed: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s: the board's heartbeat."""
+        await self._report(force=True)
 
     @serve.multiplexed(max_num_models_per_replica=MAX_MULTIPLEXED_IDS)
     async def _hold(self, model_id: str) -> str:
         """Tells Ray's router this replica holds `model_id`, so later requests for it come here."""
         return model_id
 
-    async def _affinity(self) -> None:
+    @asynccontextmanager
+    async def _serving(self) -> AsyncIterator[None]:
+        """Around every request: affinity for its variant first, a residency report after."""
         model_id = serve.get_multiplexed_model_id()
         if model_id:
             await self._hold(model_id)
+        try:
+            yield
+        finally:
+            await self._report()
 
     async def classify(self, model: str, texts: list[str]):
-        await self._affinity()
-        return await self.engine.classify(model, texts)
+        async with self._serving():
+            return await self.engine.classify(model, texts)
 
     async def embed(self, model: str, texts: list[str]):
-        await self._affinity()
-        return await self.engine.embed(model, texts)
+        async with self._serving():
+            return await self.engine.embed(model, texts)
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
                        messages: list[dict] | None = None):
-        await self._affinity()
-        return await self.engine.complete(model, params, prompt=prompt, messages=messages)
+        async with self._serving():
+            return await self.engine.complete(model, params, prompt=prompt, messages=messages)
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
                               messages: list[dict] | None = None):
         """Called with handle.options(stream=True): each TextDelta goes to the ingress as it comes."""
-        await self._affinity()
-        async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages):
-            yield delta
+        async with self._serving():
+            async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages):
+                yield delta
 
     async def models(self):
         return await self.engine.models()
@@ -54,3 +85,7 @@ class EngineReplica:
     async def __del__(self):
         """Serve calls this when the replica stops: finish what is queued, then release the compute thread."""
         await self.engine.drain(timeout_s=25.0)
+        try:
+            await self.board.forget.remote(self.replica_id)
+        except Exception:  # noqa: BLE001  (the board may be stopping too)
+            pass

@@ -4,11 +4,13 @@ multiplexed model id so that replicas already holding a full variant get its req
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from serve.deployments.board import best_tier
 from serve.engine.engine import ModelInfo, TextDelta
 from serve.engine.model import SamplingParams
 from serve.errors import ManyfoldError, Overloaded
@@ -17,9 +19,10 @@ from serve.variants.full import add_full_variant
 
 
 class Router:
-    def __init__(self, store_root: str | Path, handles: dict[str, DeploymentHandle]):
+    def __init__(self, store_root: str | Path, handles: dict[str, DeploymentHandle], board: DeploymentHandle):
         self.store = Store(store_root)
         self.handles = handles
+        self.board = board
 
     def _handle(self, model: str) -> DeploymentHandle:
         self.store.refresh()
@@ -68,8 +71,12 @@ class Router:
             deltas.cancel()  # a no-op once it has ended; else the replica stops generating for a client gone
 
     async def models(self) -> list[ModelInfo]:
+        """Every model; a variant's residency is the best over all replicas of its base (the ResidencyBoard),
+        or the answering replica's own if that is better (it may not have reported yet)."""
         per_base = await asyncio.gather(*(self._call(h.models.remote()) for h in self.handles.values()))
-        return [m for infos in per_base for m in infos]
+        held = await self._call(self.board.residency.remote())
+        return [replace(m, residency=best_tier(m.residency, held.get(m.name, "disk")))
+                for infos in per_base for m in infos]
 
     async def snapshots(self) -> list[dict]:
         return list(await asyncio.gather(*(self._call(h.snapshot.remote()) for h in self.handles.values())))

@@ -129,6 +129,10 @@ class VariantCache:
                 return tier  # type: ignore[return-value]
         return "disk"
 
+    def resident(self) -> dict[str, Residency]:
+        """Every variant held in memory, with its tier."""
+        return {name: tier for tier, entries in self._tiers.items() for name in entries}  # type: ignore[misc]
+
     def used_bytes(self, tier: str) -> int:
         return sum(e.nbytes for e in self._tiers[tier].values())
 
