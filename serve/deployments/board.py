@@ -7,12 +7,12 @@ the board. A replica that stops reporting (gone without a goodbye) drops off aft
 
 import time
 
-from serve.engine.cache import Residency
-
 TIER_RANK: dict[str, int] = {"device": 2, "cpu": 1, "disk": 0}
+"""The residency tiers of serve.engine.cache, best first (not imported from there: the board's process stays
+free of torch)."""
 
 
-def best_tier(*tiers: Residency) -> Residency:
+def best_tier(*tiers: str) -> str:
     return max(tiers, key=TIER_RANK.__getitem__)
 
 
@@ -21,18 +21,18 @@ class ResidencyBoard:
 
     def __init__(self, stale_after_s: float = 60.0):
         self.stale_after_s = stale_after_s
-        self._reports: dict[str, tuple[float, dict[str, Residency]]] = {}
+        self._reports: dict[str, tuple[float, dict[str, str]]] = {}
 
-    def report(self, replica: str, held: dict[str, Residency]) -> None:
+    def report(self, replica: str, held: dict[str, str]) -> None:
         self._reports[replica] = (time.monotonic(), dict(held))
 
     def forget(self, replica: str) -> None:
         self._reports.pop(replica, None)
 
-    def residency(self) -> dict[str, Residency]:
+    def residency(self) -> dict[str, str]:
         """variant -> the best tier any live replica holds it in (variants no replica holds are absent)."""
         now = time.monotonic()
-        out: dict[str, Residency] = {}
+        out: dict[str, str] = {}
         for replica, (at, held) in list(self._reports.items()):
             if now - at > self.stale_after_s:
                 del self._reports[replica]
