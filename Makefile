@@ -33,6 +33,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/manyfold bench fmdelta
 	$(VENV)/bin/manyfold bench coldstart
+	$(VENV)/bin/manyfold bench generation --rate 1.5 --out bench-results/generation-1.5.json
 
 loadtest: $(STAMP)
 	$(PY) -m pip install -q -e '.[loadtest]' $(QUIET)

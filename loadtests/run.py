@@ -25,7 +25,7 @@ from ray import serve
 from loadtests.baselines import LruServer, multiplex_server
 from loadtests.generator import LoadSpec, run_load
 from loadtests.variants import BASE, SCENARIOS, build_loadtest_store, variant_names
-from serve.app import build_app
+from serve.app import BOARD, build_app
 from serve.bench.fmdelta import machine
 from serve.config import ServeConfig
 from serve.data.datasets import CLASSIFICATION
@@ -40,29 +40,30 @@ def free_port() -> int:
 
 
 class PeakMemory:
-    """Peak summed RSS of one Serve application's model replicas (its HTTP ingress, if any, apart), every 0.25 s."""
+    """Peak summed RSS of one Serve application's model replicas, and apart from them its other replicas (an
+    HTTP ingress, Manyfold's residency board), every 0.25 s."""
 
     def __init__(self, app: str):
-        self.app, self.peak, self.peak_ingress, self._stop = app, 0, 0, threading.Event()
+        self.app, self.peak, self.peak_front, self._stop = app, 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _rss(self) -> tuple[int, int]:
-        models = ingress = 0
+        models = front = 0
         for p in psutil.process_iter(["cmdline"]):
             try:
                 cmd = " ".join(p.info["cmdline"] or [])
-                if f"ServeReplica:{self.app}:Ingress" in cmd:
-                    ingress += p.memory_info().rss
+                if f"ServeReplica:{self.app}:Ingress" in cmd or f"ServeReplica:{self.app}:{BOARD}" in cmd:
+                    front += p.memory_info().rss
                 elif f"ServeReplica:{self.app}:" in cmd:
                     models += p.memory_info().rss
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
-        return models, ingress
+        return models, front
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            models, ingress = self._rss()
-            self.peak, self.peak_ingress = max(self.peak, models), max(self.peak_ingress, ingress)
+            models, front = self._rss()
+            self.peak, self.peak_front = max(self.peak, models), max(self.peak_front, front)
             self._stop.wait(0.25)
 
     def __enter__(self):
@@ -110,8 +111,9 @@ def plot(rows: list[dict], path: Path) -> None:
     b.set_yscale("log")
     b.set_title("latency")
     b.legend()
-    fig.suptitle(f"{rows[0]['variants']} variants ({rows[0]['scenario']}), Zipf s={rows[0]['zipf_s']}, {rows[0]['rate_rps']} req/s offered, "
-                 f"budget {rows[0]['budget_models']} models")
+    r = rows[0]
+    fig.suptitle(f"{r['variants']} variants ({r['scenario']}), Zipf s={r['zipf_s']}, {r['rate_rps']} req/s offered, "
+                 f"budget {r['budget_models']} models")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 result = asyncio.run(run_load(url, variants, texts, spec))
             hit = manyfold_hit_rate(url) if name == "manyfold" else baseline_hit_rate(url)
             rows.append({"system": name, **result.summary(), "cache_hit_rate": hit, "peak_rss_mib": mem.peak / MIB,
-                         "peak_ingress_rss_mib": mem.peak_ingress / MIB, "scenario": args.scenario,
+                         "peak_front_rss_mib": mem.peak_front / MIB, "scenario": args.scenario,
                          "variants": args.variants, "zipf_s": args.zipf, "rate_rps": args.rate,
                          "duration_s": args.duration, "budget_models": args.budget_models,
                          "budget_mib": budget / MIB})
@@ -175,13 +177,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{args.variants} MiniLM fine-tunes ({what}), Zipf s={args.zipf}, {args.rate} req/s offered for "
           f"{args.duration} s, weight budget {args.budget_models} models ({budget / MIB:.0f} MiB)")
     print(f"{'system':<10} {'ok':>5} {'err':>4} {'rps':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'hit':>6} "
-          f"{'model RSS MiB':>14} {'ingress MiB':>12}")
+          f"{'model RSS MiB':>14} {'front MiB':>10}")
     for r in rows:
         print(f"{r['system']:<10} {r['ok']:>5} {r['errors']:>4} {r['throughput_rps']:>6.1f} {r['p50_s'] * 1000:>8.0f} "
               f"{r['p95_s'] * 1000:>8.0f} {r['p99_s'] * 1000:>8.0f} {r['cache_hit_rate']:>6.1%} "
-              f"{r['peak_rss_mib']:>14.0f} {r['peak_ingress_rss_mib']:>12.0f}")
+              f"{r['peak_rss_mib']:>14.0f} {r['peak_front_rss_mib']:>10.0f}")
     print("rps: completed requests per second of wall time; hit: share of requests served without a load or "
-          "decode; model RSS: peak summed RSS of the model replicas; ingress: Manyfold's separate HTTP replica")
+          "decode; model RSS: peak summed RSS of the model replicas; front: Manyfold's HTTP ingress and "
+          "residency-board replicas")
     out = Path(f"{args.out}-{args.scenario}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")

@@ -185,6 +185,13 @@ def cmd_bench_coldstart(args: argparse.Namespace) -> None:
     run_coldstart_bench(Path(args.store) if args.store else None, Path(args.out), args.repeats)
 
 
+def cmd_bench_generation(args: argparse.Namespace) -> None:
+    from serve.bench.generation import run_generation_bench
+
+    run_generation_bench(Path(args.store) if args.store else None, Path(args.out), args.rate, args.duration,
+                         args.max_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="manyfold", description="Serve many fine-tuned variants of one base model.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -246,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
     cs.add_argument("--out", default="bench-results/coldstart.json")
     cs.add_argument("--repeats", type=int, default=3)
+    g = add(bench, "generation", cmd_bench_generation, "continuous batching against one request at a time")
+    g.add_argument("--store", help="store with SmolLM2 and its variants (default: the demo store)")
+    g.add_argument("--out", default="bench-results/generation.json")
+    g.add_argument("--rate", type=float, default=4.0, help="offered requests per second")
+    g.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per mode")
+    g.add_argument("--max-tokens", type=int, default=24)
     return p
 
 

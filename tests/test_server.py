@@ -177,7 +177,8 @@ def test_admin_add_and_remove_reach_the_replicas(server, http, tmp_path):
     r = http.post("/v1/admin/variants", json={"name": "tiny-lm-hot", "base": "tiny-lm", "path": str(ft)},
                   headers=admin)
     assert r.status_code == 201
-    assert http.post("/v1/completions", json={"model": "tiny-lm-hot", "prompt": "a", "max_tokens": 2}).status_code == 200
+    hot = {"model": "tiny-lm-hot", "prompt": "a", "max_tokens": 2}
+    assert http.post("/v1/completions", json=hot).status_code == 200
     assert http.delete("/v1/admin/variants/tiny-lm-hot", headers=admin).status_code == 200
     assert http.post("/v1/completions", json={"model": "tiny-lm-hot", "prompt": "a"}).status_code == 404
 

@@ -55,6 +55,12 @@ class TextDelta:
     final: Generation | None = None
 
 
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
 @dataclass
 class _Generating:
     """A variant's running generation: its DecodeBatch, the rows in it, and rows waiting to join."""
@@ -195,10 +201,11 @@ class Engine:
             raise BadRequest(f"model '{model}' is not a classifier")
         return entry.labels, (await self._submit("classify", base, variant, texts)).tolist()
 
-    async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
-        """-> one unit vector per text."""
+    async def embed(self, model: str, texts: list[str]) -> Embeddings:
+        """One unit vector per text, and the tokens read."""
         base, variant = self.resolve(model)
-        return (await self._submit("embed", base, variant, texts)).tolist()
+        vectors = await self._submit("embed", base, variant, texts)
+        return Embeddings(vectors.tolist(), self.bases[base].count_tokens(texts))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
                        messages: list[dict] | None = None) -> Generation:
@@ -249,8 +256,9 @@ class Engine:
         row = self._enqueue(op, base, variant, payload)
         try:
             return await row.future
-        finally:
-            row.cancelled = not row.future.done()
+        except asyncio.CancelledError:  # the caller has gone (and cancelling it cancelled the future)
+            row.cancelled = True
+            raise
 
     @property
     def queue_depth(self) -> int:

@@ -94,6 +94,11 @@ class BaseModelRuntime:
                              return_tensors="pt")
         return {k: v.to(self.device) for k, v in enc.items()}
 
+    def count_tokens(self, texts: list[str]) -> int:
+        """Tokens an encoder reads for these texts (special tokens included, as truncated): embeddings usage."""
+        ids = self.tokenizer(texts, truncation=True, max_length=min(self.max_length, 512))["input_ids"]
+        return sum(len(x) for x in ids)
+
     @torch.no_grad()
     def embed(self, texts: list[str], weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """[n, hidden] unit vectors: mean of the last hidden states over real tokens."""

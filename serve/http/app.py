@@ -33,6 +33,13 @@ def _error(status: int, code: str, message: str, headers: dict | None = None) ->
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+def _internal_error() -> S.ErrorDetail:
+    """Logs the exception being handled; the client gets an id to find it by, never the traceback."""
+    rid = uuid.uuid4().hex[:12]
+    log.exception("internal error (request %s)", rid)
+    return S.ErrorDetail(message=f"internal error (request {rid})", type="internal_error", code="internal_error")
+
+
 def build_http_app(backend, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="Manyfold", version="0.1.0")
     metrics = Metrics()
@@ -55,9 +62,8 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        rid = uuid.uuid4().hex[:12]
-        log.exception("internal error (request %s)", rid)
-        return _error(500, "internal_error", f"internal error (request {rid})")
+        detail = _internal_error()
+        return _error(500, detail.code, detail.message)
 
     # ---- every request: size limit, metrics
     @app.middleware("http")
@@ -154,6 +160,9 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
             except ManyfoldError as e:
                 yield _sse(S.ErrorBody(error=S.ErrorDetail(message=str(e), type=e.code, code=e.code)))
                 yield _SSE_DONE
+            except Exception:
+                yield _sse(S.ErrorBody(error=_internal_error()))
+                yield _SSE_DONE
             finally:
                 await deltas.aclose()  # a client that left stops its row's generation
 
@@ -224,15 +233,15 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         allow(request, t, body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
         check_texts(texts)
-        vectors = np.asarray(await backend.embed(body.model, texts), dtype=np.float32)
+        result = await backend.embed(body.model, texts)
+        vectors = np.asarray(result.vectors, dtype=np.float32)
         if body.encoding_format == "base64":
             data = [S.Embedding(index=i, embedding=base64.b64encode(v.astype("<f4").tobytes()).decode())
                     for i, v in enumerate(vectors)]
         else:
             data = [S.Embedding(index=i, embedding=v.tolist()) for i, v in enumerate(vectors)]
-        n_tokens = sum(len(x.split()) for x in texts)
         return S.EmbeddingResponse(data=data, model=body.model,
-                                   usage=S.Usage(prompt_tokens=n_tokens, total_tokens=n_tokens))
+                                   usage=S.Usage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens))
 
     @app.post("/v1/admin/variants", response_model=S.ModelCard, status_code=201)
     async def add_variant(body: S.AddVariantRequest, request: Request, _=Depends(admin)):

@@ -100,9 +100,11 @@ def test_embeddings_are_sentence_transformers_mean_pooling(engine, serving_store
     out = run(engine.embed("minilm", ["the cat sat", "a dog"]))
     model = AutoModel.from_pretrained(refs["minilm"]).eval()
     tok = AutoTokenizer.from_pretrained(refs["minilm"])
+    assert out.prompt_tokens == sum(len(x) for x in tok(["the cat sat", "a dog"])["input_ids"])
     with torch.no_grad():
         h = model(**tok(["the cat sat"], return_tensors="pt")).last_hidden_state.mean(1)
-    torch.testing.assert_close(torch.tensor(out[0]), torch.nn.functional.normalize(h, dim=-1)[0], atol=1e-5, rtol=0)
+    expected = torch.nn.functional.normalize(h, dim=-1)[0]
+    torch.testing.assert_close(torch.tensor(out.vectors[0]), expected, atol=1e-5, rtol=0)
 
 
 def test_wrong_kind_and_unknown_models(engine):
@@ -260,7 +262,7 @@ def test_a_long_generation_does_not_hold_up_a_classification(serving_store):
     assert not done_first and len(gen.token_ids) == 200
 
 
-def test_a_stream_whose_client_leaves_stops_its_row(serving_store):
+def test_a_caller_that_leaves_stops_its_row(serving_store):
     root, _ = serving_store
     eng = Engine(ServeConfig(store=root))
     eng.bases["tiny-lm"].eos_ids = set()
@@ -272,6 +274,14 @@ def test_a_stream_whose_client_leaves_stops_its_row(serving_store):
         await asyncio.wait_for(eng._queue.join(), 10)  # the row is resolved: it left the batch
         return pieces
 
+    async def cancel():
+        task = asyncio.ensure_future(eng.complete("tiny-lm", SamplingParams(max_tokens=200), prompt="a"))
+        await _wait_for_forwards(eng, 2)
+        task.cancel()
+        await asyncio.wait_for(eng._queue.join(), 10)
+
     pieces = run(leave())
     assert all(p.text and p.final is None for p in pieces)
     assert not eng._generating and eng.batch_sizes.count < 100
+    run(cancel())
+    assert not eng._generating and eng.batch_sizes.count < 200

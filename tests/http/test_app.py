@@ -42,6 +42,12 @@ def test_official_openai_client_completions_chat_embeddings(client):
     emb = oa.embeddings.create(model="minilm", input=["a cat", "a dog"])  # the client asks for base64
     assert len(emb.data) == 2 and len(emb.data[0].embedding) == 384
     assert abs(np.linalg.norm(emb.data[0].embedding) - 1) < 1e-5
+    from transformers import AutoTokenizer
+
+    from serve.data.models import minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    assert emb.usage.prompt_tokens == sum(len(x) for x in tok(["a cat", "a dog"])["input_ids"])
     ids = {m.id for m in oa.models.list()}
     assert {"tiny-lm", "tiny-lm-top", "minilm", "minilm-clf"} <= ids
 
