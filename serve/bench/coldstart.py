@@ -4,12 +4,15 @@ For every full variant of the store, medians over repeats, on one machine in one
   baseline  load the fine-tune's uncompressed safetensors with transformers and run the request
   cold      the engine (bases already resident) serves the variant's first request: FM-Delta decode + run,
             decoding into the buffers of an evicted variant, as every cold load does once the cache is full
-  fresh     the same, into newly allocated memory, as the first loads after a start do (no variant evicted yet)
+            (or into the pool's reserve, faulted in at start, as the first cold load after a start does)
+  fresh     the same with the buffer pool emptied first: into newly allocated memory, as when cold loads come
+            back to back faster than the pool's background top-up
   hot       the same request with the variant resident
   base      the same request on the base model itself (what a hot variant should cost)
 The request is one classification for classifier variants, 8 greedy tokens for causal LM variants.
 Each cold and baseline run is measured twice: with the files in the OS page cache, and with them evicted
-first (posix_fadvise DONTNEED: the variant is cold on disk too, as a rarely called variant is).
+first (posix_fadvise DONTNEED: the variant is cold on disk too, as a rarely called variant is). Every timing
+starts on a quiet machine: a background top-up of the buffer pool is let finish first.
 """
 
 import asyncio
@@ -67,6 +70,7 @@ async def _request(engine: Engine, model: str, causal: bool) -> None:
 
 
 async def _timed(engine: Engine, model: str, causal: bool) -> float:
+    await engine.cache.settle()
     t0 = time.perf_counter()
     await _request(engine, model, causal)
     return time.perf_counter() - t0
@@ -97,6 +101,7 @@ def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> 
             for suffix, evict in (("_s", False), ("_disk_s", True)):
                 if evict:
                     evict_page_cache(ref_files)
+                await engine.cache.settle()
                 t0 = time.perf_counter()
                 await asyncio.to_thread(_baseline, ref_dir, causal)
                 t["baseline" + suffix].append(time.perf_counter() - t0)
@@ -131,8 +136,8 @@ def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> 
               f"{r['baseline_disk_s']:>10.3f} {r['cold_disk_s']:>8.3f} {r['cold_over_baseline_disk']:>8.2f} "
               f"{r['hot_s']:>8.3f} {r['base_s']:>8.3f} {r['hot_over_base']:>8.2f}")
     print("baseline: load the uncompressed fine-tune with transformers + run the request; cold: the variant's first "
-          "request through the engine, FM-Delta decode included, into an evicted variant's buffers (a full cache); "
-          "fresh: the same into new memory (the first loads after a start); hot: resident variant; base: the base "
+          "request through the engine, FM-Delta decode included, into pooled buffers (an evicted variant's, or the "
+          "reserve made at start); fresh: the same into new memory (pool emptied); hot: resident variant; base: the base "
           f"model itself; request: 1 classification or 8 greedy tokens; medians of {repeats} (cold, fresh, "
           f"baseline) and {max(5, repeats)} (hot, base)")
     out.parent.mkdir(parents=True, exist_ok=True)

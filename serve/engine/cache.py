@@ -8,6 +8,7 @@
 """
 
 import asyncio
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -56,21 +57,50 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class BufferPool:
-    """Host memory of evicted variants, kept for the next decode to write into.
+def _key_nbytes(key: tuple[torch.dtype, tuple[int, ...]]) -> int:
+    return math.prod(key[1]) * key[0].itemsize
 
-    A freed 90 MB variant goes back to the OS, and the next decode faults every page back in: on the VMs
-    measured here that is 30-200 ms, as long as the decode itself. A decode in flight already needs one
-    variant's worth of memory beyond the cache's budget; the pool keeps that room, at most the largest
-    variant seen, instead of returning it. Buffers are matched by dtype and shape (the variants of one base
-    share their tensors' shapes); the least recently returned go first when it is over its size.
+
+class BufferPool:
+    """Host memory, already faulted in, for the next decode to write into.
+
+    A freed 90 MB variant goes back to the OS, and the next decode faults every page in again: on the VMs
+    measured here that is 25-210 ms, as long as the decode itself. So the pool keeps the buffers of evicted
+    variants, and holds a reserve shaped like each base's largest variant: made at start, topped up off the
+    request path after a decode has taken it (refill). A decode in flight already needs one variant's worth of
+    memory beyond the cache's budget; the pool holds that room (max_bytes) instead of returning it. Buffers
+    are matched by dtype and shape (the variants of one base share their tensors' shapes); over its size, it
+    frees buffers beyond the reserve's count first, then those of the least recently returned shapes.
     """
 
     def __init__(self) -> None:
         self.max_bytes = 0
         self.free_bytes = 0
         self._free: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = OrderedDict()
+        self._reserve: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
         self._lock = threading.Lock()  # decodes take from worker threads while the event loop returns
+
+    def reserve(self, layout: Sequence[tuple[Sequence[int], torch.dtype]]) -> None:
+        """Keep buffers for these (shape, dtype) ready: one variant's decode outputs. Adds to earlier reserves."""
+        with self._lock:
+            for shape, dtype in layout:
+                key = (dtype, tuple(shape))
+                self._reserve[key] = self._reserve.get(key, 0) + 1
+            self.max_bytes = max(self.max_bytes, sum(n * _key_nbytes(k) for k, n in self._reserve.items()))
+
+    def short(self) -> bool:
+        with self._lock:
+            return any(len(self._free.get(k, ())) < n for k, n in self._reserve.items())
+
+    def refill(self) -> None:
+        """Allocate and touch what the reserve lacks. Slow (page faults): call it off the event loop."""
+        for key, n in list(self._reserve.items()):
+            for _ in range(n):
+                with self._lock:
+                    if len(self._free.get(key, ())) >= n or self.free_bytes + _key_nbytes(key) > self.max_bytes:
+                        break
+                t = torch.empty(key[1], dtype=key[0]).zero_()  # zero_ writes every page: faulted in here
+                self.put([t])
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         key = (dtype, tuple(shape))
@@ -98,8 +128,11 @@ class BufferPool:
                 self._free.move_to_end(key)
                 self.free_bytes += _nbytes(t)
             while self.free_bytes > self.max_bytes:
-                key, buffers = next(iter(self._free.items()))
-                self.free_bytes -= _nbytes(buffers.pop())
+                # Surplus over the reserve goes first, so one whole variant's set stays; then the stalest.
+                key = next((k for k, ts in self._free.items() if len(ts) > self._reserve.get(k, 0)),
+                           next(iter(self._free)))
+                buffers = self._free[key]
+                self.free_bytes -= _nbytes(buffers.pop(0))
                 if not buffers:
                     del self._free[key]
 
@@ -120,6 +153,7 @@ class VariantCache:
         self._loading: dict[str, asyncio.Future] = {}
         self._decode_gate: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self.buffers = BufferPool()
+        self._refilling: asyncio.Future | None = None
         self.stats = CacheStats()
 
     # ---- what is where
@@ -210,7 +244,19 @@ class VariantCache:
             raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
                                    f"{self.device_bytes >> 20} MiB")
         self.stats.load_seconds.observe(time.perf_counter() - t0)
-        return self._promote(entry)
+        entry = self._promote(entry)
+        self._top_up()
+        return entry
+
+    async def settle(self) -> None:
+        """Wait for a background top-up of the buffer pool to finish (benchmarks time a quiet machine)."""
+        if self._refilling is not None and self._refilling.get_loop() is asyncio.get_running_loop():
+            await self._refilling
+
+    def _top_up(self) -> None:
+        """Refill the buffer pool's reserve in a worker thread, one refill at a time."""
+        if self.buffers.short() and (self._refilling is None or self._refilling.done()):
+            self._refilling = asyncio.get_running_loop().run_in_executor(None, self.buffers.refill)
 
     def _promote(self, entry: CachedVariant) -> CachedVariant:
         entry.weights = {k: v.to(self.device) for k, v in entry.weights.items()}

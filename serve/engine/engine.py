@@ -10,6 +10,7 @@ running groups take turns step by step: a long generation does not hold up a cla
 """
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +26,12 @@ from serve.engine.cache import Residency, VariantCache
 from serve.engine.generation import DecodeBatch
 from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
 from serve.engine.stats import BATCH_BUCKETS, Distribution
-from serve.errors import BadRequest, Overloaded, VariantNotFound
+from serve.errors import ArtifactError, BadRequest, Overloaded, VariantNotFound
 from serve.store.store import Store
-from serve.store.tensors import Alloc, tensor_digest
+from serve.store.tensors import DTYPES, Alloc, tensor_digest
 from serve.variants.full import DELTA_FILE, add_full_variant
+
+log = logging.getLogger("manyfold.engine")
 
 Op = Literal["classify", "embed", "generate"]
 
@@ -93,12 +96,12 @@ class Engine:
         self._base_digests: dict[str, dict[str, str]] = {}
         self._base_tensors: dict[str, dict[str, torch.Tensor]] = {}
         self._only = set(bases) if bases is not None else None
-        for name in self.store.manifest.bases:
-            if self._only is None or name in self._only:
-                self._load_base(name)
         c = config.cache
         self.cache = VariantCache(self._decode_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
                                   tuple(c.pinned))
+        for name in self.store.manifest.bases:
+            if self._only is None or name in self._only:
+                self._load_base(name)
         self._queue: asyncio.Queue[Row] | None = None
         self._worker: asyncio.Task | None = None
         self._generating: dict[tuple[str, str | None], _Generating] = {}
@@ -116,6 +119,22 @@ class Engine:
         self._base_tensors[name] = tensors
         self._base_digests[name] = {n: tensor_digest(t) for n, t in tensors.items()}
         self.bases[name] = rt
+        self.cache.buffers.reserve(self._decode_layout(name))
+        self.cache.buffers.refill()
+
+    def _decode_layout(self, base: str) -> list[tuple[list[int], torch.dtype]]:
+        """(shape, dtype) of every tensor a decode of the base's largest full variant (by stored bytes) writes,
+        from its header; nothing when it has none, or when that file is unreadable (its requests will say so)."""
+        variants = [v for v in self.store.manifest.variants.values() if v.base == base and v.kind == "full"]
+        if not variants:
+            return []
+        largest = max(variants, key=lambda v: sum(f.bytes for f in v.files))  # the most changed, roughly
+        try:
+            fmd = FmdFile(self.store.variant_dir(largest.name) / DELTA_FILE)
+        except ArtifactError as e:
+            log.warning("no decode buffers reserved for base '%s': %s", base, e)
+            return []
+        return [(r.shape, DTYPES[r.dtype]) for r in fmd.records.values() if r.codec != "same"]
 
     def _decode_variant(self, name: str, alloc: Alloc) -> tuple[dict[str, torch.Tensor], dict]:
         """Runs in a worker thread: FM-Delta file -> the tensors that differ from the base, plus the head."""

@@ -188,9 +188,10 @@ def test_eviction_churn_under_concurrency_keeps_outputs_exact(serving_store):
     assert eng.cache.stats.evictions > 0
 
 
-def test_evicted_buffers_are_decoded_into_again_but_never_while_in_use(serving_store):
+def test_decodes_write_into_reserved_or_evicted_buffers_but_never_in_use_ones(serving_store):
     root, _ = serving_store
     eng = Engine(ServeConfig(store=root))
+    reserved = {t.data_ptr() for ts in eng.cache.buffers._free.values() for t in ts}
     params = SamplingParams(max_tokens=6, temperature=0)
     expected = run(eng.complete("tiny-lm-all", params, prompt="one two")).token_ids
     base_ptrs = {t.data_ptr() for t in eng._base_tensors["tiny-lm"].values()}
@@ -199,6 +200,7 @@ def test_evicted_buffers_are_decoded_into_again_but_never_while_in_use(serving_s
         return {t.data_ptr() for t in eng.cache._tiers["device"][name].weights.values()}
 
     first = ptrs("tiny-lm-all")
+    assert first <= reserved  # its first decode wrote into buffers faulted in when the engine started
     eng.cache.drop("tiny-lm-all")
     assert eng.cache.buffers.free_bytes > 0
     assert run(eng.complete("tiny-lm-all", params, prompt="one two")).token_ids == expected
@@ -211,9 +213,7 @@ def test_evicted_buffers_are_decoded_into_again_but_never_while_in_use(serving_s
             await eng.complete("tiny-lm-top", params, prompt="one two")  # a decode that wants buffers
             return all(same_bits(entry.weights[k], v) for k, v in held.items())
 
-    free_before = eng.cache.buffers.free_bytes
     assert run(drop_while_running())
-    assert eng.cache.buffers.free_bytes <= free_before
 
 
 async def _wait_for_forwards(eng: Engine, n: int) -> None:
