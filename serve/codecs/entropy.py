@@ -155,43 +155,39 @@ def rans_encode(syms: np.ndarray, enc: np.ndarray) -> np.ndarray:
     return out[ptr:].copy()
 
 
+@njit(inline="always")
+def rans_step(x, words, ptr, nw, freqs, cum, table, sb, slot_mask):
+    """One decode step of state x -> (symbol, state, read position). Renormalisation is branch-free and the read
+    index clamped: a truncated stream reads garbage, never out of bounds, and ptr > nw tells the caller."""
+    slot = x & slot_mask
+    s = table[slot]
+    x = np.uint64(freqs[s]) * (x >> sb) + slot - np.uint64(cum[s])
+    need = x < RANS_L
+    w = np.uint64(words[min(ptr, nw - 1)])
+    x = ((x << np.uint64(32)) | w) if need else x
+    return s, x, ptr + np.int64(need)
+
+
 @njit(cache=True, nogil=True)
 def rans_decode(words: np.ndarray, freqs: np.ndarray, cum: np.ndarray, table: np.ndarray,
                 scale_bits: int, out: np.ndarray) -> int:
-    """Decode out.size symbols into out; returns a status code (OK on success).
-
-    Written out by hand, both states per iteration: helper functions returning tuples halve the speed.
-    """
-    nw = np.uint64(words.size)
+    """Decode out.size symbols into out; returns a status code (OK on success)."""
+    nw = words.size
     if nw < 4:
         return ERR_TRUNCATED
     sb = np.uint64(scale_bits)
     slot_mask = (np.uint64(1) << sb) - np.uint64(1)
     x0 = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(32))
     x1 = np.uint64(words[2]) | (np.uint64(words[3]) << np.uint64(32))
-    ptr = np.uint64(4)
+    ptr = np.int64(4)
     n = out.size
-    for i in range(0, n, 2):
-        slot = x0 & slot_mask
-        s0 = table[slot]
-        x0 = np.uint64(freqs[s0]) * (x0 >> sb) + slot - np.uint64(cum[s0])
-        if x0 < RANS_L:
-            if ptr >= nw:
-                return ERR_TRUNCATED
-            x0 = (x0 << np.uint64(32)) | np.uint64(words[ptr])
-            ptr += np.uint64(1)
-        out[i] = s0
-        if i + 1 == n:
-            break
-        slot = x1 & slot_mask
-        s1 = table[slot]
-        x1 = np.uint64(freqs[s1]) * (x1 >> sb) + slot - np.uint64(cum[s1])
-        if x1 < RANS_L:
-            if ptr >= nw:
-                return ERR_TRUNCATED
-            x1 = (x1 << np.uint64(32)) | np.uint64(words[ptr])
-            ptr += np.uint64(1)
-        out[i + 1] = s1
+    for i in range(0, n - 1, 2):
+        out[i], x0, ptr = rans_step(x0, words, ptr, nw, freqs, cum, table, sb, slot_mask)
+        out[i + 1], x1, ptr = rans_step(x1, words, ptr, nw, freqs, cum, table, sb, slot_mask)
+    if n & 1:
+        out[n - 1], x0, ptr = rans_step(x0, words, ptr, nw, freqs, cum, table, sb, slot_mask)
+    if ptr > nw:
+        return ERR_TRUNCATED
     if x0 != RANS_L or x1 != RANS_L or ptr != nw:
         return ERR_TRAILING
     return OK

@@ -84,12 +84,24 @@ def _symbols(base, fine, bits, syms, raw):
     return wp, counts
 
 
+@njit(inline="always")
+def _element(s, pos, raw, last_word, raw_bits, lead, sign, b, top, mask):
+    """Symbol s, its raw bits at bit position pos, and the base element b -> (ordered value, new pos)."""
+    kb = raw_bits[s]
+    j = np.int64(pos >> np.uint64(5))
+    w = np.uint64(raw[min(j, last_word)]) | (np.uint64(raw[min(j + 1, last_word)]) << np.uint64(32))
+    ld = lead[s]
+    d = ((w >> (pos & np.uint64(31))) & (ld - np.uint64(1))) | ld
+    return np.int64(_to_ordered(np.uint64(b), top, mask)) + sign[s] * np.int64(d), pos + kb
+
+
 @njit(cache=True, nogil=True)
-def _reconstruct(base, syms, raw, bits, out):
-    """Decoding's second pass: base + symbols + raw bits -> fine-tuned bits in out; -> status code."""
-    top = np.uint64(1) << np.uint64(bits - 1)
-    mask = (top << np.uint64(1)) - np.uint64(1)
+def _decode_chunk(words, freqs, cum, table, scale_bits, base, raw, bits, out):
+    """rANS symbols (two interleaved states) + raw bits + base -> fine-tuned bits in out, in one pass (no
+    symbol buffer; the two states' dependency chains overlap the reconstruction); -> status code."""
     one = np.uint64(1)
+    top = one << np.uint64(bits - 1)
+    mask = (top << one) - one
     # Per symbol: raw bit count, the leading one of |d|, and the direction (+1, 0, -1).
     n_sym = 2 * bits + 1
     raw_bits = np.zeros(n_sym, np.uint64)
@@ -101,26 +113,43 @@ def _reconstruct(base, syms, raw, bits, out):
             raw_bits[s] = k
             lead[s] = one << np.uint64(k)
             sign[s] = 1 if s > bits else -1
-    acc = np.uint64(0)
-    nacc = np.uint64(0)
-    rp = 0
-    for i in range(out.size):
-        s = syms[i]
-        kb = raw_bits[s]
-        if nacc < kb:
-            if rp >= raw.size:
-                return entropy.ERR_TRUNCATED
-            acc |= np.uint64(raw[rp]) << nacc
-            rp += 1
-            nacc += np.uint64(32)
-        d = (acc & (lead[s] - one)) | lead[s]
-        acc >>= kb
-        nacc -= kb
-        r = np.int64(_to_ordered(np.uint64(base[i]), top, mask)) + sign[s] * np.int64(d)
-        if np.uint64(r) > mask:  # below zero wraps above mask too
-            return entropy.ERR_CORRUPT
-        out[i] = _from_ordered(np.uint64(r), top, mask)
-    if rp != raw.size or acc != np.uint64(0):
+    nw = words.size
+    if nw < 4:
+        return entropy.ERR_TRUNCATED
+    n_raw = raw.size
+    raw_bits_total = np.uint64(n_raw) * np.uint64(32)
+    if n_raw == 0:
+        raw = np.zeros(1, np.uint32)  # read (harmlessly) by symbols that need raw bits; caught below
+    last_word = raw.size - 1
+    sb = np.uint64(scale_bits)
+    slot_mask = (one << sb) - one
+    x0 = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(32))
+    x1 = np.uint64(words[2]) | (np.uint64(words[3]) << np.uint64(32))
+    ptr = np.int64(4)
+    pos = np.uint64(0)
+    n = out.size
+    seen = np.uint64(0)  # OR of every reconstructed value: any above mask means a corrupt stream
+    for i in range(0, n - 1, 2):
+        s0, x0, ptr = entropy.rans_step(x0, words, ptr, nw, freqs, cum, table, sb, slot_mask)
+        s1, x1, ptr = entropy.rans_step(x1, words, ptr, nw, freqs, cum, table, sb, slot_mask)
+        r0, pos = _element(s0, pos, raw, last_word, raw_bits, lead, sign, base[i], top, mask)
+        r1, pos = _element(s1, pos, raw, last_word, raw_bits, lead, sign, base[i + 1], top, mask)
+        seen |= np.uint64(r0) | np.uint64(r1)
+        out[i] = _from_ordered(np.uint64(r0), top, mask)
+        out[i + 1] = _from_ordered(np.uint64(r1), top, mask)
+    if n & 1:
+        s0, x0, ptr = entropy.rans_step(x0, words, ptr, nw, freqs, cum, table, sb, slot_mask)
+        r0, pos = _element(s0, pos, raw, last_word, raw_bits, lead, sign, base[n - 1], top, mask)
+        seen |= np.uint64(r0)
+        out[n - 1] = _from_ordered(np.uint64(r0), top, mask)
+    if ptr > nw or pos > raw_bits_total:
+        return entropy.ERR_TRUNCATED
+    if seen > mask:  # a value below zero wraps above mask too
+        return entropy.ERR_CORRUPT
+    used = (pos + np.uint64(31)) >> np.uint64(5)
+    spare = pos & np.uint64(31)
+    if (x0 != entropy.RANS_L or x1 != entropy.RANS_L or ptr != nw or used != np.uint64(n_raw)
+            or (spare != 0 and (np.uint64(raw[last_word]) >> spare) != 0)):
         return entropy.ERR_TRAILING
     return entropy.OK
 
@@ -232,10 +261,7 @@ def decode_delta(base: np.ndarray, freqs: np.ndarray, chunks: Sequence[Chunk], o
 
     def one(i):
         lo, hi = int(starts[i]), int(starts[i + 1])
-        syms = np.empty(hi - lo, np.uint8)
-        status = entropy.rans_decode(chunks[i].words, freqs, cum, table, entropy.SCALE_BITS, syms)
-        if status != entropy.OK:
-            return status
-        return _reconstruct(base[lo:hi], syms, chunks[i].raw, bits, out[lo:hi])
+        return _decode_chunk(chunks[i].words, freqs, cum, table, entropy.SCALE_BITS, base[lo:hi], chunks[i].raw,
+                             bits, out[lo:hi])
 
     return max(map_fn(one, range(len(chunks))), default=entropy.OK)
