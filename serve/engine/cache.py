@@ -185,6 +185,7 @@ class VariantCache:
         finally:
             entry.in_use -= 1
             self._fit()
+            self._top_up()  # after the batch, not beside it: the refill's page faults would slow it
 
     async def _acquire(self, name: str) -> CachedVariant:
         device = self._tiers["device"]
@@ -244,9 +245,7 @@ class VariantCache:
             raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
                                    f"{self.device_bytes >> 20} MiB")
         self.stats.load_seconds.observe(time.perf_counter() - t0)
-        entry = self._promote(entry)
-        self._top_up()
-        return entry
+        return self._promote(entry)
 
     async def settle(self) -> None:
         """Wait for a background top-up of the buffer pool to finish (benchmarks time a quiet machine)."""
