@@ -223,8 +223,7 @@ class Engine:
     async def embed(self, model: str, texts: list[str]) -> Embeddings:
         """One unit vector per text, and the tokens read."""
         base, variant = self.resolve(model)
-        vectors = await self._submit("embed", base, variant, texts)
-        return Embeddings(vectors.tolist(), self.bases[base].count_tokens(texts))
+        return await self._submit("embed", base, variant, texts)
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
                        messages: list[dict] | None = None) -> Generation:
@@ -393,10 +392,14 @@ class Engine:
     def _compute_group(self, rows: list[Row], weights: dict | None, extra: dict) -> list:
         op, rt = rows[0].op, self.bases[rows[0].base]
         texts = [t for r in rows for t in r.payload]
-        out = rt.embed(texts, weights) if op == "embed" else rt.classify(texts, weights, extra.get("head", {}))
+        if op == "embed":
+            out, tokens = rt.embed(texts, weights)
+        else:
+            out = rt.classify(texts, weights, extra.get("head", {}))
         results, at = [], 0
         for r in rows:
-            results.append(out[at:at + len(r.payload)])
+            span = slice(at, at + len(r.payload))
+            results.append(Embeddings(out[span].tolist(), int(tokens[span].sum())) if op == "embed" else out[span])
             at += len(r.payload)
         return results
 

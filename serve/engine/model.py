@@ -94,20 +94,17 @@ class BaseModelRuntime:
                              return_tensors="pt")
         return {k: v.to(self.device) for k, v in enc.items()}
 
-    def count_tokens(self, texts: list[str]) -> int:
-        """Tokens an encoder reads for these texts (special tokens included, as truncated): embeddings usage."""
-        ids = self.tokenizer(texts, truncation=True, max_length=min(self.max_length, 512))["input_ids"]
-        return sum(len(x) for x in ids)
-
     @torch.no_grad()
-    def embed(self, texts: list[str], weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """[n, hidden] unit vectors: mean of the last hidden states over real tokens."""
+    def embed(self, texts: list[str], weights: dict[str, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([n, hidden] unit vectors: mean of the last hidden states over real tokens, [n] tokens read per text,
+        special tokens included, as truncated)."""
         self._need(encoder=True)
         enc = self._tokenize(texts)
         hidden = self.call(weights, **enc).last_hidden_state  # [n, seq, hidden]
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1)
+        return torch.nn.functional.normalize(pooled, dim=-1), enc["attention_mask"].sum(1)
 
     @torch.no_grad()
     def classify(self, texts: list[str], weights: dict[str, torch.Tensor] | None, head: dict) -> torch.Tensor:
