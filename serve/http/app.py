@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.config import ServeConfig, key_digest
 from serve.engine.engine import TextDelta
-from serve.engine.model import Generation, SamplingParams
+from serve.engine.model import SamplingParams
 from serve.errors import BadRequest, Forbidden, ManyfoldError, TooLarge, Unauthorized, first_error
 from serve.http import schemas as S
 from serve.metrics import Metrics
@@ -137,23 +137,25 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
                  for m in await backend.models() if t is None or "*" in t.models or m.name in t.models]
         return S.ModelList(data=cards)
 
-    async def stream(body: S._Sampling, deltas: AsyncIterator[TextDelta],
-                     chunk: Callable[[TextDelta, bool], BaseModel],
-                     usage_chunk: Callable[[Generation], BaseModel]) -> StreamingResponse:
-        """Server-sent events. The first piece is awaited before the response starts, so a refusal (404, 429,
-        ...) is still an HTTP status; an error after that is a last `error` event before [DONE]."""
+    async def stream(body: S._Sampling, deltas: AsyncIterator[TextDelta], kind: type[BaseModel], prefix: str,
+                     choice: Callable[[TextDelta, bool, str | None], BaseModel]) -> StreamingResponse:
+        """Server-sent events of `kind` chunks, each holding choice(delta, is_first, finish_reason). The first
+        piece is awaited before the response starts, so a refusal (404, 429, ...) is still an HTTP status; an
+        error after that is a last `error` event before [DONE]."""
         first = await anext(deltas)
+        envelope = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
 
         async def events() -> AsyncIterator[str]:
             d, head = first, True
             try:
                 while True:
-                    yield _sse(chunk(d, head))
+                    reason = d.final.finish_reason if d.final else None
+                    yield _sse(kind(**envelope, choices=[choice(d, head, reason)]))
                     head = False
                     if d.final is not None:
                         _count_tokens(metrics, body.model, d.final)
                         if body.stream_options and body.stream_options.include_usage:
-                            yield _sse(usage_chunk(d.final))
+                            yield _sse(kind(**envelope, choices=[], usage=_usage(d.final)))
                         break
                     d = await anext(deltas)
                 yield _SSE_DONE
@@ -174,20 +176,14 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         check_texts([prompt])
         params = sampling(body, body.max_tokens)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            def chunk(d: TextDelta, head: bool) -> S.CompletionChunk:
-                reason = d.final.finish_reason if d.final else None
-                return S.CompletionChunk(id=rid, created=created, model=body.model,
-                                         choices=[S.CompletionChunkChoice(text=d.text, finish_reason=reason)])
-
-            return await stream(body, backend.complete_stream(body.model, params, prompt=prompt), chunk,
-                                lambda gen: S.CompletionChunk(id=rid, created=created, model=body.model,
-                                                              choices=[], usage=_usage(gen)))
+            return await stream(body, backend.complete_stream(body.model, params, prompt=prompt), S.CompletionChunk,
+                                "cmpl", lambda d, head, reason: S.CompletionChunkChoice(text=d.text,
+                                                                                      finish_reason=reason))
         gen = await backend.complete(body.model, params, prompt=prompt)
         _count_tokens(metrics, body.model, gen)
         return S.CompletionResponse(
-            id=rid, created=created, model=body.model,
+            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
             choices=[S.CompletionChoice(index=0, text=gen.text, finish_reason=gen.finish_reason)],
             usage=_usage(gen))
 
@@ -197,21 +193,17 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         check_texts([m.content for m in body.messages])
         params = sampling(body, body.max_completion_tokens or body.max_tokens)
         messages = [m.model_dump() for m in body.messages]
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            def chunk(d: TextDelta, head: bool) -> S.ChatCompletionChunk:
-                delta = S.ChatDelta(role="assistant" if head else None, content=d.text)
-                reason = d.final.finish_reason if d.final else None
-                return S.ChatCompletionChunk(id=rid, created=created, model=body.model,
-                                             choices=[S.ChatChunkChoice(delta=delta, finish_reason=reason)])
+            def choice(d: TextDelta, head: bool, reason: str | None) -> S.ChatChunkChoice:
+                return S.ChatChunkChoice(delta=S.ChatDelta(role="assistant" if head else None, content=d.text),
+                                         finish_reason=reason)
 
-            return await stream(body, backend.complete_stream(body.model, params, messages=messages), chunk,
-                                lambda gen: S.ChatCompletionChunk(id=rid, created=created, model=body.model,
-                                                                  choices=[], usage=_usage(gen)))
+            return await stream(body, backend.complete_stream(body.model, params, messages=messages),
+                                S.ChatCompletionChunk, "chatcmpl", choice)
         gen = await backend.complete(body.model, params, messages=messages)
         _count_tokens(metrics, body.model, gen)
         return S.ChatCompletionResponse(
-            id=rid, created=created, model=body.model,
+            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
             choices=[S.ChatChoice(index=0, message=S.AssistantMessage(content=gen.text),
                                   finish_reason=gen.finish_reason)],
             usage=_usage(gen))
