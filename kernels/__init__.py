@@ -1,1 +1,23 @@
-"""Triton kernels, each beside a torch reference of the same signature (none yet: FM-Delta decodes on CPU)."""
+"""Public ops of Manyfold's kernels; each binds per call to its Triton form or its torch twin via _backend.
+
+The engine imports only these names; kernels/ imports nothing from serve/.
+"""
+
+import torch
+
+from kernels._backend import dispatch
+from kernels.lora_expand import lora_expand_torch, lora_expand_triton
+from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
+from kernels.segments import NO_SLOT, Segments, make_segments
+
+__all__ = ["NO_SLOT", "Segments", "lora_expand", "lora_shrink", "make_segments"]
+
+
+def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """z[t] = scale[s] * x[t] @ a_stacked[s].T for s = slot[t] >= 0, else 0; z is a new [T, R] fp32 tensor."""
+    return dispatch(lora_shrink_torch, lora_shrink_triton, x)(x, a_stacked, scale, seg)
+
+
+def lora_expand(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, y: torch.Tensor) -> torch.Tensor:
+    """y[t] += z[t] @ b_stacked[s].T for s = slot[t] >= 0, in place; NO_SLOT rows untouched. Returns y."""
+    return dispatch(lora_expand_torch, lora_expand_triton, y)(z, b_stacked, seg, y)

@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @contextmanager
-def _progress(desc: str, total: int):
+def _progress(desc: str, total: int | None = None):
     """A tqdm bar on stderr, advanced by calling the yielded function once per item."""
     from tqdm import tqdm
 
@@ -83,14 +83,18 @@ def cmd_store_add(args: argparse.Namespace) -> None:
         entry = store.add_base(args.name, args.model)
         print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params)")
         return
-    from serve.variants.full import add_full_variant
+    from serve.config import SlotsConfig
+    from serve.variants import variant_kind
 
+    kind = variant_kind(args.kind)
     if not args.base:
-        raise ConfigError("store add --kind full needs --base NAME (a base in the store)")
-    with _progress("compress", len(_tensors(args.model))) as tick:
-        entry, stats = add_full_variant(store, args.name, args.base, args.model, progress=tick)
-    print(f"added full variant '{entry.name}' of '{entry.base}': {_human(stats.raw_bytes)} stored as "
-          f"{_human(stats.file_bytes)} ({stats.ratio:.1%})")
+        raise ConfigError(f"store add --kind {args.kind} needs --base NAME (a base in the store)")
+    with _progress(f"add {args.kind}") as tick:
+        entry = kind.add(store, args.name, args.base, Path(args.model), progress=tick,
+                         slots=SlotsConfig(max_rank=args.max_rank))
+    stored = sum(f.bytes for f in entry.files)
+    print(f"added {entry.kind} variant '{entry.name}' of '{entry.base}': {_human(entry.raw_bytes)} stored as "
+          f"{_human(stored)} ({stored / max(entry.raw_bytes, 1):.1%})")
 
 
 def cmd_store_remove(args: argparse.Namespace) -> None:
@@ -99,22 +103,24 @@ def cmd_store_remove(args: argparse.Namespace) -> None:
 
 
 def cmd_store_verify(args: argparse.Namespace) -> None:
-    from serve.variants.full import load_full_variant
+    from serve.variants import variant_kind
 
     store = _store(args)
     names = [args.name] if args.name else [*store.manifest.bases, *store.manifest.variants]
     for name in names:
-        entry = store.manifest.bases.get(name) or store.variant(name)
-        store.verify(entry)
-        if entry.kind == "full":
-            load_full_variant(store, name)
+        if name in store.manifest.bases:
+            store.verify(store.manifest.bases[name])
+        else:
+            entry = store.variant(name)
+            variant_kind(entry.kind).verify(store, entry)
         print(f"{name}: ok")
 
 
 def cmd_store_extract(args: argparse.Namespace) -> None:
-    from serve.variants.full import extract_full_variant
+    from serve.variants import variant_kind
 
-    print(extract_full_variant(_store(args), args.name, args.out))
+    store = _store(args)
+    print(variant_kind(store.variant(args.name).kind).extract(store, args.name, Path(args.out)))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -227,17 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("store", help="the variant store").add_subparsers(dest="action", required=True)
     default_store = os.environ.get("MANYFOLD_STORE")
     for name, fn, help in [("list", cmd_store_list, "list bases and variants with their sizes"),
-                           ("add", cmd_store_add, "add a base model or a full fine-tune"),
+                           ("add", cmd_store_add, "add a base model or a variant of any kind"),
                            ("remove", cmd_store_remove, "remove a variant (or a base without variants)"),
                            ("verify", cmd_store_verify, "check every file's checksum and decode full variants"),
                            ("extract", cmd_store_extract, "write a variant back out as a HF model directory")]:
         sp = add(st, name, fn, help)
         sp.add_argument("--store", default=default_store, required=default_store is None)
     st.choices["list"].add_argument("--json", action="store_true")
-    st.choices["add"].add_argument("--kind", choices=["base", "full"], required=True)
+    st.choices["add"].add_argument("--kind", required=True,
+                                   help="base, or a variant kind: full, lora, pissa (see serve/variants/)")
     st.choices["add"].add_argument("--name", required=True)
-    st.choices["add"].add_argument("--model", required=True, help="HF model directory to add")
-    st.choices["add"].add_argument("--base", help="for --kind full: the store base it was fine-tuned from")
+    st.choices["add"].add_argument("--model", required=True,
+                                   help="a HF model directory (base, full) or a PEFT adapter directory (lora, pissa)")
+    st.choices["add"].add_argument("--base", help="for a variant: the store base it was fine-tuned from")
+    st.choices["add"].add_argument("--max-rank", type=int, default=64,
+                                   help="adapters: the largest rank the server's slots take (slots.max_rank)")
     st.choices["remove"].add_argument("name")
     st.choices["verify"].add_argument("name", nargs="?")
     st.choices["extract"].add_argument("--name", required=True)

@@ -36,6 +36,13 @@ class BatchConfig(StrictModel):
     """Variant groups in flight at once: while one waits for its variant's decode, the others run."""
 
 
+class SlotsConfig(StrictModel):
+    max_adapters: Annotated[int, Field(ge=1, le=1024)] = 16
+    """LoRA / PiSSA adapters a base holds in its stacked slots at once (rows of more wait for a free slot)."""
+    max_rank: Annotated[int, Field(ge=1, le=1024)] = 64
+    """Largest adapter rank a slot takes (a converted PiSSA adapter of rank r has 2r); larger ones are refused."""
+
+
 class LimitsConfig(StrictModel):
     max_request_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
     max_tokens: Annotated[int, Field(ge=1)] = 512
@@ -97,6 +104,7 @@ class ServeConfig(StrictModel):
     ingress_replicas: Annotated[int, Field(ge=1)] = 1
     cache: CacheConfig = CacheConfig()
     batch: BatchConfig = BatchConfig()
+    slots: SlotsConfig = SlotsConfig()
     limits: LimitsConfig = LimitsConfig()
 
     @field_validator("store")

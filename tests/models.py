@@ -58,3 +58,30 @@ def write_perturbed(src: Path, dst: Path, seed: int, scale: float = 0.02, only: 
         if is_tokenizer_file(f.name):
             (dst / f.name).write_bytes(f.read_bytes())
     return dst
+
+
+def write_lora(src: Path, dst: Path, seed: int, r: int, targets: list[str], classes: list[str] | None = None,
+               **options) -> Path:
+    """A PEFT LoRA adapter of the model in src with random, non-zero A and B (as if trained); with classes, a
+    sequence-classification adapter whose head is saved through modules_to_save."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    if classes:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            src, num_labels=len(classes), id2label=dict(enumerate(classes)))
+        options.setdefault("task_type", "SEQ_CLS")
+    elif any(a.endswith("ForCausalLM") for a in AutoConfig.from_pretrained(src).architectures or []):
+        model = AutoModelForCausalLM.from_pretrained(src)
+    else:
+        model = AutoModel.from_pretrained(src)
+    peft = get_peft_model(model, LoraConfig(r=r, target_modules=targets, init_lora_weights=False, **options))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.5)
+    peft.save_pretrained(dst)
+    if classes:
+        model.config.save_pretrained(dst)  # id2label for the store
+    return dst

@@ -52,7 +52,7 @@ def test_smollm2_top_layer_variant_serves_transformers_identical_tokens(tmp_path
     from serve.data.models import smollm2_dir
     from serve.demo import LmTask, finetune_lm_top_layers, lm_corpus
     from serve.engine.engine import Engine
-    from serve.engine.model import SamplingParams
+    from serve.engine.types import SamplingParams
     from serve.store.store import Store
     from serve.variants.full import add_full_variant
 

@@ -28,7 +28,7 @@ import torch
 from serve.bench.fmdelta import machine
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
-from serve.engine.model import SamplingParams
+from serve.engine.types import SamplingParams
 from serve.store.store import Store
 from serve.variants.full import extract_full_variant
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from serve.bench.fmdelta import machine
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
-from serve.engine.model import SamplingParams
+from serve.engine.types import SamplingParams
 
 PROMPTS = ["Give me one short piece of advice.", "Tell me about the sea.", "What is a good breakfast?",
            "Write one line about autumn.", "Why do cats sleep so much?", "Name a famous bridge."]

@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve.config import parse_config
 from serve.engine.engine import Engine
-from serve.engine.model import SamplingParams
+from serve.engine.types import SamplingParams
 
 log = logging.getLogger("ray.serve")
 
@@ -75,6 +75,9 @@ class EngineReplica:
         async with self._serving():
             async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages):
                 yield delta
+
+    async def add_variant(self, name: str, base: str, path: str, kind: str):
+        return await self.engine.add_variant(name, base, path, kind)
 
     async def models(self):
         return await self.engine.models()

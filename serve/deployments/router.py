@@ -11,11 +11,9 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve.deployments.board import best_tier
-from serve.engine.engine import ModelInfo, TextDelta
-from serve.engine.model import SamplingParams
+from serve.engine.types import ModelInfo, SamplingParams, TextDelta
 from serve.errors import ManyfoldError, Overloaded
 from serve.store.store import Store
-from serve.variants.full import add_full_variant
 
 
 class Router:
@@ -81,12 +79,12 @@ class Router:
     async def snapshots(self) -> list[dict]:
         return list(await asyncio.gather(*(self._call(h.snapshot.remote()) for h in self.handles.values())))
 
-    async def add_variant(self, name: str, base: str, path: str) -> ModelInfo:
-        """Written to the store here; replicas see the new manifest on their next request."""
-        if base not in self.handles:
-            self.store.base(base)  # VariantNotFound for an unknown base
-        entry, _ = await asyncio.to_thread(add_full_variant, self.store, name, base, path)
-        return ModelInfo(entry.name, entry.kind, entry.base, "disk", entry.labels)
+    async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
+        """Validated and stored by one of the base's replicas (the ingress runs no model code); the others see
+        the new manifest on their next request."""
+        self.store.refresh()
+        self.store.base(base)  # VariantNotFound for an unknown base
+        return await self._call(self.handles[base].add_variant.remote(name, base, path, kind))
 
     async def remove_variant(self, name: str) -> None:
         self.store.refresh()

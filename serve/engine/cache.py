@@ -1,8 +1,9 @@
-"""The variant cache: decoded variant weights in two byte-budgeted LRU tiers (device, cpu); disk is the store.
+"""The variant cache: loaded variants of every kind in two byte-budgeted LRU tiers (device, cpu); disk is the store.
 
-- Exactly one decode per cold variant: every request that waits for it awaits the same future.
-- Decoding runs in a worker thread, off the event loop.
-- Entries in use by a running batch are never evicted; pinned entries never leave the device tier.
+- Exactly one load per cold variant: every request that waits for it awaits the same future.
+- Loading (an FM-Delta decode, an adapter read) runs in a worker thread, off the event loop.
+- An entry is held (in_use) from the moment its load finishes or a lookup finds it, before anything may evict
+  it, until its rows release it; pinned entries never leave the device tier.
 - Eviction drops the cache's references at once, so the memory goes back as soon as no batch holds it;
   the buffers a decode wrote go to a BufferPool that the next decode writes into.
 """
@@ -13,30 +14,33 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
 
-from serve.engine.buffers import BufferPool, tensor_nbytes
+from serve.engine.buffers import BufferPool
 from serve.engine.stats import SECONDS_BUCKETS, Distribution
+from serve.engine.types import Residency
 from serve.errors import CapacityExceeded
 from serve.store.tensors import Alloc
-
-Residency = Literal["device", "cpu", "disk"]
-
+from serve.variants.base import LoadedVariant
 
 @dataclass
 class CachedVariant:
-    name: str
-    weights: dict[str, torch.Tensor]
-    """Only the tensors that differ from the base; the base's own are shared, not copied."""
-    extra: dict = field(default_factory=dict)
-    """Kind-specific pieces that are not module weights (a classifier head, labels)."""
+    variant: LoadedVariant
+    """Only the tensors that differ from the base (or an adapter's own); the base's are shared, not copied."""
     nbytes: int = 0
     in_use: int = 0
+    """Rows or batches holding it: never evicted while > 0."""
     owned: list[torch.Tensor] = field(default_factory=list)
     """The buffers its decode took from the pool (never a base tensor): recycled when it leaves memory."""
     resident: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.variant.tensors
 
 
 @dataclass
@@ -47,13 +51,8 @@ class CacheStats:
     load_seconds: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
 
 
-def weights_nbytes(weights: dict[str, torch.Tensor], extra: dict) -> int:
-    tensors = [*weights.values(), *(v for v in extra.values() if isinstance(v, torch.Tensor))]
-    return sum(tensor_nbytes(t) for t in tensors)
-
-
-Loader = Callable[[str, Alloc], tuple[dict[str, torch.Tensor], dict]]
-"""loader(name, alloc) -> (weights, extra): decodes a variant, making its new tensors with alloc(shape, dtype)."""
+Loader = Callable[[str, Alloc], LoadedVariant]
+"""loader(name, alloc) -> the variant in memory; its new tensors come from alloc(shape, dtype) (a kind's load)."""
 
 
 class VariantCache:
@@ -87,42 +86,50 @@ class VariantCache:
 
     # ---- use
     @asynccontextmanager
-    async def use(self, name: str, requests: int = 1) -> AsyncIterator[CachedVariant]:
-        """The decoded variant, held on the device tier for the duration of the block.
-
-        requests: how many requests this one lookup serves (a batch group); the others count as hits, as
-        requests waiting on another's decode do, so hit rates compare with per-request caches."""
-        entry = await self._acquire(name)
-        self.stats.hits += requests - 1
-        entry.in_use += 1
+    async def use(self, name: str) -> AsyncIterator[CachedVariant]:
+        """The loaded variant, held on the device tier for the duration of the block."""
+        entry = await self.acquire(name)
         try:
             yield entry
         finally:
-            entry.in_use -= 1
-            self._fit()
-            self._top_up()  # after the batch, not beside it: the refill's page faults would slow it
+            self.release(entry)
 
-    async def _acquire(self, name: str) -> CachedVariant:
+    def try_acquire(self, name: str) -> CachedVariant | None:
+        """The variant held for the caller if it is in memory now (a hit), else None; no waiting."""
         device = self._tiers["device"]
         if name in device:
-            self.stats.hits += 1
+            entry = device[name]
             device.move_to_end(name)
-            return device[name]
-        if name in self._tiers["cpu"]:
+        elif name in self._tiers["cpu"]:
+            entry = self._tiers["cpu"].pop(name)
+            entry.in_use += 1  # held before _promote's _fit can evict it
+            self._promote(entry)
             self.stats.hits += 1
-            return self._promote(self._tiers["cpu"].pop(name))
-        if name in self._loading:  # someone is decoding it: share that decode
+            return entry
+        else:
+            return None
+        self.stats.hits += 1
+        entry.in_use += 1
+        return entry
+
+    async def acquire(self, name: str) -> CachedVariant:
+        """The variant, loaded if need be, held for the caller until release(); at most one load at a time."""
+        entry = self.try_acquire(name)
+        if entry is not None:
+            return entry
+        if name in self._loading:  # someone is loading it: share that load
             self.stats.hits += 1
             entry = await asyncio.shield(self._loading[name])
             if entry.resident:
+                entry.in_use += 1
                 return entry
-            # Evicted between its decode and this waiter's turn, its buffers recycled: decode it again.
-            return await self._acquire(name)
+            # Evicted between its load and this waiter's turn, its buffers recycled: load it again.
+            return await self.acquire(name)
         self.stats.misses += 1
         future = asyncio.get_running_loop().create_future()
         self._loading[name] = future
         try:
-            entry = await self._load(name)
+            entry = await self._load(name)  # held (in_use 1) for this caller
             future.set_result(entry)
             return entry
         except BaseException as e:
@@ -131,6 +138,14 @@ class VariantCache:
             raise
         finally:
             del self._loading[name]
+
+    def release(self, entry: CachedVariant) -> None:
+        entry.in_use -= 1
+        if not entry.resident and entry.in_use == 0:
+            self.buffers.put(entry.owned)  # dropped while held: its buffers go back now
+            entry.owned = []
+        self._fit()
+        self._top_up()  # after the batch, not beside it: the refill's page faults would slow it
 
     def _gate(self) -> asyncio.Semaphore:
         """One decode at a time: it already uses every core, and each in flight is memory beyond the budget."""
@@ -149,13 +164,14 @@ class VariantCache:
         async with self._gate():
             t0 = time.perf_counter()
             try:
-                weights, extra = await asyncio.to_thread(self._loader, name, alloc)
+                variant = await asyncio.to_thread(self._loader, name, alloc)
             except BaseException:
                 self.buffers.put(owned)
                 raise
-        entry = CachedVariant(name, weights, extra, weights_nbytes(weights, extra), owned=owned)
+        entry = CachedVariant(variant, variant.nbytes, in_use=1, owned=owned)
         self.buffers.max_bytes = max(self.buffers.max_bytes, entry.nbytes)
         if entry.nbytes > self.device_bytes:
+            entry.in_use = 0
             self._release(entry)
             raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
                                    f"{self.device_bytes >> 20} MiB")
@@ -173,9 +189,11 @@ class VariantCache:
             self._refilling = asyncio.get_running_loop().run_in_executor(None, self.buffers.refill)
 
     def _promote(self, entry: CachedVariant) -> CachedVariant:
-        entry.weights = {k: v.to(self.device) for k, v in entry.weights.items()}
+        v = entry.variant
+        v.tensors = {k: t.to(self.device) for k, t in v.tensors.items()}
+        v.head = {k: t.to(self.device) for k, t in v.head.items()}
         if self.device.type != "cpu":
-            entry.owned = []  # host staging copies: freed, not pooled (a head in extra may still use one)
+            entry.owned = []  # host staging copies: freed, not pooled
         self._tiers["device"][entry.name] = entry
         self._fit()
         return entry
@@ -192,7 +210,7 @@ class VariantCache:
                 break
             entry = device.pop(name)
             if entry.nbytes <= self.cpu_bytes:
-                entry.weights = {k: v.to("cpu") for k, v in entry.weights.items()}
+                entry.variant.tensors = {k: t.to("cpu") for k, t in entry.variant.tensors.items()}
                 cpu[name] = entry
             else:
                 self._release(entry)
@@ -204,11 +222,11 @@ class VariantCache:
             self.stats.evictions += 1
 
     def _release(self, entry: CachedVariant) -> None:
-        """entry has left memory: its decode buffers go to the pool unless a running batch still reads them."""
+        """entry has left memory: its decode buffers go to the pool now, or when the last holder releases it."""
         entry.resident = False
         if entry.in_use == 0:
             self.buffers.put(entry.owned)
-        entry.owned = []
+            entry.owned = []
 
     def drop(self, name: str) -> None:
         """Forget a variant (removed or replaced in the store); a running batch keeps its own reference."""

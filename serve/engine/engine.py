@@ -1,12 +1,13 @@
 """Engine: the bases of a store in memory, a variant cache, and a batching scheduler. No Ray, no HTTP.
 
 Requests become rows in a bounded queue (full -> Overloaded, HTTP 429). The scheduler takes the first waiting
-row, gathers more for up to `batch_wait_timeout_s` or `max_batch_size` rows, and groups them by (operation,
-base, variant). Base rows share one forward; each full variant's rows run with its weights swapped in (see
-model.py). A classify or embed group is one forward. Generation is continuous: a generate group becomes its
-variant's running DecodeBatch, which later rows for that variant join between decode steps, up to
-`max_batch_size` rows. Every forward runs on one compute thread, so the event loop keeps answering, and the
-running groups take turns step by step: a long generation does not hold up a classification.
+row and gathers more for up to `batch_wait_timeout_s` or `max_batch_size` rows. A row whose variant is in
+memory is held in the cache and dispatched at once; a cold one is loaded first (one load per variant, in a
+worker thread), so it never holds up the others. Dispatched rows of one base share forwards whatever their
+variants: classify and embed rows of a gather are one forward; generate rows join their base's one running
+DecodeBatch between decode steps, up to `max_batch_size` rows. Every forward runs on one compute thread, so
+the event loop keeps answering, and the base's batches take turns step by step: a long generation does not
+hold up a classification. A row holds its variant in the cache until it is answered.
 """
 
 import asyncio
@@ -14,26 +15,25 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
-from serve.codecs.fmdelta_file import FmdFile
 from serve.config import ServeConfig
-from serve.engine.cache import Residency, VariantCache
-from serve.engine.generation import DecodeBatch
-from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
+from serve.engine.cache import CachedVariant, VariantCache
+from serve.engine.generation import DecodeBatch, NewRow
+from serve.engine.model import BaseModelRuntime
 from serve.engine.stats import BATCH_BUCKETS, Distribution
-from serve.errors import ArtifactError, BadRequest, Overloaded, VariantNotFound
+from serve.engine.types import Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
+from serve.errors import ArtifactError, BadRequest, CapacityExceeded, Overloaded, VariantNotFound
 from serve.store.store import Store
-from serve.store.tensors import DTYPES, Alloc, tensor_digest
-from serve.variants.full import DELTA_FILE, add_full_variant
+from serve.store.tensors import Alloc
+from serve.variants import variant_kind
+from serve.variants.base import LoadedVariant
 
 log = logging.getLogger("manyfold.engine")
 
 Op = Literal["classify", "embed", "generate"]
+__all__ = ["Embeddings", "Engine", "ModelInfo", "TextDelta"]
 
 
 @dataclass(eq=False)
@@ -47,43 +47,22 @@ class Row:
     """Generation only: the row's text after every step, then None once the future is resolved."""
     cancelled: bool = False
     """Its caller has gone: a running generation drops the row at the next step."""
+    held: CachedVariant | None = None
+    """Its variant, held in the cache from dispatch until the row is answered."""
     enqueued_s: float = field(default_factory=time.perf_counter)
 
-
-@dataclass(frozen=True)
-class TextDelta:
-    """A piece of a streamed completion; the last one carries the whole Generation (finish reason, counts)."""
-
-    text: str
-    final: Generation | None = None
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    vectors: list[list[float]]
-    prompt_tokens: int
+    @property
+    def loaded(self) -> LoadedVariant | None:
+        return self.held.variant if self.held is not None else None
 
 
 @dataclass
 class _Generating:
-    """A variant's running generation: its DecodeBatch, the rows in it, and rows waiting to join."""
+    """A base's running generation: its DecodeBatch, the rows in it, and rows waiting to join."""
 
-    pending: list[Row]
-    capacity: int
+    batch: DecodeBatch
+    pending: list[Row] = field(default_factory=list)
     running: list[Row] = field(default_factory=list)
-    batch: DecodeBatch | None = None
-
-    def room(self) -> int:
-        return self.capacity - len(self.running) - len(self.pending)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    kind: str
-    base: str | None
-    residency: Residency
-    labels: list[str] | None
 
 
 class Engine:
@@ -93,18 +72,16 @@ class Engine:
         self.config = config
         self.store = Store(config.store)
         self.bases: dict[str, BaseModelRuntime] = {}
-        self._base_digests: dict[str, dict[str, str]] = {}
-        self._base_tensors: dict[str, dict[str, torch.Tensor]] = {}
         self._only = set(bases) if bases is not None else None
         c = config.cache
-        self.cache = VariantCache(self._decode_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
+        self.cache = VariantCache(self._load_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
                                   tuple(c.pinned))
         for name in self.store.manifest.bases:
             if self._only is None or name in self._only:
                 self._load_base(name)
         self._queue: asyncio.Queue[Row] | None = None
         self._worker: asyncio.Task | None = None
-        self._generating: dict[tuple[str, str | None], _Generating] = {}
+        self._generating: dict[str, _Generating] = {}
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
         self._accepting = True
         self.batch_sizes = Distribution(BATCH_BUCKETS)
@@ -112,42 +89,35 @@ class Engine:
     # ---- bases and variants
     def _load_base(self, name: str) -> None:
         self.store.verify(self.store.base(name))  # every file against its manifest sha256
-        rt = BaseModelRuntime(name, self.store.base_dir(name), self.config.device)
-        # Taken once, before any call swaps variant weights into the module: decodes run in other threads
-        # while a batch runs, and must always read the base's own tensors.
-        tensors = {n: t.detach() for n, t in rt.model.state_dict().items()}
-        self._base_tensors[name] = tensors
-        self._base_digests[name] = {n: tensor_digest(t) for n, t in tensors.items()}
-        self.bases[name] = rt
-        self.cache.buffers.reserve(self._decode_layout(name))
+        self.bases[name] = BaseModelRuntime(name, self.store.base_dir(name), self.config.device, self.config.slots)
+        self.cache.buffers.reserve(self._reserve_layout(name))
         self.cache.buffers.refill()
 
-    def _decode_layout(self, base: str) -> list[tuple[list[int], torch.dtype]]:
-        """(shape, dtype) of every tensor a decode of the base's largest full variant (by stored bytes) writes,
-        from its header; nothing when it has none, or when that file is unreadable (its requests will say so)."""
-        variants = [v for v in self.store.manifest.variants.values() if v.base == base and v.kind == "full"]
+    def _reserve_layout(self, base: str) -> list:
+        """(shape, dtype) of the buffers a load of the base's largest weight-set variant (by stored bytes)
+        writes; nothing when it has none, or when that file is unreadable (its requests will say so)."""
+        variants = [v for v in self.store.manifest.variants.values()
+                    if v.base == base and variant_kind(v.kind).family == "weights"]
         if not variants:
             return []
         largest = max(variants, key=lambda v: sum(f.bytes for f in v.files))  # the most changed, roughly
         try:
-            fmd = FmdFile(self.store.variant_dir(largest.name) / DELTA_FILE)
+            return variant_kind(largest.kind).reserve_layout(self.store, largest)
         except ArtifactError as e:
             log.warning("no decode buffers reserved for base '%s': %s", base, e)
             return []
-        return [(r.shape, DTYPES[r.dtype]) for r in fmd.records.values() if r.codec != "same"]
 
-    def _decode_variant(self, name: str, alloc: Alloc) -> tuple[dict[str, torch.Tensor], dict]:
-        """Runs in a worker thread: FM-Delta file -> the tensors that differ from the base, plus the head."""
+    def _load_variant(self, name: str, alloc: Alloc) -> LoadedVariant:
+        """Runs in a worker thread: a stored variant -> its kind's in-memory form, checked against its slots."""
         entry = self.store.variant(name)
-        fmd = FmdFile(self.store.variant_dir(name) / DELTA_FILE)
-        tensors = fmd.decode_all(self._base_tensors[entry.base], base_digests=self._base_digests[entry.base],
-                                 share_unchanged=True, alloc=alloc)
-        weights, head = self.bases[entry.base].split_variant(tensors)
-        return weights, {"head": head, "labels": entry.labels}
+        rt = self.bases[entry.base]
+        variant = variant_kind(entry.kind).load(self.store, entry, rt.view, alloc)
+        rt.families[variant.family].check(variant)
+        return variant
 
     def refresh(self) -> None:
         """Follow the store: another process (the ingress, on an admin call) may have changed it."""
-        before = set(self.store.manifest.variants)
+        before = dict(self.store.manifest.variants)
         if self.store.refresh():
             self._apply_store_change(before)
 
@@ -173,23 +143,29 @@ class Engine:
         return [await self.snapshot()]
 
     async def snapshot(self) -> dict:
-        """Counters for metrics: cache events and bytes, queue depth, batch sizes, decode times."""
+        """Counters for metrics: cache events and bytes, queue depth, batch sizes, load times."""
         st = self.cache.stats
+        slots = sum(f.nbytes for rt in self.bases.values() for f in rt.families.values())
         return {"cache_hits": st.hits, "cache_misses": st.misses, "cache_evictions": st.evictions,
                 "cache_bytes": {"device": self.cache.used_bytes("device"), "cpu": self.cache.used_bytes("cpu"),
-                                "recycled": self.cache.buffers.free_bytes},
+                                "recycled": self.cache.buffers.free_bytes, "slots": slots},
                 "queue_depth": self.queue_depth, "batch_sizes": self.batch_sizes.to_dict(),
                 "load_seconds": st.load_seconds.to_dict()}
 
     def reload_store(self) -> None:
         """Pick up variants added or removed in the store; cached weights of removed ones are dropped."""
-        before = set(self.store.manifest.variants)
+        before = dict(self.store.manifest.variants)
         self.store.reload()
         self._apply_store_change(before)
 
-    def _apply_store_change(self, before: set[str]) -> None:
-        for name in before - set(self.store.manifest.variants):
-            self.cache.drop(name)
+    def _apply_store_change(self, before: dict) -> None:
+        now = self.store.manifest.variants
+        for name, entry in before.items():
+            if now.get(name) != entry:  # removed, or replaced under the same name
+                self.cache.drop(name)
+                rt = self.bases.get(entry.base)
+                if rt is not None:
+                    self._compute.submit(rt.forget, name)  # slots are touched on the compute thread only
         for name in set(self.store.manifest.bases) - set(self.bases):
             if self._only is None or name in self._only:
                 self._load_base(name)
@@ -200,9 +176,9 @@ class Engine:
                 return m
         raise VariantNotFound(f"model '{name}' does not exist")
 
-    async def add_variant(self, name: str, base: str, path: str) -> ModelInfo:
-        """Store a full fine-tune (HF directory) as an FM-Delta variant, atomically; served at once."""
-        await asyncio.to_thread(add_full_variant, self.store, name, base, path)
+    async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
+        """Validate and store a variant of any registered kind, atomically; served at once, without restart."""
+        await asyncio.to_thread(variant_kind(kind).add, self.store, name, base, path, slots=self.config.slots)
         self.reload_store()
         return self.info(name)
 
@@ -218,7 +194,7 @@ class Engine:
         entry = self.store.manifest.variants.get(variant) if variant else None
         if entry is None or not entry.labels:
             raise BadRequest(f"model '{model}' is not a classifier")
-        return entry.labels, (await self._submit("classify", base, variant, texts)).tolist()
+        return entry.labels, await self._submit("classify", base, variant, texts)
 
     async def embed(self, model: str, texts: list[str]) -> Embeddings:
         """One unit vector per text, and the tokens read."""
@@ -233,14 +209,15 @@ class Engine:
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
                               messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
         """complete(), as text pieces while the tokens come. Text that may yet turn out to be the start of a
-        stop string, or half of a multi-byte character, is held back until it cannot."""
+        stop string is held back until it cannot (half characters never reach the text: it is decoded
+        incrementally)."""
         updates: asyncio.Queue[str | None] = asyncio.Queue()  # one item per decode step: <= max_tokens + 1
         row = self._enqueue(*self._generation_row(model, params, prompt, messages), stream=updates)
         held = max((len(s) for s in params.stop), default=1) - 1
         sent = 0
         try:
             while (text := await updates.get()) is not None:
-                end = len(text) - held - text.endswith("\ufffd")
+                end = len(text) - held
                 if end > sent:
                     yield TextDelta(text[sent:end])
                     sent = end
@@ -287,46 +264,66 @@ class Engine:
         """The queue and the scheduler live on the event loop that serves requests (one per replica)."""
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
-            self._queue = asyncio.Queue(maxsize=self.config.batch.max_queue)
-            self._group_slots = asyncio.Semaphore(self.config.batch.max_concurrent_groups)
+            b = self.config.batch
+            self._queue = asyncio.Queue(maxsize=b.max_queue)
+            self._in_flight = asyncio.Semaphore(b.max_batch_size * b.max_concurrent_groups)
             self._worker = loop.create_task(self._schedule())
 
     async def _schedule(self) -> None:
+        """Bounded: at most max_batch_size * max_concurrent_groups rows are taken from the queue at once; the
+        rest wait there (and beyond max_queue are refused)."""
         b = self.config.batch
         while True:
+            await self._in_flight.acquire()
             rows = [await self._queue.get()]
             deadline = time.perf_counter() + b.batch_wait_timeout_s
-            while len(rows) < b.max_batch_size:
+            while len(rows) < b.max_batch_size and not self._in_flight.locked():
+                await self._in_flight.acquire()
                 try:
                     rows.append(await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.perf_counter())))
                 except TimeoutError:
+                    self._in_flight.release()
                     break
-            groups: dict[tuple, list[Row]] = {}
+            ready = []
             for r in rows:
-                running = self._generating.get((r.base, r.variant)) if r.op == "generate" else None
-                if running is not None and running.room() > 0:
-                    running.pending.append(r)
-                    if r.variant is not None:
-                        self.cache.stats.hits += 1  # the running batch holds its variant
-                else:
-                    groups.setdefault((r.op, r.base, r.variant), []).append(r)
-            # Groups run side by side (bounded): a cold variant decoding in its worker thread does not hold up
-            # the groups behind it, whose variants are resident. Compute itself stays on one thread.
-            for (op, _, _), group in groups.items():
-                await self._group_slots.acquire()
-                run = self._run_generation if op == "generate" else self._run_group
-                asyncio.get_running_loop().create_task(run(group))
+                r.held = self.cache.try_acquire(r.variant) if r.variant is not None else None
+                if r.variant is None or r.held is not None:
+                    ready.append(r)
+                else:  # cold: loads in the background, and the rows in memory go on without it
+                    asyncio.get_running_loop().create_task(self._load_then_dispatch(r))
+            self._dispatch(ready)
 
-    @asynccontextmanager
-    async def _weights(self, variant: str | None, requests: int) -> AsyncIterator[tuple[dict | None, dict]]:
-        """(weights, extra) of a variant, held in the cache for the block; (None, {}) for the base itself."""
-        if variant is None:
-            yield None, {}
+    async def _load_then_dispatch(self, row: Row) -> None:
+        try:
+            row.held = await self.cache.acquire(row.variant)
+        except Exception as e:  # this row's variant fails alone
+            self._resolve(row, error=e)
             return
-        async with self.cache.use(variant, requests=requests) as entry:
-            yield entry.weights, entry.extra
+        self._dispatch([row])
+
+    def _dispatch(self, rows: list[Row]) -> None:
+        """Rows whose variants are held: generate rows join their base's running batch, classify and embed rows
+        of one base become one forward."""
+        loop = asyncio.get_running_loop()
+        groups: dict[tuple[str, str], list[Row]] = {}
+        for r in rows:
+            if r.cancelled:
+                self._resolve(r)
+            elif r.op == "generate":
+                running = self._generating.get(r.base)
+                if running is None:
+                    running = self._generating[r.base] = _Generating(DecodeBatch(self.bases[r.base]))
+                    loop.create_task(self._run_generation(r.base, running))
+                running.pending.append(r)
+            else:
+                groups.setdefault((r.op, r.base), []).append(r)
+        for group in groups.values():
+            loop.create_task(self._run_group(group))
 
     def _resolve(self, row: Row, result: Any = None, error: BaseException | None = None) -> None:
+        if row.held is not None:
+            self.cache.release(row.held)
+            row.held = None
         if row.cancelled:
             row.future.cancel()
         elif not row.future.done():
@@ -337,13 +334,13 @@ class Engine:
         if row.stream is not None:
             row.stream.put_nowait(None)
         self._queue.task_done()
+        self._in_flight.release()
 
     async def _run_group(self, rows: list[Row]) -> None:
-        """One classify or embed forward for rows of one (base, variant)."""
+        """Classify or embed rows of one base, whatever their variants, in as few forwards as slots allow."""
         loop = asyncio.get_running_loop()
         try:
-            async with self._weights(rows[0].variant, len(rows)) as (weights, extra):
-                results = await loop.run_in_executor(self._compute, self._compute_group, rows, weights, extra)
+            results = await loop.run_in_executor(self._compute, self._compute_group, rows)
             self.batch_sizes.observe(len(rows))
         except Exception as e:  # every row of the group fails the same way; other groups go on
             for r in rows:
@@ -351,55 +348,78 @@ class Engine:
         else:
             for r, res in zip(rows, results):
                 self._resolve(r, res)
-        finally:
-            self._group_slots.release()
 
-    async def _run_generation(self, rows: list[Row]) -> None:
-        """The running DecodeBatch of one (base, variant): admits waiting rows, steps, until none are left."""
-        base, variant = rows[0].base, rows[0].variant
-        key, loop = (base, variant), asyncio.get_running_loop()
-        group = _Generating(list(rows), self.config.batch.max_batch_size)
-        self._generating[key] = group
+    async def _run_generation(self, base: str, group: _Generating) -> None:
+        """The base's running DecodeBatch: admits waiting rows (of any variant), steps, until none are left."""
+        loop = asyncio.get_running_loop()
+        cap = self.config.batch.max_batch_size
         try:
-            async with self._weights(variant, len(rows)) as (weights, _):
-                group.batch = DecodeBatch(self.bases[base], weights)
-                while group.pending or len(group.batch):
-                    new, group.pending = group.pending, []
-                    gone = [r for r in group.running + new if r.cancelled]
-                    for row in gone:
-                        self._resolve(row)  # its caller has gone: it leaves the batch at this step
-                    new = [r for r in new if not r.cancelled]
-                    group.running = [r for r in group.running if not r.cancelled] + new
-                    finished = await loop.run_in_executor(
-                        self._compute, group.batch.run, [r.payload[0] for r in new], [r.payload[1] for r in new],
-                        new, gone)
-                    if len(group.batch) or finished:
-                        self.batch_sizes.observe(len(group.batch) + len(finished))
-                    for row, gen in group.batch.rows():
-                        if row.stream is not None:
-                            row.stream.put_nowait(gen.text)
-                    for row, gen in finished:
-                        group.running.remove(row)
-                        self._resolve(row, gen)
+            while group.pending or len(group.batch):
+                gone = [r for r in group.running + group.pending if r.cancelled]
+                for row in gone:
+                    self._resolve(row)  # its caller has gone: it leaves the batch at this step
+                group.running = [r for r in group.running if not r.cancelled]
+                pending = [r for r in group.pending if not r.cancelled]
+                room = max(0, cap - len(group.batch))
+                new, group.pending = pending[:room], pending[room:]
+                finished, waiting = await loop.run_in_executor(
+                    self._compute, group.batch.run,
+                    [NewRow(r, r.payload[0], r.payload[1], r.loaded) for r in new], gone)
+                waited = {id(w.tag) for w in waiting}
+                group.running += [r for r in new if id(r) not in waited]
+                group.pending = [w.tag for w in waiting] + group.pending
+                if len(group.batch) or finished:
+                    self.batch_sizes.observe(len(group.batch) + len(finished))
+                for row, gen in group.batch.rows():
+                    if row.stream is not None:
+                        row.stream.put_nowait(gen.text)
+                for row, gen in finished:
+                    group.running.remove(row)
+                    self._resolve(row, gen)
         except Exception as e:  # the batch's rows fail together; other batches go on
+            await loop.run_in_executor(self._compute, group.batch.close)
             for r in group.running + group.pending:
                 self._resolve(r, error=e)
         finally:
-            if self._generating.get(key) is group:
-                del self._generating[key]
-            self._group_slots.release()
+            if self._generating.get(base) is group:
+                del self._generating[base]
 
-    def _compute_group(self, rows: list[Row], weights: dict | None, extra: dict) -> list:
-        op, rt = rows[0].op, self.bases[rows[0].base]
+    def _compute_group(self, rows: list[Row]) -> list:
+        """On the compute thread: as many rows as get slots go in one forward, then the next, so rows of more
+        adapters than slots still run (in more forwards)."""
+        rt, results = self.bases[rows[0].base], []
+        while len(results) < len(rows):
+            chunk, slots = [], []
+            for r in rows[len(results):]:
+                slot = rt.attach(r.loaded)
+                if slot is None:
+                    break
+                chunk.append(r)
+                slots.append(slot)
+            if not chunk:
+                raise CapacityExceeded(f"every adapter slot of base '{rt.name}' is in use; retry later")
+            try:
+                results += self._forward_rows(rt, chunk, slots)
+            finally:
+                for slot in slots:
+                    rt.detach(slot)
+        return results
+
+    def _forward_rows(self, rt: BaseModelRuntime, rows: list[Row], slots: list) -> list:
+        op = rows[0].op
         texts = [t for r in rows for t in r.payload]
+        per_text = [s for r, s in zip(rows, slots) for _ in r.payload]
         if op == "embed":
-            out, tokens = rt.embed(texts, weights)
+            out, tokens = rt.embed(texts, per_text)
         else:
-            out = rt.classify(texts, weights, extra.get("head", {}))
+            probs = rt.classify(texts, per_text, [r.loaded.head for r in rows for _ in r.payload])
         results, at = [], 0
         for r in rows:
             span = slice(at, at + len(r.payload))
-            results.append(Embeddings(out[span].tolist(), int(tokens[span].sum())) if op == "embed" else out[span])
+            if op == "embed":
+                results.append(Embeddings(out[span].tolist(), int(tokens[span].sum())))
+            else:
+                results.append([p.tolist() for p in probs[span]])
             at += len(r.payload)
         return results
 
@@ -414,4 +434,3 @@ class Engine:
         if self._worker is not None:
             self._worker.cancel()
         self._compute.shutdown(wait=True)
-

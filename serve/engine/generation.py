@@ -1,10 +1,12 @@
-"""Continuous batching for a causal LM: one running batch per variant; rows join between decode steps.
+"""Continuous batching for a causal LM: one running batch per base, whose rows may each be of another variant.
 
 The batch is every running row's KV cache, left-padded to one length. New rows are prefilled together and
 merged in: both sides are padded on the left to the longer length and concatenated along the batch. A row
 leaves as soon as it finishes, and columns that are padding in every remaining row are trimmed, so a long
 prompt that has gone costs nothing. Positions count each row's own tokens, so padding never shifts them.
-Greedy rows give the tokens they give alone; sampled rows draw from their own seeded generator.
+Each row keeps its variant's slot (serve/engine/slots.py) from admission to its last step, and every forward
+carries a BatchPlan of those slots. Sampling is batched over the rows; greedy rows give the tokens they give
+alone, seeded rows draw from their own generator. Text is decoded incrementally, a few tokens a step.
 """
 
 from collections.abc import Sequence
@@ -14,7 +16,19 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from serve.engine.model import BaseModelRuntime, Generation, SamplingParams
+from serve.engine.batch import BatchPlan, RowSlot
+from serve.engine.model import BaseModelRuntime
+from serve.engine.types import Generation, SamplingParams
+from serve.variants.base import LoadedVariant
+
+
+@dataclass(frozen=True)
+class NewRow:
+    tag: Any
+    """The caller's handle for the row, returned with its Generation."""
+    prompt: list[int]
+    params: SamplingParams
+    variant: LoadedVariant | None = None
 
 
 @dataclass
@@ -23,8 +37,12 @@ class _Seq:
     params: SamplingParams
     rng: torch.Generator | None
     tag: Any
-    """The caller's handle for the row, returned with its Generation."""
+    slot: RowSlot
     done: bool = False
+    prefix_offset: int = 0
+    """Incremental decoding: text is known up to token read_offset; tokens from prefix_offset are re-decoded
+    for context, so a piece that only makes sense after its neighbours comes out right."""
+    read_offset: int = 0
 
 
 def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -36,11 +54,10 @@ def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 class DecodeBatch:
-    """The running rows of one (base, variant): admit() and step() run on the engine's compute thread."""
+    """The running rows of one base: run() happens on the engine's compute thread."""
 
-    def __init__(self, rt: BaseModelRuntime, weights: dict[str, torch.Tensor] | None):
+    def __init__(self, rt: BaseModelRuntime):
         self.rt = rt
-        self.weights = weights
         self.seqs: list[_Seq] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=rt.device)  # [rows, cached length]
@@ -55,58 +72,105 @@ class DecodeBatch:
         return [(s.tag, s.gen) for s in self.seqs]
 
     @torch.no_grad()
-    def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], tags: Sequence[Any],
-            abort: Sequence[Any] = ()) -> list[tuple[Any, Generation]]:
-        """Drop the rows tagged in abort, admit new rows, then one decode step for every row; -> (tag,
-        Generation) of the rows that finished."""
+    def run(self, new: Sequence[NewRow], abort: Sequence[Any] = ()
+            ) -> tuple[list[tuple[Any, Generation]], list[NewRow]]:
+        """Drop the rows tagged in abort, admit new rows that get a slot, then one decode step for every row;
+        -> ((tag, Generation) of the rows that finished, the new rows left waiting for a free slot)."""
         if abort:
             for s in self.seqs:
                 s.done = s.done or any(s.tag is t for t in abort)
             self._drop_finished()
-        finished = self._admit(prompts, params, tags) if prompts else []
+        admitted, waiting = [], []
+        for row in new:
+            slot = self.rt.attach(row.variant)
+            (waiting if slot is None else admitted).append((row, slot))
+        finished = self._admit(admitted) if admitted else []
         if self.seqs:
             finished += self._step()
-        return finished
+        return finished, [row for row, _ in waiting]
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: DynamicCache) -> torch.Tensor:
-        out = self.rt.call(self.weights, input_ids=ids, attention_mask=mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True)
+    def close(self) -> None:
+        """Release every running row's slot (the batch failed, or is abandoned)."""
+        for s in self.seqs:
+            self.rt.detach(s.slot)
+        self.seqs = []
+        self.cache = None
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                 seqs: list[_Seq]) -> torch.Tensor:
+        plan = BatchPlan([s.slot for s in seqs], self.rt.device)
+        out = self.rt.call(plan, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()  # [rows, vocab]
 
-    def _admit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-               tags: Sequence[Any]) -> list[tuple[Any, Generation]]:
-        dev, n, longest = self.rt.device, len(prompts), max(len(p) for p in prompts)
+    def _admit(self, admitted: list[tuple[NewRow, RowSlot]]) -> list[tuple[Any, Generation]]:
+        dev, n = self.rt.device, len(admitted)
+        longest = max(len(r.prompt) for r, _ in admitted)
         ids = torch.full((n, longest), self.rt.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, longest - len(p):] = torch.tensor(p)
-            mask[i, longest - len(p):] = 1
+        for i, (r, _) in enumerate(admitted):
+            ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, longest - len(r.prompt):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
+        seqs = [_Seq(Generation(prompt_tokens=len(r.prompt)), r.params,
+                     torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None, r.tag,
+                     slot) for r, slot in admitted]
         cache = DynamicCache()
-        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
-        seqs = [_Seq(Generation(prompt_tokens=len(p)), q, torch.Generator().manual_seed(q.seed)
-                     if q.seed is not None else None, tag) for p, q, tag in zip(prompts, params, tags)]
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, seqs)
         last = self._choose(seqs, logits)
-        next_pos = torch.tensor([[len(p)] for p in prompts], dtype=torch.long, device=dev)
+        next_pos = torch.tensor([[len(r.prompt)] for r, _ in admitted], dtype=torch.long, device=dev)
         self._merge(seqs, cache, mask, last, next_pos)
         return self._drop_finished()
 
     def _step(self) -> list[tuple[Any, Generation]]:
         ones = torch.ones((len(self.seqs), 1), dtype=torch.long, device=self.rt.device)
         self.mask = torch.cat([self.mask, ones], dim=1)
-        logits = self._forward(self.last, self.mask, self.next_pos, self.cache)
+        logits = self._forward(self.last, self.mask, self.next_pos, self.cache, self.seqs)
         self.next_pos = self.next_pos + 1
         self.last = self._choose(self.seqs, logits)
         return self._drop_finished()
 
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
-        tokens = []
-        for s, row in zip(seqs, logits):
-            tok = pick(row, s.params, s.rng)
-            s.done = self.rt.advance(s.gen, tok, s.params)
-            tokens.append(tok)
-        return torch.tensor(tokens, dtype=torch.long, device=self.rt.device).unsqueeze(-1)
+        tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # [rows]
+        for s, tok in zip(seqs, tokens.tolist()):
+            s.done = self._advance(s, tok)
+        return tokens.unsqueeze(-1)
+
+    def _advance(self, s: _Seq, tok: int) -> bool:
+        """Append one token; -> whether the row is finished."""
+        gen, params = s.gen, s.params
+        if tok in self.rt.eos_ids:
+            gen.finish_reason = "stop"
+            self._flush(s)
+            return True
+        gen.token_ids.append(tok)
+        before = len(gen.text)
+        self._decode_new(s)
+        longest_stop = max((len(x) for x in params.stop), default=0)
+        for x in params.stop:
+            at = gen.text.find(x, max(0, before - longest_stop + 1))
+            if at >= 0:
+                gen.text = gen.text[:at]
+                gen.finish_reason = "stop"
+                return True
+        if len(gen.token_ids) >= params.max_tokens:
+            gen.finish_reason = "length"
+            self._flush(s)
+            return True
+        return False
+
+    def _decode_new(self, s: _Seq, final: bool = False) -> None:
+        decode = self.rt.tokenizer.decode
+        ids = s.gen.token_ids
+        known = decode(ids[s.prefix_offset:s.read_offset], skip_special_tokens=True)
+        text = decode(ids[s.prefix_offset:], skip_special_tokens=True)
+        if len(text) > len(known) and (final or not text.endswith("\ufffd")):  # half a character waits
+            s.gen.text += text[len(known):]
+            s.prefix_offset, s.read_offset = s.read_offset, len(ids)
+
+    def _flush(self, s: _Seq) -> None:
+        if s.read_offset < len(s.gen.token_ids):
+            self._decode_new(s, final=True)
 
     def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor, last: torch.Tensor,
                next_pos: torch.Tensor) -> None:
@@ -127,6 +191,9 @@ class DecodeBatch:
         finished = [(s.tag, s.gen) for s in self.seqs if s.done]
         if not finished:
             return finished
+        for s in self.seqs:
+            if s.done:
+                self.rt.detach(s.slot)
         keep = [i for i, s in enumerate(self.seqs) if not s.done]
         self.seqs = [self.seqs[i] for i in keep]
         if not keep:
@@ -145,12 +212,23 @@ class DecodeBatch:
         return finished
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None) -> int:
-    if params.temperature <= 0:
-        return int(logits.argmax())
-    probs = (logits / params.temperature).softmax(-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=rng))
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[torch.Generator | None]
+           ) -> torch.Tensor:
+    """[rows, vocab] fp32 logits -> [rows] tokens: argmax for greedy rows; for the others temperature and
+    top-p over the whole batch at once, then inverse-CDF with one uniform draw per row from its own generator."""
+    tokens = logits.argmax(-1)  # [rows]
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not sampled:
+        return tokens
+    dev = logits.device
+    idx = torch.tensor(sampled, dtype=torch.long, device=dev)
+    temps = torch.tensor([params[i].temperature for i in sampled], device=dev)
+    top_p = torch.tensor([params[i].top_p for i in sampled], device=dev)
+    probs = (logits[idx] / temps[:, None]).softmax(-1)  # [k, vocab]
+    sorted_p, order = probs.sort(-1, descending=True)
+    sorted_p = sorted_p * (sorted_p.cumsum(-1) - sorted_p < top_p[:, None])  # the nucleus of each row
+    cdf = sorted_p.cumsum(-1)  # [k, vocab]
+    u = torch.stack([torch.rand((), generator=rngs[i]) for i in sampled]).to(dev)  # [k]
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.shape[1] - 1)  # [k, 1]
+    tokens[idx] = order.gather(1, pick).squeeze(1)
+    return tokens

@@ -1,45 +1,28 @@
-"""One base model in memory, run for groups of rows with a variant's weights swapped in.
+"""One base model in memory, run for rows of many variants at once.
 
-A variant never copies the base module: `torch.func.functional_call` runs the one base module with the
-variant's differing tensors in place of the base's, for that call only. Encoders give embeddings (mean
-pooling + L2 normalisation, as all-MiniLM-L6-v2's sentence-transformers config says) and classification
-(BERT pooler + the variant's own head); causal LMs generate in serve.engine.generation.
+The base's leaf modules are wrapped once at load (serve/engine/layers.py); a forward takes a BatchPlan that
+says which slot of which correction family each row uses, so rows of the base, of full variants and of
+adapters share one forward. Encoders give embeddings (mean pooling + L2 normalisation, as all-MiniLM-L6-v2's
+sentence-transformers config says) and classification (BERT pooler + each row's own head); causal LMs
+generate in serve.engine.generation.
 """
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.func import functional_call
 
-from serve.codecs.fmdelta_file import match_base_name
-from serve.errors import BadRequest, VariantIncompatible
-
-HEAD_PREFIXES = ("classifier.",)
-"""Tensors of a BertForSequenceClassification fine-tune that are its own head, not base weights."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    """0 is greedy."""
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass
-class Generation:
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = "length"
-    prompt_tokens: int = 0
+from serve.config import SlotsConfig
+from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
+from serve.engine.layers import SlotLayers, leaf_modules
+from serve.engine.slots import FAMILIES, Slots
+from serve.engine.types import SamplingParams
+from serve.errors import BadRequest
+from serve.store.tensors import tensor_digest
+from serve.variants.base import BaseView, LoadedVariant
 
 
 class BaseModelRuntime:
-    def __init__(self, name: str, model_dir: str | Path, device: str = "cpu"):
+    def __init__(self, name: str, model_dir: str | Path, device: str = "cpu", slots: SlotsConfig = SlotsConfig()):
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
         self.name = name
@@ -52,69 +35,71 @@ class BaseModelRuntime:
         if self.causal and self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_length = int(getattr(config, "max_position_embeddings", 512))
-        self._params = dict(self.model.named_parameters())
-        self._param_names = set(self._params)
+        tensors = {n: t.detach() for n, t in self.model.state_dict().items()}
+        self.view = BaseView(name, tensors, {n: tensor_digest(t) for n, t in tensors.items()},
+                             leaf_modules(self.model))
+        self.families: dict[str, Slots] = {f: cls(self.view, self.device, slots) for f, cls in FAMILIES.items()}
+        self.layers = SlotLayers(self.view.modules, self.families)
         eos = self.model.generation_config.eos_token_id if self.causal else None
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._params.values())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def split_variant(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        """A full fine-tune's tensors -> (module weights that differ from the base, its head).
+    # ---- slots
+    def attach(self, variant: LoadedVariant | None) -> RowSlot | None:
+        """A row's place in the next forwards; None when its family has no free slot (the row waits)."""
+        if variant is None:
+            return BASE_ROW
+        slot = self.families[variant.family].attach(variant)
+        return None if slot is None else RowSlot(variant.family, slot)
 
-        Tensors the fine-tune left unchanged arrive as the base's own objects (FmdFile.decode_all with
-        share_unchanged) and are left out: the module keeps using its own.
-        """
-        weights, head = {}, {}
-        for name, t in tensors.items():
-            target = match_base_name(name, self._param_names)
-            if target is None:
-                if not name.startswith(HEAD_PREFIXES):
-                    raise VariantIncompatible(f"tensor '{name}' matches nothing in base '{self.name}'")
-                head[name.split(".", 1)[1]] = t
-                continue
-            base_t = self._params[target]
-            if t.shape != base_t.shape:
-                raise VariantIncompatible(f"tensor '{name}' is {list(t.shape)}; base '{self.name}' has "
-                                          f"{list(base_t.shape)}")
-            if t is base_t or (t.data_ptr() == base_t.data_ptr() and t.dtype == base_t.dtype):
-                continue
-            weights[target] = t.to(base_t.dtype)
-        return weights, head
+    def detach(self, row: RowSlot) -> None:
+        if row.family is not None:
+            self.families[row.family].detach(row.slot)
 
-    def call(self, weights: dict[str, torch.Tensor] | None, **kwargs):
-        if not weights:
+    def forget(self, name: str) -> None:
+        for family in self.families.values():
+            family.forget(name)
+
+    def call(self, plan: BatchPlan, **kwargs):
+        with self.layers.planned(plan):
             return self.model(**kwargs)
-        return functional_call(self.model, weights, args=(), kwargs=kwargs, strict=False)
 
+    # ---- encoders
     def _tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
         enc = self.tokenizer(texts, padding=True, truncation=True, max_length=min(self.max_length, 512),
                              return_tensors="pt")
         return {k: v.to(self.device) for k, v in enc.items()}
 
     @torch.no_grad()
-    def embed(self, texts: list[str], weights: dict[str, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed(self, texts: list[str], rows: list[RowSlot]) -> tuple[torch.Tensor, torch.Tensor]:
         """([n, hidden] unit vectors: mean of the last hidden states over real tokens, [n] tokens read per text,
         special tokens included, as truncated)."""
         self._need(encoder=True)
         enc = self._tokenize(texts)
-        hidden = self.call(weights, **enc).last_hidden_state  # [n, seq, hidden]
+        hidden = self.call(BatchPlan(rows, self.device), **enc).last_hidden_state  # [n, seq, hidden]
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, dim=-1), enc["attention_mask"].sum(1)
 
     @torch.no_grad()
-    def classify(self, texts: list[str], weights: dict[str, torch.Tensor] | None, head: dict) -> torch.Tensor:
-        """[n, labels] probabilities, as BertForSequenceClassification computes them in eval mode."""
+    def classify(self, texts: list[str], rows: list[RowSlot], heads: list[dict[str, torch.Tensor]]
+                 ) -> list[torch.Tensor]:
+        """One [labels] probability vector per text, each under its own row's head, as
+        BertForSequenceClassification computes them in eval mode."""
         self._need(encoder=True)
-        if "weight" not in head or "bias" not in head:
-            raise BadRequest("this model has no classifier head")
-        pooled = self.call(weights, **self._tokenize(texts)).pooler_output  # [n, hidden]
-        logits = pooled @ head["weight"].T + head["bias"]  # [n, labels]
-        return logits.softmax(-1)
+        for head in heads:
+            if "weight" not in head or "bias" not in head:
+                raise BadRequest("this model has no classifier head")
+        pooled = self.call(BatchPlan(rows, self.device), **self._tokenize(texts)).pooler_output  # [n, hidden]
+        out: list[torch.Tensor | None] = [None] * len(texts)
+        for idx, head in _group_by_head(heads):
+            logits = pooled[idx] @ head["weight"].T + head["bias"]  # [k, labels]
+            for i, p in zip(idx, logits.softmax(-1)):
+                out[i] = p
+        return out  # type: ignore[return-value]
 
     def _need(self, encoder: bool) -> None:
         if encoder == self.causal:
@@ -124,6 +109,7 @@ class BaseModelRuntime:
     def require_causal(self) -> None:
         self._need(encoder=False)
 
+    # ---- prompts
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise BadRequest(f"model '{self.name}' has no chat template")
@@ -141,21 +127,11 @@ class BaseModelRuntime:
             raise BadRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                              f"context of {self.max_length} tokens")
 
-    def advance(self, gen: Generation, tok: int, params: SamplingParams) -> bool:
-        """Append one token; -> whether the row is finished."""
-        if tok in self.eos_ids:
-            gen.finish_reason = "stop"
-            return True
-        gen.token_ids.append(tok)
-        gen.text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        for s in params.stop:
-            at = gen.text.find(s)
-            if at >= 0:
-                gen.text = gen.text[:at]
-                gen.finish_reason = "stop"
-                return True
-        if len(gen.token_ids) >= params.max_tokens:
-            gen.finish_reason = "length"
-            return True
-        return False
+
+def _group_by_head(heads: list[dict[str, torch.Tensor]]) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+    """Rows that share a head object (the same variant), in first-seen order: one matmul per head."""
+    groups: dict[int, tuple[list[int], dict]] = {}
+    for i, head in enumerate(heads):
+        groups.setdefault(id(head), ([], head))[0].append(i)
+    return list(groups.values())
 

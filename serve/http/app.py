@@ -19,8 +19,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.config import ServeConfig, key_digest
-from serve.engine.engine import TextDelta
-from serve.engine.model import SamplingParams
+from serve.engine.types import SamplingParams, TextDelta
 from serve.errors import BadRequest, Forbidden, ManyfoldError, TooLarge, Unauthorized, first_error
 from serve.http import schemas as S
 from serve.metrics import Metrics
@@ -240,7 +239,7 @@ def build_http_app(backend, config: ServeConfig) -> FastAPI:
         request.state.model = body.name
         if not Path(body.path).is_dir():
             raise BadRequest(f"path '{body.path}' is not a directory on the server")
-        info = await backend.add_variant(body.name, body.base, body.path)
+        info = await backend.add_variant(body.name, body.base, body.path, body.kind)
         return S.ModelCard(id=info.name, kind=info.kind, parent=info.base, residency=info.residency,
                            labels=info.labels)
 

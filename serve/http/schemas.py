@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 Text = Annotated[str, Field(max_length=1_000_000)]
 
@@ -188,10 +188,11 @@ class ModelList(BaseModel):
 
 class AddVariantRequest(_Request):
     name: str
-    kind: Literal["full"] = "full"
+    kind: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")] = "full"
+    """A registered variant kind (full, lora, pissa, ...): the base's replica checks it."""
     base: str
     path: str
-    """A HF model directory on the server's filesystem: the fine-tune to store as an FM-Delta variant."""
+    """A directory on the server's filesystem: a HF model directory (full) or a PEFT adapter (lora, pissa)."""
 
 
 class ErrorDetail(BaseModel):

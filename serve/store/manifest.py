@@ -54,7 +54,35 @@ class FullVariantEntry(StrictModel):
     files: list[FileEntry]
 
 
-VariantEntry = FullVariantEntry  # later kinds join as a union tagged by `kind`
+class _AdapterEntry(StrictModel):
+    """A PEFT LoRA-form adapter (adapter_config.json + adapter_model.safetensors) of its parent base."""
+
+    name: Name
+    base: Name
+    architecture: str
+    """The parent base's architecture (an adapter has none of its own)."""
+    raw_bytes: int
+    rank: Annotated[int, Field(ge=1)]
+    """The largest rank over its modules, as served (a converted PiSSA adapter's 2r)."""
+    target_modules: list[str]
+    """Base module names it corrects."""
+    labels: list[str] | None = None
+    """Class labels, for a classifier adapter (its head saved through PEFT's modules_to_save)."""
+    files: list[FileEntry]
+
+
+class LoraVariantEntry(_AdapterEntry):
+    kind: Literal["lora"] = "lora"
+
+
+class PissaVariantEntry(_AdapterEntry):
+    """A trained PiSSA adapter, stored converted: a rank-2r LoRA on the original base."""
+
+    kind: Literal["pissa"] = "pissa"
+
+
+VariantEntry = Annotated[FullVariantEntry | LoraVariantEntry | PissaVariantEntry, Field(discriminator="kind")]
+"""Every variant kind's manifest entry, tagged by `kind`; serve.variants registers how each is served."""
 
 
 class StoreManifest(StrictModel):

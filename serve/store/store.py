@@ -100,6 +100,10 @@ class Store:
     def base_dir(self, name: str) -> Path:
         return self.root / "bases" / self.base(name).name
 
+    def base_shapes(self, name: str) -> dict[str, list[int]]:
+        """Shapes of a base's tensors, from its safetensors headers: what a variant is validated against."""
+        return SafetensorsSource(self.base_dir(name)).shapes()
+
     def variant_dir(self, name: str) -> Path:
         return self.root / "variants" / self.variant(name).name
 

@@ -112,6 +112,14 @@ class SafetensorsSource(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
+    def shapes(self) -> dict[str, list[int]]:
+        """Every tensor's shape, from the headers alone."""
+        out = {}
+        for f in sorted(set(self._where.values())):
+            with safe_open(f, framework="pt") as h:
+                out.update({n: list(h.get_slice(n).get_shape()) for n in h.keys()})
+        return out
+
     def __len__(self) -> int:
         return len(self._where)
 

@@ -1,4 +1,8 @@
-"""Full fine-tunes stored losslessly as FM-Delta files against their base (kind "full")."""
+"""Full fine-tunes stored losslessly as FM-Delta files against their base (kind "full").
+
+In the shared forward a full variant is a weight set: its rows run each module it changed with its own
+tensors (family "weights"); every module it left alone is the base's, shared with all other rows.
+"""
 
 import shutil
 from collections.abc import Callable
@@ -6,11 +10,13 @@ from pathlib import Path
 
 import torch
 
-from serve.codecs.fmdelta_file import CompressStats, FmdFile, compress
+from serve.codecs.fmdelta_file import CompressStats, FmdFile, compress, match_base_name
+from serve.config import SlotsConfig
 from serve.errors import ArtifactError, VariantIncompatible
 from serve.store.manifest import FullVariantEntry
 from serve.store.store import Store, architecture_of, read_model_config
-from serve.store.tensors import SafetensorsSource, save_tensors
+from serve.store.tensors import DTYPES, Alloc, SafetensorsSource, save_tensors
+from serve.variants.base import BaseView, LoadedVariant, Progress, VariantKind, register_variant
 
 DELTA_FILE = "delta.fmd"
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -51,6 +57,35 @@ def _labels(config: dict) -> list[str] | None:
     return [str(id2label[k]) for k in sorted(id2label, key=int)]
 
 
+HEAD_PREFIXES = ("classifier.",)
+"""Tensors of a BertForSequenceClassification fine-tune that are its own head, not base weights."""
+
+
+def split_variant(tensors: dict[str, torch.Tensor], base: BaseView) -> tuple[dict[str, torch.Tensor], dict]:
+    """A full fine-tune's tensors -> (base tensors it changed, by canonical name; its head).
+
+    Tensors the fine-tune left unchanged arrive as the base's own objects (FmdFile.decode_all with
+    share_unchanged) and are left out: every row keeps using the base's module for them.
+    """
+    weights, head = {}, {}
+    names = set(base.tensors)
+    for name, t in tensors.items():
+        target = match_base_name(name, names)
+        if target is None:
+            if not name.startswith(HEAD_PREFIXES):
+                raise VariantIncompatible(f"tensor '{name}' matches nothing in base '{base.name}'")
+            head[name.split(".", 1)[1]] = t
+            continue
+        base_t = base.tensors[target]
+        if t.shape != base_t.shape:
+            raise VariantIncompatible(f"tensor '{name}' is {list(t.shape)}; base '{base.name}' has "
+                                      f"{list(base_t.shape)}")
+        if t is base_t or (t.data_ptr() == base_t.data_ptr() and t.dtype == base_t.dtype):
+            continue
+        weights[target] = t.to(base_t.dtype)
+    return weights, head
+
+
 def _delta_file(store: Store, name: str) -> FmdFile:
     entry = store.variant(name)
     if entry.kind != "full":
@@ -80,3 +115,33 @@ def extract_full_variant(store: Store, name: str, out_dir: str | Path, workers: 
             shutil.copy2(store.variant_dir(name) / f, out_dir / f)
     save_tensors(out_dir / "model.safetensors", tensors, metadata=fmd.header.metadata or None)
     return out_dir
+
+
+class FullVariant(VariantKind):
+    kind = "full"
+    family = "weights"
+    help = "a full fine-tune (HF model directory), stored as an FM-Delta file against its base"
+
+    def add(self, store: Store, name: str, base: str, path: Path, progress: Progress | None = None,
+            slots: SlotsConfig = SlotsConfig()) -> FullVariantEntry:
+        return add_full_variant(store, name, base, path, progress=progress)[0]
+
+    def verify(self, store: Store, entry: FullVariantEntry) -> None:
+        store.verify(entry)
+        load_full_variant(store, entry.name)  # every tensor decoded and checked against its digest
+
+    def load(self, store: Store, entry: FullVariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
+        fmd = FmdFile(store.variant_dir(entry.name) / DELTA_FILE)
+        tensors = fmd.decode_all(base.tensors, base_digests=base.digests, share_unchanged=True, alloc=alloc)
+        weights, head = split_variant(tensors, base)
+        return LoadedVariant(entry.name, self.kind, self.family, weights, head=head, labels=entry.labels)
+
+    def extract(self, store: Store, name: str, out_dir: Path) -> Path:
+        return extract_full_variant(store, name, out_dir)
+
+    def reserve_layout(self, store: Store, entry: FullVariantEntry) -> list[tuple[list[int], torch.dtype]]:
+        fmd = FmdFile(store.variant_dir(entry.name) / DELTA_FILE)
+        return [(r.shape, DTYPES[r.dtype]) for r in fmd.records.values() if r.codec != "same"]
+
+
+register_variant(FullVariant())

@@ -7,7 +7,7 @@ import torch
 
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
-from serve.engine.model import SamplingParams
+from serve.engine.types import SamplingParams
 from serve.errors import BadRequest, Overloaded, VariantNotFound
 from tests.conftest import same_bits
 
@@ -194,7 +194,7 @@ def test_decodes_write_into_reserved_or_evicted_buffers_but_never_in_use_ones(se
     reserved = {t.data_ptr() for ts in eng.cache.buffers._free.values() for t in ts}
     params = SamplingParams(max_tokens=6, temperature=0)
     expected = run(eng.complete("tiny-lm-all", params, prompt="one two")).token_ids
-    base_ptrs = {t.data_ptr() for t in eng._base_tensors["tiny-lm"].values()}
+    base_ptrs = {t.data_ptr() for t in eng.bases["tiny-lm"].view.tensors.values()}
 
     def ptrs(name):
         return {t.data_ptr() for t in eng.cache._tiers["device"][name].weights.values()}

@@ -1,0 +1,56 @@
+"""Chooses, per call, between an op's Triton form and its torch twin; the only place kernels/ imports triton.
+
+"triton" on CUDA tensors or under TRITON_INTERPRET=1, otherwise "torch"; MANYFOLD_KERNELS=torch|triton overrides.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+Backend = Literal["torch", "triton"]
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_ERROR: Exception | None = None
+    # triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. when kernels/ is first imported,
+    # so the choice must follow the value seen then, not whatever the environment says later.
+    INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+except Exception as e:  # a broken install can fail with more than ImportError (missing libcuda, ABI)
+    TRITON_ERROR = e
+    INTERPRET = False
+
+    class _Missing:
+        """Stands in for triton and triton.language: kernels still define (jit is identity), never launch."""
+
+        def jit(self, fn: Callable) -> Callable:
+            return fn
+
+        def __getattr__(self, name: str) -> None:
+            return None
+
+    triton = tl = _Missing()
+
+
+def select(*tensors: torch.Tensor) -> Backend:
+    """Which form runs this call; MANYFOLD_KERNELS is read at call time so tests and operators can flip it."""
+    forced = os.environ.get("MANYFOLD_KERNELS", "")
+    if forced:
+        if forced not in ("torch", "triton"):
+            raise ValueError(f"MANYFOLD_KERNELS must be 'torch' or 'triton'; got {forced!r}")
+        if forced == "triton" and TRITON_ERROR is not None:
+            raise RuntimeError(f"MANYFOLD_KERNELS=triton but triton cannot be imported: {TRITON_ERROR}")
+        return forced
+    if TRITON_ERROR is not None:
+        return "torch"
+    if INTERPRET or any(t.is_cuda for t in tensors):
+        return "triton"
+    return "torch"
+
+
+def dispatch(torch_fn: Callable, triton_fn: Callable, *tensors: torch.Tensor) -> Callable:
+    """The implementation `select` picks for these tensors."""
+    return triton_fn if select(*tensors) == "triton" else torch_fn

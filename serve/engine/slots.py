@@ -1,0 +1,242 @@
+"""Correction families: the slots a base's variants sit in during a forward, and the correction each applies.
+
+A family holds, per base, a small table of slots. A row's variant is attached to a slot before its first
+forward and detached when the row leaves; a slot nobody uses keeps its variant (warm) until another needs it,
+least recently used first. Each family's `apply` is what a wrapped module adds for the rows of its slots:
+- WeightSlots ("weights", full variants): rows of a variant that changed this module run it with the
+  variant's tensors; modules it left alone are the base's, shared with every other row.
+- AdapterSlots ("lora", LoRA and PiSSA): y += s (x A^T) B^T through kernels.lora_shrink / lora_expand over
+  stacked per-slot tensors, zero-padded to the largest rank attached to the module.
+Slots are attached, detached and read on the engine's one compute thread only.
+"""
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch.func import functional_call
+
+from kernels import lora_expand, lora_shrink
+from serve.config import SlotsConfig
+from serve.engine.batch import BatchPlan
+from serve.errors import VariantIncompatible
+from serve.variants.base import BaseView, LoadedVariant
+
+RANK_STEP = 8
+"""Adapter stacks grow their rank in steps of this, so a new rank rarely reallocates them."""
+
+
+class Slots(ABC):
+    family: ClassVar[str]
+    keep_warm: ClassVar[bool]
+    """Whether a slot nobody uses keeps its variant for the next row (a copy is worth keeping; a reference
+    to tensors the cache may recycle is not)."""
+
+    def __init__(self, base: BaseView, device: torch.device, max_slots: int | None = None):
+        self.base = base
+        self.device = device
+        self.max_slots = max_slots
+        self.names: list[str | None] = []
+        self.variants: list[LoadedVariant | None] = []
+        self.refs: list[int] = []
+        self.last_used: list[int] = []
+        self._clock = 0
+
+    def check(self, variant: LoadedVariant) -> None:
+        """Raise VariantIncompatible if the variant can never sit in these slots (called once, at load)."""
+
+    def slot_of(self, name: str) -> int | None:
+        return self.names.index(name) if name in self.names else None
+
+    def attach(self, variant: LoadedVariant) -> int | None:
+        """The variant's slot, written there if it is not already; None when every slot is in use."""
+        slot = self.slot_of(variant.name)
+        if slot is not None and self.variants[slot] is not variant and self.refs[slot] > 0:
+            self.names[slot] = None  # replaced under the same name while rows still run the old one
+            slot = None
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return None
+        if self.variants[slot] is not variant:  # new, or the same name loaded anew after an eviction
+            self.names[slot], self.variants[slot] = None, None
+            self._write(slot, variant)
+            self.names[slot], self.variants[slot] = variant.name, variant
+        self.refs[slot] += 1
+        self._clock += 1
+        self.last_used[slot] = self._clock
+        return slot
+
+    def detach(self, slot: int) -> None:
+        self.refs[slot] -= 1
+        if self.refs[slot] == 0 and (not self.keep_warm or self.names[slot] is None):
+            self._empty(slot)
+
+    def _empty(self, slot: int) -> None:
+        self.names[slot], self.variants[slot] = None, None
+        self._clear(slot)
+
+    def forget(self, name: str) -> None:
+        """The variant was removed or replaced: its slot must not serve the old contents again."""
+        slot = self.slot_of(name)
+        if slot is not None:
+            self.names[slot] = None
+            if self.refs[slot] == 0:
+                self._empty(slot)
+
+    def free_slots(self) -> int:
+        grow = (self.max_slots - len(self.names)) if self.max_slots is not None else 1 << 30
+        return grow + sum(1 for r in self.refs if r == 0)
+
+    def _free_slot(self) -> int | None:
+        idle = [s for s, r in enumerate(self.refs) if r == 0]
+        empty = [s for s in idle if self.names[s] is None]
+        if empty:
+            return empty[0]
+        if self.max_slots is None or len(self.names) < self.max_slots:
+            self.names.append(None)
+            self.variants.append(None)
+            self.refs.append(0)
+            self.last_used.append(0)
+            return len(self.names) - 1
+        return min(idle, key=lambda s: self.last_used[s]) if idle else None
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    @abstractmethod
+    def _write(self, slot: int, variant: LoadedVariant) -> None: ...
+
+    @abstractmethod
+    def _clear(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        """Whether some slot of this forward corrects module `name` (if not, the module runs as the base)."""
+
+    @abstractmethod
+    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              plan: BatchPlan) -> torch.Tensor:
+        """y (the base module's output for all rows of the plan) corrected for this family's rows."""
+
+
+class WeightSlots(Slots):
+    family = "weights"
+    keep_warm = False
+
+    def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig):
+        super().__init__(base, device)  # a slot is a reference to the cache's tensors: as many as rows need
+        owners: dict[int, list[tuple[str, str]]] = {}
+        for mname, module in base.modules.items():
+            for local, p in module.named_parameters(recurse=False):
+                owners.setdefault(p.data_ptr(), []).append((mname, local))
+        self._owners = {n: owners.get(t.data_ptr(), []) for n, t in base.tensors.items()}
+        """Canonical tensor name -> every (module, parameter) that holds it (tied weights have several)."""
+        self.overrides: list[dict[str, dict[str, torch.Tensor]]] = []
+
+    def _write(self, slot: int, variant: LoadedVariant) -> None:
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in variant.tensors.items():
+            for mname, local in self._owners.get(name, ()):
+                by_module.setdefault(mname, {})[local] = t
+        self.overrides.extend({} for _ in range(slot + 1 - len(self.overrides)))
+        self.overrides[slot] = by_module
+
+    def _clear(self, slot: int) -> None:
+        if slot < len(self.overrides):
+            self.overrides[slot] = {}
+
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        return any(name in self.overrides[slot] for slot, _ in plan.groups(self.family))
+
+    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              plan: BatchPlan) -> torch.Tensor:
+        for slot, rows in plan.groups(self.family):
+            params = self.overrides[slot].get(name)
+            if params:
+                y[rows] = functional_call(module, params, (x[rows],))  # [n, ...] with the variant's tensors
+        return y
+
+
+class AdapterSlots(Slots):
+    family = "lora"
+    keep_warm = True
+
+    def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig):
+        super().__init__(base, device, config.max_adapters)
+        self.max_rank = config.max_rank
+        self.a: dict[str, torch.Tensor] = {}
+        """module -> [slots, R, in]: every slot's A, zero-padded to the module's largest attached rank R."""
+        self.b: dict[str, torch.Tensor] = {}
+        """module -> [slots, out, R]."""
+        self.scale: dict[str, torch.Tensor] = {}
+        """module -> [slots] fp32; 0 for a slot whose adapter leaves the module alone."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+
+    def check(self, variant: LoadedVariant) -> None:
+        for module in variant.scales:
+            rank = variant.tensors[f"{module}.A"].shape[0]
+            if rank > self.max_rank:
+                raise VariantIncompatible(f"adapter '{variant.name}' has rank {rank} at '{module}'; the slot "
+                                          f"maximum is {self.max_rank}")
+            if not isinstance(self.base.modules.get(module), torch.nn.Linear):
+                raise VariantIncompatible(f"adapter '{variant.name}': '{module}' is no linear layer of the base")
+
+    def _ensure(self, module: str, rank: int) -> None:
+        """Stacks for `module` with a row per slot in the table and at least `rank` ranks."""
+        slots = len(self.names)
+        linear = self.base.modules[module]
+        if module in self.a and self.a[module].shape[0] >= slots and self.a[module].shape[1] >= rank:
+            return
+        old_a, old_b = self.a.get(module), self.b.get(module)
+        r = max(-(-rank // RANK_STEP) * RANK_STEP, old_a.shape[1] if old_a is not None else 0)
+        n = max(slots, old_a.shape[0] if old_a is not None else 0)
+        w = linear.weight
+        a = torch.zeros((n, r, w.shape[1]), dtype=w.dtype, device=self.device)  # [slots, R, in]
+        b = torch.zeros((n, w.shape[0], r), dtype=w.dtype, device=self.device)  # [slots, out, R]
+        scale = torch.zeros(n, dtype=torch.float32, device=self.device)  # [slots]
+        if old_a is not None:
+            a[: old_a.shape[0], : old_a.shape[1]] = old_a
+            b[: old_b.shape[0], :, : old_b.shape[2]] = old_b
+            scale[: old_a.shape[0]] = self.scale[module]
+        self.a[module], self.b[module], self.scale[module] = a, b, scale
+
+    def _write(self, slot: int, variant: LoadedVariant) -> None:
+        for module in list(self.a):  # every stack gets a row for the slot: kernels index them all by it
+            self._ensure(module, 0)
+        self._clear(slot)
+        for module, s in variant.scales.items():
+            a, b = variant.tensors[f"{module}.A"], variant.tensors[f"{module}.B"]  # [r, in], [out, r]
+            rank = a.shape[0]
+            self._ensure(module, rank)
+            self.a[module][slot, :rank] = a
+            self.b[module][slot, :, :rank] = b
+            self.scale[module][slot] = s
+
+    def _clear(self, slot: int) -> None:
+        for module in self.a:
+            if slot < self.a[module].shape[0]:
+                self.a[module][slot].zero_()
+                self.b[module][slot].zero_()
+                self.scale[module][slot] = 0.0
+
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        return name in self.a
+
+    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              plan: BatchPlan) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        y2 = y.view(-1, y.shape[-1])  # [tokens, out]
+        seg = plan.segments(self.family, x2.shape[0])
+        if seg.slots.numel() == 0:
+            return y
+        z = lora_shrink(x2, self.a[name], self.scale[name], seg)  # [tokens, R] fp32
+        lora_expand(z, self.b[name], seg, y2)
+        return y
+
+
+FAMILIES: dict[str, type[Slots]] = {s.family: s for s in (WeightSlots, AdapterSlots)}

@@ -1,0 +1,109 @@
+"""The contract of a variant kind, and the registry through which the store, engine, CLI and HTTP reach kinds.
+
+A kind says how a fine-tune is validated and stored (`add`), how it is read into memory (`load`), what it
+weighs, and which correction family applies it in the shared forward (`family`): "weights" rows run a module
+with the variant's own tensors, "lora" rows add s (x A^T) B^T. The engine holds one set of slots per family
+and base (serve/engine/slots.py); a new kind either joins a family or brings one.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from serve.config import SlotsConfig
+from serve.errors import BadRequest, ConfigError
+from serve.store.manifest import VariantEntry
+from serve.store.store import Store
+from serve.store.tensors import Alloc
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BaseView:
+    """What loading a variant needs from its resident base: the tensors every variant is a change of."""
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+    """Canonical name -> tensor, taken from the base before any forward (state_dict names)."""
+    digests: dict[str, str]
+    """Canonical name -> XXH3-128 of the tensor's bytes (what FM-Delta files are checked against)."""
+    modules: dict[str, torch.nn.Module]
+    """Leaf modules with parameters, by qualified name: what a correction can target."""
+
+
+@dataclass
+class LoadedVariant:
+    """A variant in memory, in its family's form. `tensors` is keyed as the family reads it."""
+
+    name: str
+    kind: str
+    family: str
+    tensors: dict[str, torch.Tensor]
+    scales: dict[str, float] = field(default_factory=dict)
+    """Per target module, for scaled corrections (LoRA's alpha / r)."""
+    head: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A classifier's own head ("weight", "bias"): heads are per row, never part of the shared forward."""
+    labels: list[str] | None = None
+    owned: list[torch.Tensor] = field(default_factory=list)
+    """Buffers its load took from the engine's pool, returned when it leaves memory."""
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.tensors.values(), *self.head.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class VariantKind(ABC):
+    """One kind of fine-tune: subclasses set the class attributes and implement add and load."""
+
+    kind: ClassVar[str]
+    family: ClassVar[str]
+    """The correction family that applies its rows (serve.engine.slots.FAMILIES)."""
+    help: ClassVar[str]
+    """One line for `manyfold store add --kind` and the API docs."""
+
+    @abstractmethod
+    def add(self, store: Store, name: str, base: str, path: Path, progress: Progress | None = None,
+            slots: SlotsConfig = SlotsConfig()) -> VariantEntry:
+        """Validate the fine-tune at `path` against the store's base `base` (and the serving limits in
+        `slots`) and store it atomically: either the whole entry is in the manifest afterwards, or nothing is."""
+
+    @abstractmethod
+    def load(self, store: Store, entry: VariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
+        """Read a stored variant into memory (runs in a worker thread; new tensors come from alloc)."""
+
+    def verify(self, store: Store, entry: VariantEntry) -> None:
+        """Check a stored variant's files (and, where a kind can, that it still reads back whole)."""
+        store.verify(entry)
+
+    def extract(self, store: Store, name: str, out_dir: Path) -> Path:
+        """Write the variant back out in the form it was added in."""
+        raise BadRequest(f"variant kind '{self.kind}' cannot be extracted")
+
+    def reserve_layout(self, store: Store, entry: VariantEntry) -> list[tuple[list[int], torch.dtype]]:
+        """(shape, dtype) of the buffers one load of this variant writes, for the engine's pool to keep ready."""
+        return []
+
+
+VARIANT_KINDS: dict[str, VariantKind] = {}
+
+
+def register_variant(kind: VariantKind) -> VariantKind:
+    """Make a kind known to the store, engine, CLI and HTTP (as peft's register_peft_method)."""
+    if kind.kind in VARIANT_KINDS:
+        raise ConfigError(f"variant kind '{kind.kind}' is registered twice")
+    VARIANT_KINDS[kind.kind] = kind
+    return kind
+
+
+def variant_kind(kind: str) -> VariantKind:
+    try:
+        return VARIANT_KINDS[kind]
+    except KeyError:
+        known = ", ".join(sorted(VARIANT_KINDS))
+        raise BadRequest(f"unknown variant kind '{kind}' (known: {known})") from None

@@ -1,0 +1,187 @@
+"""One forward for rows of many variants: a mixed batch equals, row by row, each row run alone by transformers +
+PEFT (fp32: greedy tokens equal, logits within 1e-4), for generation, classify and embeddings."""
+
+import asyncio
+
+import pytest
+import torch
+
+from serve.config import ServeConfig
+from serve.engine.batch import BatchPlan
+from serve.engine.engine import Engine
+from serve.engine.types import SamplingParams
+from serve.variants import variant_kind
+from tests.models import write_lora
+
+LM_ADAPTERS = {  # name: (kind, r, targets, options)
+    "lm-lora4": ("lora", 4, ["q_proj", "v_proj"], {}),
+    "lm-lora8": ("lora", 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                 {"use_rslora": True, "rank_pattern": {"layers.1.mlp.down_proj": 2},
+                  "alpha_pattern": {"layers.0.self_attn.q_proj": 3}}),
+    "lm-pissa": ("pissa", 6, ["q_proj", "k_proj", "v_proj", "up_proj"], {}),
+}
+ENC_ADAPTERS = {
+    "enc-lora4": ("lora", 4, ["query", "value"], {}),
+    "enc-lora8": ("lora", 8, ["query", "key", "value", "dense"], {}),
+    "enc-pissa": ("pissa", 6, ["query", "value"], {}),
+}
+CLASSES = ["neg", "pos", "other"]
+
+
+@pytest.fixture(scope="module")
+def mixed(serving_store, tmp_path_factory):
+    """The serving store plus adapters of the tiny Llama (generation) and of MiniLM (classifiers and plain
+    encoders), every one registered through its kind; -> (engine, reference directories)."""
+    from serve.data.models import minilm_dir
+    from serve.store.store import Store
+
+    root, refs = serving_store
+    tmp = tmp_path_factory.mktemp("adapters")
+    store = Store(root)
+    dirs = dict(refs)
+    for i, (name, (kind, r, targets, opts)) in enumerate(LM_ADAPTERS.items()):
+        dirs[name] = write_lora(refs["tiny-lm"], tmp / name, seed=10 + i, r=r, targets=targets, **opts)
+    for i, (name, (kind, r, targets, opts)) in enumerate(ENC_ADAPTERS.items()):
+        dirs[name] = write_lora(minilm_dir(), tmp / name, seed=20 + i, r=r, targets=targets, **opts)
+        dirs[name + "-clf"] = write_lora(minilm_dir(), tmp / f"{name}-clf", seed=30 + i, r=r, targets=targets,
+                                         classes=CLASSES, **opts)
+    for name, (kind, *_ ) in LM_ADAPTERS.items():
+        if name not in store.manifest.variants:
+            variant_kind(kind).add(store, name, "tiny-lm", dirs[name])
+    for name, (kind, *_ ) in ENC_ADAPTERS.items():
+        for n in (name, name + "-clf"):
+            if n not in store.manifest.variants:
+                variant_kind(kind).add(store, n, "minilm", dirs[n])
+    return Engine(ServeConfig(store=root)), dirs
+
+
+def peft_model(base_dir, adapter_dir=None, classifier=False):
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    causal = any(a.endswith("ForCausalLM") for a in AutoConfig.from_pretrained(base_dir).architectures or [])
+    if classifier:  # a full fine-tune's own head, or a fresh one that the adapter's saved head replaces
+        model = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=len(CLASSES))
+    else:
+        model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(base_dir)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+def reference_dir(dirs, name):
+    """(base directory, adapter directory or None) of a model as transformers + PEFT load it."""
+    if name in LM_ADAPTERS:
+        return dirs["tiny-lm"], dirs[name]
+    if name.removesuffix("-clf") in ENC_ADAPTERS:
+        return dirs["minilm"], dirs[name]
+    return dirs[name], None
+
+
+LM_ROWS = ["tiny-lm", "lm-lora4", "tiny-lm-top", "lm-lora8", "lm-pissa", "lm-lora4"]
+PROMPTS = ["the cat sat on", "a big red dog", "one two three four", "hello world good day", "sun moon star sky",
+           "fish eat and drink"]
+
+
+def test_mixed_forward_logits_equal_peft_row_by_row(mixed):
+    engine, dirs = mixed
+    rt = engine.bases["tiny-lm"]
+    ids = torch.tensor([rt.encode_prompt(p) for p in PROMPTS])  # equal lengths: no padding
+
+    async def forward():
+        held = [await engine.cache.acquire(m) if m in engine.store.manifest.variants else None for m in LM_ROWS]
+        slots = [rt.attach(h.variant if h else None) for h in held]
+        with torch.no_grad():
+            logits = rt.call(BatchPlan(slots, rt.device), input_ids=ids).logits  # [rows, seq, vocab]
+        for s in slots:
+            rt.detach(s)
+        for h in held:
+            if h is not None:
+                engine.cache.release(h)
+        return logits
+
+    logits = asyncio.run(forward())
+    for i, model in enumerate(LM_ROWS):
+        base_dir, adapter = reference_dir(dirs, model)
+        with torch.no_grad():
+            ref = peft_model(base_dir, adapter)(input_ids=ids[i:i + 1]).logits[0]
+        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4, msg=f"row {i} ({model})")
+
+
+def reference_greedy(dirs, model: str, prompt: str, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    base_dir, adapter = reference_dir(dirs, model)
+    tok = AutoTokenizer.from_pretrained(dirs["tiny-lm"])
+    enc = tok(prompt, return_tensors="pt")
+    out = peft_model(base_dir, adapter).generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    return new[: new.index(2)] if 2 in new else new  # up to eos, which the engine does not emit
+
+
+def test_mixed_generation_with_rows_joining_mid_flight_equals_peft(mixed):
+    """A long row of one adapter runs; rows of the base, two other adapters and a full variant join it after
+    its first step. Every row's greedy tokens equal transformers + PEFT generating it alone."""
+    engine, dirs = mixed
+    params = SamplingParams(max_tokens=10, temperature=0)
+    late = list(zip(LM_ROWS[1:], PROMPTS[1:]))
+
+    async def together():
+        first = engine.complete_stream("lm-pissa", SamplingParams(max_tokens=16, temperature=0), prompt=PROMPTS[0])
+        await anext(first)  # the pissa row is running: the others join its batch
+        others = asyncio.gather(*(engine.complete(m, params, prompt=p) for m, p in late))
+        deltas = [d async for d in first]
+        return deltas[-1].final, await others
+
+    long, gens = asyncio.run(together())
+    assert long.token_ids == reference_greedy(dirs, "lm-pissa", PROMPTS[0], 16)
+    for (model, prompt), gen in zip(late, gens):
+        assert gen.token_ids == reference_greedy(dirs, model, prompt, 10), model
+    outs = {tuple(g.token_ids) for g in gens}
+    assert len(outs) >= 4  # the variants really differ
+
+
+ENC_TEXTS = ["The central bank raised interest rates", "What a lovely day at the beach",
+             "Win a free phone now, text YES", "The match ended in a draw", "I did not like the film"]
+
+
+def test_mixed_classify_rows_equal_peft(mixed):
+    engine, dirs = mixed
+    models = ["minilm-clf", "enc-lora4-clf", "enc-lora8-clf", "enc-pissa-clf", "enc-lora4-clf"]
+
+    async def together():
+        return await asyncio.gather(*(engine.classify(m, [t]) for m, t in zip(models, ENC_TEXTS)))
+
+    results = asyncio.run(together())
+    assert engine.batch_sizes.count >= 1
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dirs["minilm"])
+    for model, text, (labels, probs) in zip(models, ENC_TEXTS, results):
+        base_dir, adapter = reference_dir(dirs, model)
+        ref_model = peft_model(base_dir, adapter, classifier=True)
+        with torch.no_grad():
+            ref = ref_model(**tok([text], return_tensors="pt")).logits.softmax(-1)[0]
+        assert labels == CLASSES
+        torch.testing.assert_close(torch.tensor(probs[0]), ref, atol=1e-4, rtol=1e-4, msg=model)
+
+
+def test_mixed_embeddings_rows_equal_peft(mixed):
+    engine, dirs = mixed
+    models = ["minilm", "enc-lora4", "minilm-clf", "enc-lora8", "enc-pissa"]
+
+    async def together():
+        return await asyncio.gather(*(engine.embed(m, [t]) for m, t in zip(models, ENC_TEXTS)))
+
+    results = asyncio.run(together())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dirs["minilm"])
+    for model, text, emb in zip(models, ENC_TEXTS, results):
+        base_dir, adapter = reference_dir(dirs, model)
+        enc = tok([text], return_tensors="pt")
+        with torch.no_grad():
+            hidden = peft_model(base_dir, adapter)(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).float()
+        ref = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)[0]
+        torch.testing.assert_close(torch.tensor(emb.vectors[0]), ref, atol=1e-4, rtol=1e-4, msg=model)
