@@ -13,7 +13,6 @@ from ray.serve import Application
 
 from serve.config import ServeConfig, parse_config
 from serve.deployments.board import ResidencyBoard
-from serve.deployments.replica import EngineReplica
 from serve.store.store import Store
 
 
@@ -48,6 +47,8 @@ def _ingress(config: ServeConfig, bases: list[str]):
 
 
 def build_app(args: dict | ServeConfig) -> Application:
+    from serve.deployments.replica import EngineReplica  # here: the ingress's process imports this module too
+
     config = args if isinstance(args, ServeConfig) else parse_config(dict(args), "serve application args")
     bases = list(Store(config.store).manifest.bases)
     board = serve.deployment(ResidencyBoard, name=BOARD, num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()

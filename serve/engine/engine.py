@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from serve.config import ServeConfig
@@ -24,7 +25,8 @@ from serve.engine.generation import DecodeBatch, NewRow
 from serve.engine.model import BaseModelRuntime
 from serve.engine.stats import BATCH_BUCKETS, Distribution
 from serve.engine.types import Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
-from serve.errors import ArtifactError, BadRequest, CapacityExceeded, Overloaded, VariantNotFound
+from serve.errors import (ArtifactError, BadRequest, CapacityExceeded, Overloaded, VariantIncompatible,
+                          VariantNotFound)
 from serve.store.store import Store
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
@@ -177,8 +179,13 @@ class Engine:
         raise VariantNotFound(f"model '{name}' does not exist")
 
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
-        """Validate and store a variant of any registered kind, atomically; served at once, without restart."""
-        await asyncio.to_thread(variant_kind(kind).add, self.store, name, base, path, slots=self.config.slots)
+        """Validate and store a variant of any registered kind, atomically; served at once, without restart.
+        A file of the caller's that is missing or unreadable is the caller's error here (422), not the store's."""
+        try:
+            await asyncio.to_thread(variant_kind(kind).add, self.store, name, base, Path(path),
+                                    slots=self.config.slots)
+        except ArtifactError as e:
+            raise VariantIncompatible(str(e)) from e
         self.reload_store()
         return self.info(name)
 

@@ -6,6 +6,7 @@
 
 Writers stage files in a temp directory, fsync them, rename the directory into place, then rewrite the
 manifest atomically, all under an exclusive lock; a crash at any point leaves the previous state readable.
+Reading the manifest needs no torch (the HTTP ingress resolves names with it); tensors are read where needed.
 """
 
 import contextlib
@@ -22,7 +23,6 @@ from pathlib import Path
 from serve.errors import ArtifactError, BadRequest, VariantNotFound
 from serve.store.manifest import (MANIFEST, BaseEntry, FileEntry, StoreManifest, VariantEntry, read_manifest,
                                   write_manifest)
-from serve.store.tensors import SafetensorsSource, fingerprint, weight_files
 from serve.store.writer import fsync_dir
 
 _LOCK = ".lock"
@@ -102,6 +102,8 @@ class Store:
 
     def base_shapes(self, name: str) -> dict[str, list[int]]:
         """Shapes of a base's tensors, from its safetensors headers: what a variant is validated against."""
+        from serve.store.tensors import SafetensorsSource
+
         return SafetensorsSource(self.base_dir(name)).shapes()
 
     def variant_dir(self, name: str) -> Path:
@@ -173,6 +175,8 @@ class Store:
 
     def add_base(self, name: str, model_dir: str | Path) -> BaseEntry:
         """Copy a HF model directory (safetensors weights, config, tokenizer) into the store as a base."""
+        from serve.store.tensors import SafetensorsSource, fingerprint
+
         model_dir = Path(model_dir)
         config = read_model_config(model_dir)
         weights = SafetensorsSource(model_dir)
@@ -207,6 +211,8 @@ def read_model_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not model_dir.is_dir() or not path.is_file():
         raise ArtifactError(f"{model_dir}: not a HF model directory (no config.json)")
+    from serve.store.tensors import weight_files
+
     weight_files(model_dir)
     try:
         return json.loads(path.read_text())
