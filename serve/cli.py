@@ -123,6 +123,40 @@ def cmd_store_extract(args: argparse.Namespace) -> None:
     print(variant_kind(store.variant(args.name).kind).extract(store, args.name, Path(args.out)))
 
 
+def _base_dir(args: argparse.Namespace) -> Path:
+    """--base as a HF model directory, or as the name of a base in --store."""
+    if Path(args.base).is_dir():
+        return Path(args.base)
+    if not args.store:
+        raise ConfigError(f"--base '{args.base}' is not a directory (give --store to name a store base)")
+    return _store(args).base_dir(args.base)
+
+
+def cmd_adapter_train(args: argparse.Namespace) -> None:
+    from serve.adapters.train import train_adapter
+
+    targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
+    result = train_adapter(_base_dir(args), Path(args.data), Path(args.out), init=args.init, rank=args.rank,
+                           alpha=args.alpha, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                           max_length=args.max_length, target_modules=targets, seed=args.seed)
+    print(f"{result.out_dir}: {args.init} adapter, rank {args.rank}, {args.steps} steps, loss "
+          f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f} ({result.train_seconds:.0f} s); "
+          f"train_log.json beside it")
+
+
+def cmd_adapter_convert(args: argparse.Namespace) -> None:
+    from serve.adapters.convert import convert_pissa
+
+    print(f"{convert_pissa(Path(args.adapter), Path(args.initial), Path(args.out))}: a rank-2r LoRA on the "
+          f"original base")
+
+
+def cmd_bench_mixed(args: argparse.Namespace) -> None:
+    from serve.bench.mixed import run_mixed_bench
+
+    run_mixed_bench(Path(args.out), tuple(int(r) for r in args.rows.split(",")), args.repeats)
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from serve.demo import build_demo_store, demo_store_dir
 
@@ -253,6 +287,27 @@ def build_parser() -> argparse.ArgumentParser:
     st.choices["extract"].add_argument("--name", required=True)
     st.choices["extract"].add_argument("--out", required=True)
 
+    ad = sub.add_parser("adapter", help="LoRA / PiSSA adapters with PEFT").add_subparsers(dest="action",
+                                                                                          required=True)
+    t = add(ad, "train", cmd_adapter_train, "train an adapter (PiSSA by default) and write its servable form")
+    t.add_argument("--base", required=True, help="a HF model directory, or a base's name in --store")
+    t.add_argument("--store", default=default_store)
+    t.add_argument("--data", required=True, help='JSONL: {"prompt", "completion"} or {"text"} per line')
+    t.add_argument("--init", default="pissa", help="pissa, pissa_niter_K (randomised SVD, K iterations) or lora")
+    t.add_argument("--rank", type=int, default=16)
+    t.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank)")
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--lr", type=float, default=2e-4)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--max-length", type=int, default=128)
+    t.add_argument("--target-modules", default="all-linear", help="all-linear, or names joined by commas")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="a new directory")
+    cv = add(ad, "convert", cmd_adapter_convert, "a trained PiSSA adapter -> a rank-2r LoRA on the original base")
+    cv.add_argument("--adapter", required=True, help="the trained (raw) PiSSA adapter directory")
+    cv.add_argument("--initial", required=True, help="the untrained PiSSA adapter saved before training")
+    cv.add_argument("--out", required=True, help="a new directory")
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
     b = add(bench, "fmdelta", cmd_bench_fmdelta, "FM-Delta against lzma, zstd and XOR baselines on the demo fine-tunes")
     b.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
@@ -269,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rate", type=float, default=4.0, help="offered requests per second")
     g.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per mode")
     g.add_argument("--max-tokens", type=int, default=24)
+    mx = add(bench, "mixed", cmd_bench_mixed, "one forward for rows of many variants against the alternatives")
+    mx.add_argument("--out", default="bench-results/mixed.json")
+    mx.add_argument("--repeats", type=int, default=5)
+    mx.add_argument("--rows", default="8,32", help="batch sizes, joined by commas")
     return p
 
 

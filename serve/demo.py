@@ -1,4 +1,5 @@
-"""The demo store: the MiniLM base and its full fine-tunes on real packaged data, stored as FM-Delta variants.
+"""The demo store: MiniLM and SmolLM2 with their fine-tunes on real packaged data: full fine-tunes stored as
+FM-Delta variants, and SmolLM2 PiSSA adapters trained with PEFT, served converted (rank 2r LoRA).
 
 Built once into MANYFOLD_HOME/demo-store and reused; a store only counts as built once its manifest lists
 every demo variant, so an interrupted build resumes where it stopped.
@@ -54,6 +55,29 @@ class LmTask:
 LM_TASKS = (
     LmTask("smollm2-fortunes", "fortunes", 24),
     LmTask("smollm2-news", "news", 24),
+)
+
+
+@dataclass(frozen=True)
+class AdapterTask:
+    """A PiSSA adapter of SmolLM2 on one of serve.adapters.tasks' real data sets (randomised SVD init, a few
+    dozen steps: a first demo build stays within minutes on two cores)."""
+
+    variant: str
+    task: str
+    examples: int
+    steps: int
+    rank: int = 8
+    init: str = "pissa_niter_4"
+    lr: float = 5e-4
+    batch_size: int = 4
+    max_length: int = 96
+
+
+ADAPTER_TASKS = (
+    AdapterTask("smollm2-fortunes-pissa", "fortunes", 256, 24),
+    AdapterTask("smollm2-headlines-pissa", "headlines", 256, 24),
+    AdapterTask("smollm2-spam-pissa", "spam", 256, 24),
 )
 
 
@@ -166,7 +190,8 @@ def classifier_accuracy(model, tok, data: Dataset, max_len: int, limit: int = 20
 
 
 def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TASKS,
-                     lm_tasks: tuple[LmTask, ...] = LM_TASKS, log: Callable[[str], None] = print) -> Store:
+                     lm_tasks: tuple[LmTask, ...] = LM_TASKS, adapter_tasks: tuple[AdapterTask, ...] = ADAPTER_TASKS,
+                     log: Callable[[str], None] = print) -> Store:
     """Add the bases and every missing demo variant; returns the opened store."""
     root = root or demo_store_dir()
     store = Store(root, create=True)
@@ -181,6 +206,9 @@ def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TAS
             finetune_lm_top_layers(store.base_dir(LM_BASE), lm_corpus(task.corpus), Path(tmp), task, log=log)
             _, stats = add_full_variant(store, task.variant, LM_BASE, tmp)
         log(f"  stored {stats.raw_bytes / 1e6:.1f} MB as {stats.file_bytes / 1e6:.1f} MB FM-Delta ({stats.ratio:.1%})")
+    for task in adapter_tasks:
+        if task.variant not in store.manifest.variants:
+            add_demo_adapter(store, task, log)
     if BASE not in store.manifest.bases:
         log(f"adding base '{BASE}' (all-MiniLM-L6-v2)")
         store.add_base(BASE, minilm_dir())
@@ -196,3 +224,20 @@ def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TAS
         log(f"  test accuracy {acc:.1%}; stored {stats.raw_bytes / 1e6:.1f} MB as {stats.file_bytes / 1e6:.1f} MB"
             f" FM-Delta ({stats.ratio:.1%})")
     return store
+
+
+def add_demo_adapter(store: Store, task: AdapterTask, log: Callable[[str], None] = print) -> None:
+    from serve.adapters.tasks import task_examples
+    from serve.adapters.train import train_adapter
+    from serve.variants import variant_kind
+
+    if LM_BASE not in store.manifest.bases:
+        store.add_base(LM_BASE, smollm2_dir())
+    log(f"training '{task.variant}': PiSSA ({task.init}) rank {task.rank}, {task.steps} steps on {task.task}")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = train_adapter(store.base_dir(LM_BASE), task_examples(task.task, "train", task.examples),
+                               Path(tmp) / "adapter", init=task.init, rank=task.rank, steps=task.steps, lr=task.lr,
+                               batch_size=task.batch_size, max_length=task.max_length)
+        entry = variant_kind("pissa").add(store, task.variant, LM_BASE, result.out_dir)
+    log(f"  loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {result.train_seconds:.0f} s; stored "
+        f"{sum(f.bytes for f in entry.files) / 1e6:.1f} MB (rank {entry.rank}, converted)")

@@ -18,7 +18,7 @@ def test_real_finetune_roundtrips_through_the_store(tmp_path):
 
     tasks = (DemoTask("minilm-spam", "spam", 48, 32),)
     logs: list[str] = []
-    store = build_demo_store(tmp_path / "store", tasks=tasks, lm_tasks=(), log=logs.append)
+    store = build_demo_store(tmp_path / "store", tasks=tasks, lm_tasks=(), adapter_tasks=(), log=logs.append)
     assert any("FM-Delta" in m for m in logs)
     entry = store.variant("minilm-spam")
     assert entry.labels == ["ham", "spam"] and entry.base == "minilm"
@@ -39,7 +39,7 @@ def test_real_finetune_roundtrips_through_the_store(tmp_path):
     assert probs.shape == (1, 2) and model.config.id2label[0] == "ham"
 
     logs.clear()
-    build_demo_store(tmp_path / "store", tasks=tasks, lm_tasks=(), log=logs.append)  # cached: nothing to do
+    build_demo_store(tmp_path / "store", tasks=tasks, lm_tasks=(), adapter_tasks=(), log=logs.append)  # cached
     assert logs == []
 
 
@@ -85,3 +85,44 @@ def test_smollm2_top_layer_variant_serves_transformers_identical_tokens(tmp_path
                   else [model.generation_config.eos_token_id])
         cut = next((i for i, t in enumerate(expected) if t in eos), len(expected))
         assert gen.token_ids == expected[:cut]
+
+
+def test_smollm2_pissa_adapter_trained_on_real_data_serves_peft_identical_tokens(tmp_path):
+    """A demo adapter in miniature: PiSSA on SmolLM2 with real SMS spam, stored converted, served beside the
+    base in one batch; each row's greedy tokens equal transformers + PEFT."""
+    import asyncio
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serve.config import ServeConfig
+    from serve.data.models import smollm2_dir
+    from serve.demo import AdapterTask, add_demo_adapter
+    from serve.engine.engine import Engine
+    from serve.engine.types import SamplingParams
+    from serve.store.store import Store
+
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("smollm2", smollm2_dir())
+    add_demo_adapter(store, AdapterTask("spam-pissa", "spam", examples=16, steps=2, rank=4, lr=1e-3),
+                     log=lambda m: None)
+    assert store.variant("spam-pissa").kind == "pissa" and store.variant("spam-pissa").rank == 8
+
+    engine = Engine(ServeConfig(store=store.root))
+    prompt = "Is this message spam? WINNER! Claim your free prize now\nAnswer:"
+    params = SamplingParams(max_tokens=6, temperature=0)
+
+    async def both():
+        return await asyncio.gather(engine.complete("smollm2", params, prompt=prompt),
+                                    engine.complete("spam-pissa", params, prompt=prompt))
+
+    base, adapted = asyncio.run(both())
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    ids = tok(prompt, return_tensors="pt")
+    for gen, adapter in ((base, None), (adapted, store.variant_dir("spam-pissa"))):
+        model = AutoModelForCausalLM.from_pretrained(smollm2_dir())
+        model = (PeftModel.from_pretrained(model, adapter) if adapter else model).eval()
+        out = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        assert gen.token_ids == out[: next((i for i, t in enumerate(out) if t in eos), len(out))]

@@ -17,7 +17,7 @@ from serve.engine.layers import SlotLayers, leaf_modules
 from serve.engine.slots import FAMILIES, Slots
 from serve.engine.types import SamplingParams
 from serve.errors import BadRequest
-from serve.store.tensors import tensor_digest
+from serve.store.tensors import SafetensorsSource, tensor_digest
 from serve.variants.base import BaseView, LoadedVariant
 
 
@@ -30,14 +30,18 @@ class BaseModelRuntime:
         config = AutoConfig.from_pretrained(model_dir)
         self.causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
         cls = AutoModelForCausalLM if self.causal else AutoModel
-        self.model = cls.from_pretrained(model_dir, dtype="auto").to(self.device).eval()  # as stored: deltas match
+        self.model = cls.from_pretrained(model_dir, dtype="auto").eval()  # as stored: deltas match
+        host = {n: t.detach() for n, t in self.model.state_dict().items()}
+        digests = {n: tensor_digest(t) for n, t in host.items()}  # on the host, before the move
+        self.model.to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.causal and self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_length = int(getattr(config, "max_position_embeddings", 512))
         tensors = {n: t.detach() for n, t in self.model.state_dict().items()}
-        self.view = BaseView(name, tensors, {n: tensor_digest(t) for n, t in tensors.items()},
-                             leaf_modules(self.model))
+        if self.device.type != "cpu":
+            host = SafetensorsSource(model_dir)  # decoders read the stored base; no second copy stays resident
+        self.view = BaseView(name, tensors, host, digests, leaf_modules(self.model))
         self.families: dict[str, Slots] = {f: cls(self.view, self.device, slots) for f, cls in FAMILIES.items()}
         self.layers = SlotLayers(self.view.modules, self.families)
         eos = self.model.generation_config.eos_token_id if self.causal else None

@@ -7,7 +7,7 @@ and base (serve/engine/slots.py); a new kind either joins a family or brings one
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -29,7 +29,10 @@ class BaseView:
 
     name: str
     tensors: dict[str, torch.Tensor]
-    """Canonical name -> tensor, taken from the base before any forward (state_dict names)."""
+    """Canonical name -> tensor as served, on the engine's device (state_dict names)."""
+    host: Mapping[str, torch.Tensor]
+    """The same tensors in host memory, for decoders (numba, numpy): `tensors` itself on a CPU engine, the
+    store's safetensors read on demand on any other device."""
     digests: dict[str, str]
     """Canonical name -> XXH3-128 of the tensor's bytes (what FM-Delta files are checked against)."""
     modules: dict[str, torch.nn.Module]

