@@ -14,27 +14,32 @@ contiguous; seg: Segments of the T tokens. Adds into y in place and returns it; 
 import torch
 
 from kernels._backend import tl, triton
-from kernels.segments import Segments, padded_index
+from kernels.segments import Segments, slot_rows
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def lora_expand_torch(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, y: torch.Tensor) -> torch.Tensor:
-    """The twin: one padded bmm over the segments, which is what CPU serving runs.
+    """The twin, which is what CPU serving runs: one batched matmul, never a loop over tokens.
 
-    In-place adds of an fp32 tensor into y compute in fp32 and round once, as the kernel does.
+    Same plan as lora_shrink_torch: a plain matmul for one segment covering the batch, else one padded
+    bmm over the segments (consecutive slots read as a view). Adding an fp32 tensor into y in place sums in
+    fp32 and rounds once to y's dtype, as the kernel does.
     """
     _check_expand(z, b_stacked, seg, y)
     if seg.slots.numel() == 0:
         return y
-    b = b_stacked.index_select(0, seg.slots).float()  # [S, out, R]
+    b = slot_rows(b_stacked, seg).float()  # [S, out, R]
     if seg.slots.numel() == 1 and seg.order.numel() == y.shape[0]:  # one adapter for the batch: no gather
-        y += z @ b[0].T  # [T, out]
+        if y.dtype == torch.float32:
+            return y.addmm_(z, b[0].T)  # [T, out]
+        y += z @ b[0].T
         return y
-    tok, valid = padded_index(seg)  # [S, L], [S, L]
-    ys = torch.bmm(z[tok], b.transpose(1, 2))  # [S, L, out]
-    rows = tok[valid]  # [n]
-    y[rows] += ys[valid]
+    ys = torch.bmm(z[seg.padded], b.transpose(1, 2))  # [S, L, out]
+    ys = ys.view(-1, y.shape[1]) if seg.valid is None else ys[seg.valid]  # [n, out], in seg.order
+    if y.dtype == torch.float32:
+        return y.index_add_(0, seg.order, ys)
+    y[seg.order] += ys
     return y
 
 

@@ -13,31 +13,30 @@ seg: Segments of the T tokens. Returns a new z [T, R] fp32 (accumulated in fp32)
 import torch
 
 from kernels._backend import tl, triton
-from kernels.segments import Segments, padded_index
+from kernels.segments import Segments, slot_rows
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TARGET_PROGRAMS = 256  # enough to fill an H100's 132 SMs twice
 
 
 def lora_shrink_torch(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """The twin: one padded bmm over the segments, which is what CPU serving runs.
+    """The twin, which is what CPU serving runs: one batched matmul, never a loop over tokens.
 
-    Each segment's tokens are gathered into a [max_length, in] block (short segments padded with
-    repeats that are dropped afterwards), multiplied by that segment's A in one bmm, then scattered back.
+    One segment covering the batch is a plain matmul. Otherwise each segment's tokens are gathered into
+    a [max_length, in] block (seg.padded, built once per step) and multiplied by that segment's A in one bmm;
+    the padding costs up to S times the rows when one segment dominates. Consecutive slots are read as a view
+    of the stack: copying the used slots' weights out would cost more than the matmul.
     """
     _check_shrink(x, a_stacked, scale, seg)
     num_tokens, rank = x.shape[0], a_stacked.shape[1]
     if seg.slots.numel() == 0:
         return x.new_zeros((num_tokens, rank), dtype=torch.float32)
-    a = a_stacked.index_select(0, seg.slots).float()  # [S, R, in]
-    s = scale.index_select(0, seg.slots)  # [S]
+    a, s = slot_rows(a_stacked, seg), slot_rows(scale, seg)  # [S, R, in], [S]
     if seg.slots.numel() == 1 and seg.order.numel() == num_tokens:  # one adapter for the batch: no gather
-        return (x.float() @ a[0].T) * s  # [T, R]
-    tok, valid = padded_index(seg)  # [S, L], [S, L]
-    zs = torch.bmm(x[tok].float(), a.transpose(1, 2)) * s[:, None, None]  # [S, L, R]
-    z = x.new_zeros((num_tokens, rank), dtype=torch.float32)  # [T, R]
-    z[tok[valid]] = zs[valid]
-    return z
+        return (x.float() @ a[0].float().T).mul_(s)  # [T, R]
+    zs = torch.bmm(x[seg.padded].float(), a.float().transpose(1, 2)).mul_(s[:, None, None])  # [S, L, R]
+    zs = zs.view(-1, rank) if seg.valid is None else zs[seg.valid]  # [n, R], in seg.order
+    return x.new_zeros((num_tokens, rank), dtype=torch.float32).index_copy_(0, seg.order, zs)  # [T, R]
 
 
 @triton.jit

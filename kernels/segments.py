@@ -18,13 +18,17 @@ class Segments(NamedTuple):
     slots: torch.Tensor  # [S] int64: the slot of each segment (>= 0), ascending
     max_length: int  # longest segment, a host int (sizes grids and padding); 0 when S == 0
     num_tokens: int  # T, a host int
+    padded: torch.Tensor  # [S, L] int64: each segment's tokens padded to L = max_length with a repeat of a real one
+    valid: torch.Tensor | None  # [S, L] bool: which entries of `padded` are real; None when none is padding
+    slot_range: tuple[int, int] | None  # (first, last + 1) when the slots are consecutive: a view, not a gather
 
 
 def make_segments(slot_ids: torch.Tensor) -> Segments:
     """Group tokens by slot; the grouping runs on the host because grids and padding need its sizes there.
 
     Example: slot_ids [2, -1, 0, 2, -1, 1, 0] -> order [2, 6, 5, 0, 3], slots [0, 1, 2],
-    starts [0, 2, 3], lengths [2, 1, 2], max_length 2, num_tokens 7.
+    starts [0, 2, 3], lengths [2, 1, 2], max_length 2, num_tokens 7, padded [[2, 6], [5, 5], [0, 3]],
+    valid [[1, 1], [1, 0], [1, 1]], slot_range (0, 3).
     One device-to-host copy (the only sync) and one host-to-device copy when slot_ids live on a GPU.
     """
     if slot_ids.dim() != 1:
@@ -41,18 +45,18 @@ def make_segments(slot_ids: torch.Tensor) -> Segments:
     starts = torch.cumsum(lengths, 0) - lengths  # [S]
     max_length = int(lengths.max()) if lengths.numel() else 0
     n, s = order.numel(), slots.numel()
-    packed = torch.cat([order, starts, lengths, slots]).to(slot_ids.device)  # [n + 3S], one copy over
-    order, starts, lengths, slots = packed.split([n, s, s, s])
-    return Segments(order, starts, lengths, slots, max_length, host.numel())
+    rows = torch.arange(max_length)  # [L]
+    padded = order[(starts[:, None] + rows).clamp_max_(max(n - 1, 0))] if n else order.new_zeros((s, 0))  # [S, L]
+    valid = None if n == s * max_length else (rows < lengths[:, None]).to(slot_ids.device)  # [S, L]
+    span = (int(slots[0]), int(slots[-1]) + 1) if s and int(slots[-1] - slots[0]) + 1 == s else None
+    packed = torch.cat([order, starts, lengths, slots, padded.reshape(-1)]).to(slot_ids.device)  # one copy over
+    order, starts, lengths, slots, flat = packed.split([n, s, s, s, padded.numel()])
+    return Segments(order, starts, lengths, slots, max_length, host.numel(), flat.view(s, max_length), valid, span)
 
 
-def padded_index(seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token index of each (segment, row) padded to max_length, and which entries are real tokens.
-
-    Padding entries repeat the last token of `order`, so a gather through them stays in bounds;
-    whatever they produce is dropped through `valid`. Used by the torch twins' padded bmm.
-    """
-    rows = torch.arange(seg.max_length, device=seg.order.device)  # [L]
-    valid = rows < seg.lengths[:, None]  # [S, L]
-    pos = (seg.starts[:, None] + rows).clamp_max_(seg.order.numel() - 1)  # [S, L]
-    return seg.order[pos], valid  # [S, L], [S, L]
+def slot_rows(stacked: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """The rows of a per-slot tensor for the segments' slots, in segment order: a view when they are
+    consecutive, a gather otherwise."""
+    if seg.slot_range is not None:
+        return stacked[seg.slot_range[0]:seg.slot_range[1]]
+    return stacked.index_select(0, seg.slots)

@@ -85,3 +85,18 @@ def write_lora(src: Path, dst: Path, seed: int, r: int, targets: list[str], clas
     if classes:
         model.config.save_pretrained(dst)  # id2label for the store
     return dst
+
+
+def write_tiny_bert(path: Path, seed: int = 0) -> Path:
+    """A tiny random BERT encoder with a word-piece tokenizer over WORDS (built in code, no download)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS[7:]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64, initializer_range=0.2)
+    BertModel(cfg).save_pretrained(path)
+    return path

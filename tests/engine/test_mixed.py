@@ -214,30 +214,3 @@ async def _nbytes(eng, name: str) -> int:
     async with eng.cache.use(name) as entry:
         return entry.nbytes
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engine_serves_mixed_batches_as_the_cpu_engine(mixed):
-    """device: cuda — base, slots, plans and heads on the GPU, the LoRA ops through Triton: the same tokens,
-    probabilities and vectors as the CPU engine, for rows of every kind in one batch."""
-    engine, _ = mixed
-    gpu = Engine(engine.config.model_copy(update={"device": "cuda"}))
-    params = SamplingParams(max_tokens=8, temperature=0)
-
-    async def generate(eng):
-        return await asyncio.gather(*(eng.complete(m, params, prompt=p) for m, p in zip(LM_ROWS, PROMPTS)))
-
-    async def encode(eng):
-        clf = ["minilm-clf", "enc-lora4-clf", "enc-lora8-clf", "enc-pissa-clf"]
-        emb = ["minilm", "enc-lora4", "minilm-clf", "enc-pissa"]
-        return (await asyncio.gather(*(eng.classify(m, [t]) for m, t in zip(clf, ENC_TEXTS))),
-                await asyncio.gather(*(eng.embed(m, [t]) for m, t in zip(emb, ENC_TEXTS))))
-
-    assert [g.token_ids for g in asyncio.run(generate(gpu))] == [g.token_ids for g in asyncio.run(generate(engine))]
-    (clf_gpu, emb_gpu), (clf_cpu, emb_cpu) = asyncio.run(encode(gpu)), asyncio.run(encode(engine))
-    for (_, a), (_, b) in zip(clf_gpu, clf_cpu):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
-    for a, b in zip(emb_gpu, emb_cpu):
-        torch.testing.assert_close(torch.tensor(a.vectors), torch.tensor(b.vectors), atol=1e-4, rtol=1e-4)
-    assert gpu.bases["tiny-lm"].families["lora"].a  # the adapters really sat in device slots
-    assert next(iter(gpu.bases["tiny-lm"].families["lora"].a.values())).is_cuda
