@@ -7,7 +7,8 @@ Semantics:
         if s >= 0:
             y[t] = cast(y[t] + z[t] @ b_stacked[s].T)   # sum in fp32, one rounding to y's dtype
 
-Shapes: z [T, R] fp32 (from lora_shrink); b_stacked [num_slots, out, R], y's dtype; y [T, out] fp32 | fp16 | bf16,
+Shapes: z [T, R] fp32 (from lora_shrink); b_stacked [num_slots, out, R], y's dtype (contiguous, or the transpose of
+a contiguous [num_slots, R, out]); y [T, out] fp32 | fp16 | bf16,
 contiguous; seg: Segments of the T tokens. Adds into y in place and returns it; NO_SLOT rows keep their bits.
 """
 
@@ -48,7 +49,7 @@ def _lora_expand_kernel(
     z_ptr, b_ptr, y_ptr,
     order_ptr, starts_ptr, lengths_ptr, slots_ptr,
     N, R,
-    stride_zt, stride_bs, stride_bn, stride_yt,
+    stride_zt, stride_bs, stride_bn, stride_bk, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: BLOCK_M tokens of one segment x BLOCK_N outputs, looping over R in BLOCK_K steps."""
@@ -74,7 +75,7 @@ def _lora_expand_kernel(
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0,
             ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
             b_tile = tl.load(
-                b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_k[:, None],
+                b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
                 mask=mask_n[None, :] & mask_k[:, None], other=0.0,
             ).to(tl.float32)  # [BLOCK_K, BLOCK_N], B[slot].T
             acc += tl.dot(z_tile, b_tile, input_precision="ieee")
@@ -102,10 +103,16 @@ def lora_expand_triton(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, 
         z, b_stacked, y,
         seg.order, seg.starts, seg.lengths, seg.slots,
         out_features, rank,
-        z.stride(0), b_stacked.stride(0), b_stacked.stride(1), y.stride(0),
+        z.stride(0), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return y
+
+
+def _slot_major(b: torch.Tensor) -> bool:
+    """Contiguous [slots, out, R], or a transposed view of a contiguous [slots, R, out] (what AdapterSlots keeps:
+    the CPU twin's bmm reads it twice as fast)."""
+    return b.is_contiguous() or b.transpose(1, 2).is_contiguous()
 
 
 def _check_expand(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, y: torch.Tensor) -> None:
@@ -113,9 +120,10 @@ def _check_expand(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, y: to
     if y.dim() != 2 or y.dtype not in DTYPES or not y.is_contiguous():
         raise ValueError(f"y: expected a contiguous [T, out] fp32, fp16 or bf16 tensor; "
                          f"got {list(y.shape)} {y.dtype}{'' if y.is_contiguous() else ' non-contiguous'}")
-    if b_stacked.dim() != 3 or b_stacked.shape[1] != y.shape[1] or not b_stacked.is_contiguous():
-        raise ValueError(f"b_stacked: expected a contiguous [num_slots, {y.shape[1]}, R] tensor; "
-                         f"got {list(b_stacked.shape)}{'' if b_stacked.is_contiguous() else ' non-contiguous'}")
+    if b_stacked.dim() != 3 or b_stacked.shape[1] != y.shape[1] or not _slot_major(b_stacked):
+        raise ValueError(f"b_stacked: expected a [num_slots, {y.shape[1]}, R] tensor, contiguous or the transpose of "
+                         f"a contiguous [num_slots, R, {y.shape[1]}]; got {list(b_stacked.shape)} strides "
+                         f"{b_stacked.stride()}")
     if b_stacked.dtype != y.dtype:
         raise ValueError(f"b_stacked: expected dtype {y.dtype} (y's); got {b_stacked.dtype}")
     rank = b_stacked.shape[2]

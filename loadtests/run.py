@@ -1,10 +1,11 @@
 """Manyfold against two baselines under the same Zipf load at the same memory budget; JSON + PNG + table.
 
-    python -m loadtests.run [--variants 20] [--rate 20] [--duration 30] [--budget-models 4]
+    python -m loadtests.run [--scenario full|top2|mixed] [--variants N] [--rate R] [--duration 30] [--budget-models 4]
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
-a budget of 4, most of the variant set is always cold.
+a budget of 4, most of the variant set is always cold. Scenario "mixed" (52 variants by default) is about 3/4 LoRA
+adapters and 1/4 top-two-layer full fine-tunes; the baselines load each adapter merged into a full model.
 """
 
 import argparse
@@ -24,7 +25,8 @@ from ray import serve
 
 from loadtests.baselines import LruServer, multiplex_server
 from loadtests.generator import LoadSpec, run_load
-from loadtests.variants import BASE, SCENARIOS, build_loadtest_store, variant_names
+from loadtests.variants import (BASE, SCENARIOS, build_loadtest_store, mix, mix_text, variant_plan,
+                                variant_task)
 from serve.app import BOARD, build_app
 from serve.bench.fmdelta import machine
 from serve.config import ServeConfig
@@ -112,34 +114,42 @@ def plot(rows: list[dict], path: Path) -> None:
     b.set_title("latency")
     b.legend()
     r = rows[0]
-    fig.suptitle(f"{r['variants']} variants ({r['scenario']}), Zipf s={r['zipf_s']}, {r['rate_rps']} req/s offered, "
-                 f"budget {r['budget_models']} models")
+    fig.suptitle(f"{r['variants']} variants ({r['scenario']}: {mix_text(r['mix'], short=True)}), Zipf s={r['zipf_s']}, "
+                 f"{r['rate_rps']} req/s offered, budget {r['budget_models']} models")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", type=int, default=20)
+    p.add_argument("--variants", type=int, default=None, help="default: 20, or 52 for mixed")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="full",
-                   help="variants train every weight, or only the top two layers and the head")
-    p.add_argument("--rate", type=float, default=8.0, help="offered requests per second")
+                   help="variants train every weight (full), only the top two layers and the head (top2), or "
+                        "mixed: 3/4 LoRA adapters, 1/4 top2 full fine-tunes")
+    p.add_argument("--rate", type=float, default=None, help="offered requests per second (default: 8, or "
+                   f"{SCENARIOS['mixed'].rate_rps:g} for mixed)")
+    p.add_argument("--max-chars", type=int, default=None, help="each input is the start of a test text, at most "
+                   f"this many characters (default: 2000, or {SCENARIOS['mixed'].max_chars} for mixed)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per system")
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--budget-models", type=int, default=4)
     p.add_argument("--systems", default="manyfold,lru,multiplex")
     p.add_argument("--out", default="bench-results/loadtest")
     args = p.parse_args(argv)
+    scenario = SCENARIOS[args.scenario]
+    args.variants = scenario.variants if args.variants is None else args.variants
+    args.rate = scenario.rate_rps if args.rate is None else args.rate
+    args.max_chars = scenario.max_chars if args.max_chars is None else args.max_chars
 
     store, plain = build_loadtest_store(args.variants, scenario=args.scenario)
-    variants = variant_names(args.variants)
-    texts = {}
-    for v in variants:
-        task = v.split("-")[1]
-        texts[v] = [e.text[:2000] for e in CLASSIFICATION[task]("test").examples[:200]]
-    model_bytes = max(store.variant(v).raw_bytes for v in variants)
-    budget = args.budget_models * model_bytes
+    plan = variant_plan(args.variants, args.scenario)
+    variants = [v.name for v in plan]
+    test_texts = {task: [e.text[:args.max_chars] for e in CLASSIFICATION[task]("test").examples[:200]]
+                  for task in {variant_task(v) for v in variants}}
+    texts = {v: test_texts[variant_task(v)] for v in variants}
     base_bytes = store.base(BASE).params * 4
+    model_bytes = max(base_bytes, *(store.variant(v).raw_bytes for v in variants))  # a full model; adapters are tiny
+    budget = args.budget_models * model_bytes
     spec = LoadSpec(rate_rps=args.rate, duration_s=args.duration, zipf_s=args.zipf)
 
     port = free_port()
@@ -163,6 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             hit = manyfold_hit_rate(url) if name == "manyfold" else baseline_hit_rate(url)
             rows.append({"system": name, **result.summary(), "cache_hit_rate": hit, "peak_rss_mib": mem.peak / MIB,
                          "peak_front_rss_mib": mem.peak_front / MIB, "scenario": args.scenario,
+                         "mix": mix(plan), "max_chars": args.max_chars,
                          "variants": args.variants, "zipf_s": args.zipf, "rate_rps": args.rate,
                          "duration_s": args.duration, "budget_models": args.budget_models,
                          "budget_mib": budget / MIB})
@@ -173,9 +184,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ray.shutdown()
 
     print(f"machine: {machine()}; {platform.platform()}")
-    what = "every weight trained" if args.scenario == "full" else "top 2 layers + head trained"
-    print(f"{args.variants} MiniLM fine-tunes ({what}), Zipf s={args.zipf}, {args.rate} req/s offered for "
+    print(f"{args.variants} MiniLM fine-tunes ({scenario.what}), Zipf s={args.zipf}, {args.rate} req/s offered for "
           f"{args.duration} s, weight budget {args.budget_models} models ({budget / MIB:.0f} MiB)")
+    print(f"mix: {mix_text(mix(plan), scenario.top_layers)}; inputs: test texts cut to {args.max_chars} characters")
     print(f"{'system':<10} {'ok':>5} {'err':>4} {'rps':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'hit':>6} "
           f"{'model RSS MiB':>14} {'front MiB':>10}")
     for r in rows:

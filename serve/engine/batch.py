@@ -45,6 +45,7 @@ class BatchPlan:
             self._host[family] = ids
             self.slot_ids[family] = torch.tensor(ids, dtype=torch.long, device=self.device)
         self._segments: dict[tuple[str, int], Segments] = {}
+        self._slot_sets: dict[str, frozenset[int]] = {}
         self._groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def __contains__(self, family: str) -> bool:
@@ -60,6 +61,12 @@ class BatchPlan:
             ids = self.slot_ids[family].repeat_interleave(per_row)  # [num_tokens]
             self._segments[key] = make_segments(ids)
         return self._segments[key]
+
+    def slot_set(self, family: str) -> frozenset[int]:
+        """The slots of `family` that rows of this forward use."""
+        if family not in self._slot_sets:
+            self._slot_sets[family] = frozenset(s for s in self._host.get(family, ()) if s != NO_SLOT)
+        return self._slot_sets[family]
 
     def groups(self, family: str) -> list[tuple[int, torch.Tensor]]:
         """(slot, [n] row indices) for every slot of `family` used in this forward, ascending by slot."""

@@ -72,21 +72,28 @@ class BaseModelRuntime:
             return self.model(**kwargs)
 
     # ---- encoders
-    def _tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        enc = self.tokenizer(texts, padding=True, truncation=True, max_length=min(self.max_length, 512),
-                             return_tensors="pt")
-        return {k: v.to(self.device) for k, v in enc.items()}
-
     @torch.no_grad()
+    def _encode(self, texts: list[str], rows: list[RowSlot]) -> tuple[list, list[int]]:
+        """Every text through the encoder, in forwards of texts of similar length (length_buckets); -> (each
+        text's (last hidden states [seq, hidden], pooler output [hidden]) over its real tokens, tokens read)."""
+        ids = self.tokenizer(texts, truncation=True, max_length=min(self.max_length, 512))["input_ids"]
+        out: list = [None] * len(texts)
+        for group in length_buckets([len(i) for i in ids]):
+            enc = self.tokenizer.pad({"input_ids": [ids[i] for i in group]}, return_tensors="pt")
+            enc = {k: v.to(self.device) for k, v in enc.items()}
+            res = self.call(BatchPlan([rows[i] for i in group], self.device), **enc)
+            real = enc["attention_mask"].bool()  # [k, seq]
+            for j, i in enumerate(group):
+                out[i] = (res.last_hidden_state[j][real[j]], res.pooler_output[j])
+        return out, [len(i) for i in ids]
+
     def embed(self, texts: list[str], rows: list[RowSlot]) -> tuple[torch.Tensor, torch.Tensor]:
         """([n, hidden] unit vectors: mean of the last hidden states over real tokens, [n] tokens read per text,
         special tokens included, as truncated)."""
         self._need(encoder=True)
-        enc = self._tokenize(texts)
-        hidden = self.call(BatchPlan(rows, self.device), **enc).last_hidden_state  # [n, seq, hidden]
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1), enc["attention_mask"].sum(1)
+        encoded, lengths = self._encode(texts, rows)
+        pooled = torch.stack([hidden.mean(0) for hidden, _ in encoded])  # [n, hidden]
+        return torch.nn.functional.normalize(pooled, dim=-1), torch.tensor(lengths)
 
     @torch.no_grad()
     def classify(self, texts: list[str], rows: list[RowSlot], heads: list[dict[str, torch.Tensor]]
@@ -97,7 +104,7 @@ class BaseModelRuntime:
         for head in heads:
             if "weight" not in head or "bias" not in head:
                 raise BadRequest("this model has no classifier head")
-        pooled = self.call(BatchPlan(rows, self.device), **self._tokenize(texts)).pooler_output  # [n, hidden]
+        pooled = torch.stack([p for _, p in self._encode(texts, rows)[0]])  # [n, hidden]
         out: list[torch.Tensor | None] = [None] * len(texts)
         for idx, head in _group_by_head(heads):
             logits = pooled[idx] @ head["weight"].T + head["bias"]  # [k, labels]
@@ -130,6 +137,26 @@ class BaseModelRuntime:
         if len(prompt) + params.max_tokens > self.max_length:
             raise BadRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                              f"context of {self.max_length} tokens")
+
+
+MAX_PADDING = 0.25
+"""Share of a forward's tokens that may be padding: a CPU forward costs its padded tokens, and batching rows
+of very different lengths would cost more than it saves."""
+
+
+def length_buckets(lengths: list[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Indices of texts grouped by length, shortest first, each group one forward whose padding (every row
+    padded to the group's longest) is at most `max_padding` of its tokens."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= (1 + max_padding) * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 def _group_by_head(heads: list[dict[str, torch.Tensor]]) -> list[tuple[list[int], dict[str, torch.Tensor]]]:

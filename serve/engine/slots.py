@@ -168,14 +168,18 @@ class AdapterSlots(Slots):
         self.max_rank = config.max_rank
         self.a: dict[str, torch.Tensor] = {}
         """module -> [slots, R, in]: every slot's A, zero-padded to the module's largest attached rank R."""
-        self.b: dict[str, torch.Tensor] = {}
-        """module -> [slots, out, R]."""
+        self.bt: dict[str, torch.Tensor] = {}
+        """module -> [slots, R, out]: B transposed, read as lora_expand's [slots, out, R] through a view (the CPU
+        twin's batched matmul runs twice as fast on this layout)."""
         self.scale: dict[str, torch.Tensor] = {}
         """module -> [slots] fp32; 0 for a slot whose adapter leaves the module alone."""
+        self.holders: dict[str, set[int]] = {}
+        """module -> the slots whose adapter corrects it: a forward whose adapters all leave a module alone
+        skips it."""
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.a, self.bt) for t in d.values())
 
     def check(self, variant: LoadedVariant) -> None:
         for module in variant.scales:
@@ -192,18 +196,18 @@ class AdapterSlots(Slots):
         linear = self.base.modules[module]
         if module in self.a and self.a[module].shape[0] >= slots and self.a[module].shape[1] >= rank:
             return
-        old_a, old_b = self.a.get(module), self.b.get(module)
+        old_a, old_bt = self.a.get(module), self.bt.get(module)
         r = max(-(-rank // RANK_STEP) * RANK_STEP, old_a.shape[1] if old_a is not None else 0)
         n = max(slots, old_a.shape[0] if old_a is not None else 0)
         w = linear.weight
         a = torch.zeros((n, r, w.shape[1]), dtype=w.dtype, device=self.device)  # [slots, R, in]
-        b = torch.zeros((n, w.shape[0], r), dtype=w.dtype, device=self.device)  # [slots, out, R]
+        bt = torch.zeros((n, r, w.shape[0]), dtype=w.dtype, device=self.device)  # [slots, R, out]
         scale = torch.zeros(n, dtype=torch.float32, device=self.device)  # [slots]
         if old_a is not None:
             a[: old_a.shape[0], : old_a.shape[1]] = old_a
-            b[: old_b.shape[0], :, : old_b.shape[2]] = old_b
+            bt[: old_bt.shape[0], : old_bt.shape[1]] = old_bt
             scale[: old_a.shape[0]] = self.scale[module]
-        self.a[module], self.b[module], self.scale[module] = a, b, scale
+        self.a[module], self.bt[module], self.scale[module] = a, bt, scale
 
     def _write(self, slot: int, variant: LoadedVariant) -> None:
         for module in list(self.a):  # every stack gets a row for the slot: kernels index them all by it
@@ -214,18 +218,20 @@ class AdapterSlots(Slots):
             rank = a.shape[0]
             self._ensure(module, rank)
             self.a[module][slot, :rank] = a
-            self.b[module][slot, :, :rank] = b
+            self.bt[module][slot, :rank] = b.T
             self.scale[module][slot] = s
+            self.holders.setdefault(module, set()).add(slot)
 
     def _clear(self, slot: int) -> None:
         for module in self.a:
             if slot < self.a[module].shape[0]:
                 self.a[module][slot].zero_()
-                self.b[module][slot].zero_()
+                self.bt[module][slot].zero_()
                 self.scale[module][slot] = 0.0
+            self.holders.get(module, set()).discard(slot)
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
-        return name in self.a
+        return not self.holders.get(name, set()).isdisjoint(plan.slot_set(self.family))
 
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
@@ -235,7 +241,7 @@ class AdapterSlots(Slots):
         if seg.slots.numel() == 0:
             return y
         z = lora_shrink(x2, self.a[name], self.scale[name], seg)  # [tokens, R] fp32
-        lora_expand(z, self.b[name], seg, y2)
+        lora_expand(z, self.bt[name].transpose(1, 2), seg, y2)
         return y
 
 

@@ -285,3 +285,15 @@ def test_a_caller_that_leaves_stops_its_row(serving_store):
     assert not eng._generating and eng.batch_sizes.count < 100
     run(cancel())
     assert not eng._generating and eng.batch_sizes.count < 200
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 50, 4, 48, 5, 120, 49], [10] * 7, list(range(1, 40))])
+def test_length_buckets_cover_every_text_once_with_bounded_padding(lengths):
+    from serve.engine.model import MAX_PADDING, length_buckets
+
+    groups = length_buckets(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) * max(lengths[i] for i in g) <= (1 + MAX_PADDING) * sum(lengths[i] for i in g)
+    if len(set(lengths)) == 1:
+        assert len(groups) == 1  # equal lengths: one forward

@@ -49,6 +49,18 @@ def test_lora_expand_matches_torch(case, dtype, triton_device, gen, tolerances):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["mixed-r16", "single-slot", "unsorted-16"])
+def test_lora_expand_reads_b_stored_transposed(case, dtype, triton_device, gen, tolerances):
+    """AdapterSlots keeps B as a contiguous [slots, R, out] and passes its transpose: both forms read it."""
+    z, b_stacked, seg, y = make_inputs(*CASES[case], dtype, triton_device, gen)
+    b_view = b_stacked.transpose(1, 2).contiguous().transpose(1, 2)  # [slots, out, R], R-major storage
+    assert not b_view.is_contiguous()
+    want = lora_expand_torch(z, b_stacked, seg, y.clone())
+    for form in (lora_expand_torch, lora_expand_triton):
+        torch.testing.assert_close(form(z, b_view, seg, y.clone()), want, **tolerances[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("slot_ids", [MIXED, [1, 0, -1, 1, 0], SKEWED, [1] * 5, [NO_SLOT] * 3],
                          ids=["padded", "padded-evenly", "skewed", "single-slot", "all-no-slot"])
 def test_lora_expand_torch_matches_per_token_loop(slot_ids, dtype, gen, tolerances):
@@ -73,7 +85,7 @@ def test_lora_expand_adds_into_y_and_leaves_no_slot_rows_bit_identical(form, dty
 @pytest.mark.parametrize("form", [lora_expand_torch, lora_expand_triton], ids=["torch", "triton"])
 @pytest.mark.parametrize("change, message", [
     (lambda z, b, g, y: (z, b.half(), g, y), "b_stacked: expected dtype torch.float32 .y's.; got torch.float16"),
-    (lambda z, b, g, y: (z, b[:, :8], g, y), r"b_stacked: expected a contiguous \[num_slots, 33, R\]"),
+    (lambda z, b, g, y: (z, b[:, :8], g, y), r"b_stacked: expected a \[num_slots, 33, R\] tensor"),
     (lambda z, b, g, y: (z.half(), b, g, y), r"z: expected a contiguous \[7, 5\] float32 tensor; got .* torch.float16"),
     (lambda z, b, g, y: (z, b, g, y.T.contiguous().T), "y: expected a contiguous .* non-contiguous"),
     (lambda z, b, g, y: (z[:3], b, g, y[:3]), "seg: expected segments of 3 tokens .y's.; got 7"),
