@@ -124,6 +124,7 @@ def finetune_classifier_lora(base_dir: Path, data: Dataset, out_dir: Path, n_tra
     -> the last batch's loss."""
     import torch
     from peft import LoraConfig, get_peft_model
+    from serve.demo import train_classifier_epoch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -137,24 +138,11 @@ def finetune_classifier_lora(base_dir: Path, data: Dataset, out_dir: Path, n_tra
     peft = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=rank, lora_alpha=2 * rank,
                                             target_modules=list(targets), modules_to_save=["classifier"]))
     examples = random.Random(seed).sample(data.examples, min(n_train, len(data.examples)))
-    opt = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=lr)
-    peft.train()
-    loss = torch.tensor(float("nan"))
-    steps = range(0, len(examples), batch_size)
-    for i, start in enumerate(steps):
-        chunk = examples[start:start + batch_size]
-        enc = tok([e.text for e in chunk], truncation=True, max_length=max_len, padding=True, return_tensors="pt")
-        loss = peft(**enc, labels=torch.tensor([label_id[e.label] for e in chunk])).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if i % 10 == 0 or i == len(steps) - 1:
-            log(f"  {data.name}: step {i + 1}/{len(steps)} loss {loss.item():.3f}")
-    peft.eval()
+    loss = train_classifier_epoch(peft, tok, examples, label_id, max_len, lr, batch_size, data.name, log)
     out_dir = Path(out_dir)
     peft.save_pretrained(out_dir, safe_serialization=True)
     model.config.save_pretrained(out_dir)  # id2label for the store
-    return loss.item()
+    return loss
 
 
 def merge_lora_classifier(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:

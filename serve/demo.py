@@ -157,8 +157,20 @@ def finetune_classifier(base_dir: Path, data: Dataset, out_dir: Path, n_train: i
         keep = tuple(f"bert.encoder.layer.{i}." for i in range(n - top_layers, n)) + ("bert.pooler.", "classifier.")
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith(keep)
+    train_classifier_epoch(model, tok, examples, label_id, max_len, lr, batch_size, data.name, log)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    if test is None:
+        return None
+    return classifier_accuracy(model, tok, test, max_len)
+
+
+def train_classifier_epoch(model, tok, examples: list, label_id: dict[str, int], max_len: int, lr: float,
+                           batch_size: int, name: str, log: Callable[[str], None] = print) -> float:
+    """One epoch of AdamW over the model's trainable parameters (a full model, or a PEFT model); -> last loss."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
+    loss = torch.tensor(float("nan"))
     steps = range(0, len(examples), batch_size)
     for i, start in enumerate(steps):
         chunk = examples[start:start + batch_size]
@@ -168,13 +180,9 @@ def finetune_classifier(base_dir: Path, data: Dataset, out_dir: Path, n_train: i
         opt.step()
         opt.zero_grad()
         if i % 10 == 0 or i == len(steps) - 1:
-            log(f"  {data.name}: step {i + 1}/{len(steps)} loss {loss.item():.3f}")
+            log(f"  {name}: step {i + 1}/{len(steps)} loss {loss.item():.3f}")
     model.eval()
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    if test is None:
-        return None
-    return classifier_accuracy(model, tok, test, max_len)
+    return loss.item()
 
 
 @torch.no_grad()

@@ -28,15 +28,6 @@ PROMPT = torch.tensor([[1, 7, 8, 9, 10, 11, 7, 12]])
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")  # peft -> transformers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads; on a shared 2-core machine two spinning threads run 4x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(original base dir, work dir, trained PiSSA model): initial/ and trained/ hold the raw adapters; the

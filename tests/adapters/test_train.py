@@ -20,15 +20,6 @@ ARGS = {"rank": 4, "alpha": 8, "batch_size": 2, "max_length": 16, "lr": 1e-2, **
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")  # peft -> transformers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads; on a shared 2-core machine two spinning threads run 4x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     return write_tiny_lm(tmp_path_factory.mktemp("tiny") / "base")
