@@ -35,7 +35,6 @@ from serve.variants.base import LoadedVariant
 log = logging.getLogger("manyfold.engine")
 
 Op = Literal["classify", "embed", "generate"]
-__all__ = ["Embeddings", "Engine", "ModelInfo", "TextDelta"]
 
 
 @dataclass(eq=False)

@@ -84,10 +84,6 @@ class Slots(ABC):
             if self.refs[slot] == 0:
                 self._empty(slot)
 
-    def free_slots(self) -> int:
-        grow = (self.max_slots - len(self.names)) if self.max_slots is not None else 1 << 30
-        return grow + sum(1 for r in self.refs if r == 0)
-
     def _free_slot(self) -> int | None:
         idle = [s for s, r in enumerate(self.refs) if r == 0]
         empty = [s for s in idle if self.names[s] is None]

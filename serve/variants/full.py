@@ -70,8 +70,8 @@ HEAD_PREFIXES = ("classifier.",)
 def split_variant(tensors: dict[str, torch.Tensor], base: BaseView) -> tuple[dict[str, torch.Tensor], dict]:
     """A full fine-tune's decoded tensors -> (base tensors it changed, by canonical name; its head).
 
-    Tensors the fine-tune left unchanged are not decoded at all, or arrive as the base's own objects, and are
-    left out: every row keeps using the base's module for them.
+    Only the tensors the fine-tune changed are decoded (FullVariant.load skips the file's "same" records): every
+    row keeps using the base's module for the rest.
     """
     weights, head = {}, {}
     names = set(base.tensors)
@@ -86,8 +86,6 @@ def split_variant(tensors: dict[str, torch.Tensor], base: BaseView) -> tuple[dic
         if t.shape != base_t.shape:
             raise VariantIncompatible(f"tensor '{name}' is {list(t.shape)}; base '{base.name}' has "
                                       f"{list(base_t.shape)}")
-        if t is base_t or (t.data_ptr() == base_t.data_ptr() and t.dtype == base_t.dtype):
-            continue
         weights[target] = t.to(base_t.dtype)
     return weights, head
 

@@ -191,14 +191,12 @@ def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed):
     """Room for one variant in the cache and two adapter slots, rows of eight models at once: variants load,
     get evicted and load again while others run, adapters queue for slots; every answer equals the answer
     the model gives alone."""
-    from serve.engine.engine import Engine as Fresh
-
     engine, _ = mixed
     models = ["lm-lora4", "tiny-lm-top", "lm-lora8", "tiny-lm", "lm-pissa", "tiny-lm-all", "lm-lora4", "lm-pissa"]
     params = SamplingParams(max_tokens=5, temperature=0)
     alone = {m: asyncio.run(engine.complete(m, params, prompt="one two three")).token_ids for m in set(models)}
     config = engine.config.model_copy(update={"slots": engine.config.slots.model_copy(update={"max_adapters": 2})})
-    eng = Fresh(config)
+    eng = Engine(config)
     eng.cache.device_bytes = max(asyncio.run(_nbytes(eng, m)) for m in set(models) - {"tiny-lm"})
     eng.cache.cpu_bytes = 0
 
