@@ -1,6 +1,6 @@
 """Manyfold against two baselines under the same Zipf load at the same memory budget; JSON + PNG + table.
 
-    python -m loadtests.run [--scenario full|top2|mixed] [--variants N] [--rate R] [--duration 30] [--budget-models 4]
+    python -m loadtests.run [--scenario full|top2|mixed] [--variants N] [--rate R] [--duration 30] [--budget-models 4] [--repeats 3]
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
@@ -94,6 +94,10 @@ def baseline_hit_rate(url: str) -> float:
     return s["hits"] / total if total else float("nan")
 
 
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["throughput_rps"])[(len(runs) - 1) // 2]
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--budget-models", type=int, default=4)
     p.add_argument("--systems", default="manyfold,lru,multiplex")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every system in turn; the table shows "
+                   "each system's median run by throughput, the JSON every run")
     p.add_argument("--out", default="bench-results/loadtest")
     args = p.parse_args(argv)
     scenario = SCENARIOS[args.scenario]
@@ -163,15 +169,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "lru": lambda: LruServer.bind(str(plain), budget),
         "multiplex": lambda: multiplex_server(str(plain), args.budget_models).bind(),
     }
-    rows = []
+    runs = []
     try:
-        for name in args.systems.split(","):
+        for name, round_ in [(n, r) for r in range(args.repeats) for n in args.systems.split(",")]:
             serve.run(apps[name](), name=name, route_prefix="/", logging_config={"log_level": "WARNING"})
             asyncio.run(run_load(url, variants[:1], texts, LoadSpec(rate_rps=2, duration_s=1)))  # warm up
             with PeakMemory(name) as mem:
                 result = asyncio.run(run_load(url, variants, texts, spec))
             hit = manyfold_hit_rate(url) if name == "manyfold" else baseline_hit_rate(url)
-            rows.append({"system": name, **result.summary(), "cache_hit_rate": hit, "peak_rss_mib": mem.peak / MIB,
+            runs.append({"system": name, "round": round_, **result.summary(), "cache_hit_rate": hit, "peak_rss_mib": mem.peak / MIB,
                          "peak_front_rss_mib": mem.peak_front / MIB, "scenario": args.scenario,
                          "mix": mix(plan), "max_chars": args.max_chars,
                          "variants": args.variants, "zipf_s": args.zipf, "rate_rps": args.rate,
@@ -182,11 +188,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         serve.shutdown()
         ray.shutdown()
+    rows = [median_run([r for r in runs if r["system"] == name]) for name in args.systems.split(",")]
 
     print(f"machine: {machine()}; {platform.platform()}")
     print(f"{args.variants} MiniLM fine-tunes ({scenario.what}), Zipf s={args.zipf}, {args.rate} req/s offered for "
           f"{args.duration} s, weight budget {args.budget_models} models ({budget / MIB:.0f} MiB)")
     print(f"mix: {mix_text(mix(plan), scenario.top_layers)}; inputs: test texts cut to {args.max_chars} characters")
+    if args.repeats > 1:
+        print(f"{args.repeats} rounds, systems in turn; each system's median run by rps (every run: "
+              + ", ".join(f"{n} " + "/".join(f"{r['throughput_rps']:.1f}" for r in runs if r["system"] == n)
+                          for n in args.systems.split(",")) + " rps)")
     print(f"{'system':<10} {'ok':>5} {'err':>4} {'rps':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'hit':>6} "
           f"{'model RSS MiB':>14} {'front MiB':>10}")
     for r in rows:
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           "residency-board replicas")
     out = Path(f"{args.out}-{args.scenario}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "rows": rows, "runs": runs}, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return rows

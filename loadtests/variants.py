@@ -48,7 +48,7 @@ SCENARIOS = {
     "full": Scenario("every weight trained", None),
     "top2": Scenario("top 2 layers + head trained", 2),
     "mixed": Scenario("LoRA r8 adapters and top-2-layer full fine-tunes", 2, full_every=4, variants=52,
-                      rate_rps=10.0, kind_in_name=True, max_chars=400),
+                      rate_rps=20.0, kind_in_name=True, max_chars=400),
 }
 """mixed sends short inputs (400 characters: ~48 tokens a request on average; the variants trained on 64). With
 2000 (~140 tokens on average, BBC articles ~360) compute caps every system at 4.5-6 req/s on this 2-core machine

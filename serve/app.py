@@ -42,8 +42,12 @@ def _ingress(config: ServeConfig, bases: list[str]):
             """The base deployments are bound here so Serve deploys them with the app; the router
             reaches them by name."""
 
-    return serve.deployment(Ingress, name="Ingress", num_replicas=config.ingress_replicas,
-                            ray_actor_options={"num_cpus": 0})
+    return serve.deployment(Ingress, **ingress_options(config))
+
+
+def ingress_options(config: ServeConfig) -> dict:
+    return {"name": "Ingress", "num_replicas": config.ingress_replicas,
+            "max_ongoing_requests": config.ingress_max_ongoing_requests, "ray_actor_options": {"num_cpus": 0}}
 
 
 def build_app(args: dict | ServeConfig) -> Application:

@@ -102,6 +102,9 @@ class ServeConfig(StrictModel):
     deployments: dict[str, DeploymentConfig] = {}
     """Per-base overrides, by base name."""
     ingress_replicas: Annotated[int, Field(ge=1)] = 1
+    ingress_max_ongoing_requests: Annotated[int, Field(ge=1)] = 4096
+    """Requests one ingress replica holds at once, for every base together. It only awaits the model replicas,
+    so it should hold what they take and queue; Ray Serve's default of 5 would cap every batch at five rows."""
     cache: CacheConfig = CacheConfig()
     batch: BatchConfig = BatchConfig()
     slots: SlotsConfig = SlotsConfig()
