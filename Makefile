@@ -12,7 +12,7 @@ QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench loadtest clean-venv
+.PHONY: setup demo test compat bench loadtest clean-venv
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
+
+compat: $(STAMP)
+	$(PY) -m pip install -q -e '.[test,compat]' $(QUIET)
+	$(VENV)/bin/pytest -q -m compat tests/compat
 
 bench: $(STAMP)
 	$(VENV)/bin/manyfold bench fmdelta

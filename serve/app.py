@@ -29,18 +29,27 @@ def deployment_name(base: str) -> str:
 
 
 def _ingress(config: ServeConfig, bases: list[str]):
-    def build():
-        from serve.deployments.router import Router
-        from serve.http.app import build_http_app
-
-        handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
-        return build_http_app(Router(config.store, handles, serve.get_deployment_handle(BOARD)), config)
-
-    @serve.ingress(build)
+    @serve.ingress()
     class Ingress:
         def __init__(self, *replicas):
             """The base deployments are bound here so Serve deploys them with the app; the router
             reaches them by name."""
+            from serve.http.drain import DrainGate
+
+            self.gate = DrainGate()
+
+        def __serve_build_asgi_app__(self):
+            from serve.deployments.router import Router
+            from serve.http.app import build_http_app
+
+            handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
+            return build_http_app(Router(config.store, handles, serve.get_deployment_handle(BOARD)), config,
+                                  self.gate)
+
+        async def drain(self, timeout_s: float) -> tuple[str, int]:
+            """Close this replica's gate and wait for its requests; -> (replica id, requests still running)."""
+            left = await self.gate.close(timeout_s)
+            return serve.get_replica_context().replica_id.unique_id, left
 
     return serve.deployment(Ingress, **ingress_options(config))
 
@@ -88,6 +97,22 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
         serve.run(build_app(config), name="manyfold", route_prefix="/", logging_config={"log_level": "WARNING"})
         ready(f"http://{config.host}:{config.port}")
         stop.wait()
+        drain(config)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def drain(config: ServeConfig, app: str = "manyfold") -> None:
+    """Before the proxy stops: every ingress replica refuses new requests (503) and finishes those in flight,
+    streams to their [DONE], within config.drain_timeout_s. Serve routes a call to any replica, so calls go
+    out in rounds until each replica has answered (bounded)."""
+    handle = serve.get_deployment_handle("Ingress", app_name=app)
+    drained: dict[str, int] = {}
+    for _ in range(8):
+        calls = [handle.drain.remote(config.drain_timeout_s) for _ in range(2 * config.ingress_replicas)]
+        drained.update(c.result(timeout_s=config.drain_timeout_s + 10) for c in calls)
+        if len(drained) >= config.ingress_replicas:
+            break
+    left = sum(drained.values())
+    print(f"drained {len(drained)} ingress replica(s)" + (f"; {left} requests cut at the grace period" if left else ""))

@@ -102,6 +102,8 @@ class ServeConfig(StrictModel):
     deployments: dict[str, DeploymentConfig] = {}
     """Per-base overrides, by base name."""
     ingress_replicas: Annotated[int, Field(ge=1)] = 1
+    drain_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
+    """On SIGINT/SIGTERM, requests in flight get this long to finish (new ones get 503) before the server stops."""
     ingress_max_ongoing_requests: Annotated[int, Field(ge=1)] = 4096
     """Requests one ingress replica holds at once, for every base together. It only awaits the model replicas,
     so it should hold what they take and queue; Ray Serve's default of 5 would cap every batch at five rows."""

@@ -1,10 +1,17 @@
 """Typed errors. Each carries a stable `code` and the HTTP status the API layer maps it to."""
 
+import re
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|constrained-[a-z]+|function-[a-z]+.*)$")
+
 
 def first_error(e, skip: tuple[str, ...] = ()) -> str:
-    """The first problem of a pydantic (or FastAPI request) validation error as 'loc: msg', one line."""
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"] if p not in skip)
+    """The first problem of a pydantic (or FastAPI request) validation error as 'loc: msg', one line. Of a
+    union's alternatives the one that got furthest speaks ("stop: List should have at most 4 items ... not 5",
+    not "Input should be a valid string"), and the alternatives' tags stay out of the location."""
+    errors = e.errors()
+    err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+    loc = ".".join(str(p) for p in err["loc"] if p not in skip and not (isinstance(p, str) and _UNION_TAG.match(p)))
     return f"{loc}: {err['msg']}" if loc else err["msg"]
 
 
@@ -70,3 +77,10 @@ class Forbidden(ManyfoldError):
 class TooLarge(ManyfoldError):
     code = "request_too_large"
     http_status = 413
+
+
+class ClientGone(ManyfoldError):
+    """The client closed the request before its answer: nothing to send, not a server error."""
+
+    code = "client_closed_request"
+    http_status = 499

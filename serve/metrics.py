@@ -57,10 +57,11 @@ class Metrics:
         self.requests.labels(label, route, str(status)).inc()
         self.latency.labels(label, route).observe(time.perf_counter() - started_s)
 
-    def render(self, snapshots: list[dict], models: list) -> bytes:
+    def render(self, snapshots: list[dict], models: list, in_flight: int = 0) -> bytes:
         """This process's metrics plus the engines' snapshots and every model's residency."""
         extra = CollectorRegistry()
-        families = []
+        families = [GaugeMetricFamily("manyfold_requests_in_flight", "HTTP requests this ingress is answering "
+                                      "(streams until their last event), this one included", value=in_flight)]
         events = CounterMetricFamily("manyfold_cache_events", "Variant cache lookups and evictions", labels=["event"])
         for event in ("hit", "miss", "eviction"):
             key = {"hit": "cache_hits", "miss": "cache_misses", "eviction": "cache_evictions"}[event]

@@ -14,7 +14,7 @@ WORDS = ["<pad>", "<s>", "</s>", "<unk>", "system:", "user:", "assistant:"] + (
     "star sky sea fish bird eat drink sleep play run walk talk read write book pen").split()
 
 
-def write_tiny_causal(path: Path, seed: int = 0) -> Path:
+def write_tiny_causal(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2, positions: int = 256) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -24,8 +24,9 @@ def write_tiny_causal(path: Path, seed: int = 0) -> Path:
                                    unk_token="<unk>")
     fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}assistant:"
     fast.save_pretrained(path)
-    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=positions,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
                       initializer_range=1.0)  # wide init: clear argmax margins and varied text, not one token
     torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """EngineReplica: one Engine serving one base and its variants, as a Ray Serve deployment."""
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 from ray import serve
@@ -10,6 +10,7 @@ from ray.serve.handle import DeploymentHandle
 from serve.config import parse_config
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
+from serve.errors import ManyfoldError
 
 log = logging.getLogger("ray.serve")
 
@@ -56,28 +57,41 @@ class EngineReplica:
         finally:
             await self._report()
 
-    async def classify(self, model: str, texts: list[str]):
+    async def _answer(self, call: Awaitable):
+        """A client's error (4xx) comes back as a value: raised here, Ray would log it with a traceback as
+        a failure of the replica. The router raises it again in the ingress."""
         async with self._serving():
-            return await self.engine.classify(model, texts)
+            try:
+                return await call
+            except ManyfoldError as e:
+                if e.http_status >= 500:
+                    raise
+                return e
 
-    async def embed(self, model: str, texts: list[str]):
-        async with self._serving():
-            return await self.engine.embed(model, texts)
+    async def classify(self, model: str, texts: list[str], truncate: bool = True):
+        return await self._answer(self.engine.classify(model, texts, truncate))
 
-    async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
+    async def embed(self, model: str, texts: list[str], truncate: bool = True):
+        return await self._answer(self.engine.embed(model, texts, truncate))
+
+    async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None):
-        async with self._serving():
-            return await self.engine.complete(model, params, prompt=prompt, messages=messages)
+        return await self._answer(self.engine.complete(model, params, prompt=prompt, messages=messages))
 
-    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
+    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                               messages: list[dict] | None = None):
         """Called with handle.options(stream=True): each TextDelta goes to the ingress as it comes."""
         async with self._serving():
-            async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages):
-                yield delta
+            try:
+                async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages):
+                    yield delta
+            except ManyfoldError as e:
+                if e.http_status >= 500:
+                    raise
+                yield e  # as _answer: the router raises it
 
     async def add_variant(self, name: str, base: str, path: str, kind: str):
-        return await self.engine.add_variant(name, base, path, kind)
+        return await self._answer(self.engine.add_variant(name, base, path, kind))
 
     async def models(self):
         return await self.engine.models()

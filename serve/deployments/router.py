@@ -7,12 +7,12 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from serve.deployments.board import best_tier
 from serve.engine.types import ModelInfo, SamplingParams, TextDelta
-from serve.errors import ManyfoldError, Overloaded
+from serve.errors import ClientGone, ManyfoldError, Overloaded
 from serve.store.store import Store
 
 
@@ -36,6 +36,8 @@ class Router:
             yield
         except BackPressureError as e:
             raise Overloaded("every replica of this model is at capacity; retry later") from e
+        except RequestCancelledError:
+            raise ClientGone("the client closed the request") from None
         except ManyfoldError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, ManyfoldError):
@@ -44,26 +46,31 @@ class Router:
 
     async def _call(self, response):
         with self._replica_errors():
-            return await response
+            result = await response
+        if isinstance(result, ManyfoldError):  # a client's error, returned by the replica (see EngineReplica)
+            raise result
+        return result
 
-    async def classify(self, model: str, texts: list[str]):
-        return await self._call(self._handle(model).classify.remote(model, texts))
+    async def classify(self, model: str, texts: list[str], truncate: bool = True):
+        return await self._call(self._handle(model).classify.remote(model, texts, truncate))
 
-    async def embed(self, model: str, texts: list[str]):
-        return await self._call(self._handle(model).embed.remote(model, texts))
+    async def embed(self, model: str, texts: list[str], truncate: bool = True):
+        return await self._call(self._handle(model).embed.remote(model, texts, truncate))
 
-    async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
+    async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None):
         return await self._call(self._handle(model).complete.remote(model, params, prompt=prompt,
                                                                      messages=messages))
 
-    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
+    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                               messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
         handle = self._handle(model).options(stream=True)
         deltas = handle.complete_stream.remote(model, params, prompt=prompt, messages=messages)
         try:
             with self._replica_errors():
                 async for delta in deltas:
+                    if isinstance(delta, ManyfoldError):
+                        raise delta
                     yield delta
         finally:
             deltas.cancel()  # a no-op once it has ended; else the replica stops generating for a client gone

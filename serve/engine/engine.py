@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +24,7 @@ from serve.engine.cache import CachedVariant, VariantCache
 from serve.engine.generation import DecodeBatch, NewRow
 from serve.engine.model import BaseModelRuntime
 from serve.engine.stats import BATCH_BUCKETS, Distribution
-from serve.engine.types import Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
+from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
 from serve.errors import (ArtifactError, BadRequest, CapacityExceeded, Overloaded, VariantIncompatible,
                           VariantNotFound)
 from serve.store.store import Store
@@ -51,6 +51,14 @@ class Row:
     held: CachedVariant | None = None
     """Its variant, held in the cache from dispatch until the row is answered."""
     enqueued_s: float = field(default_factory=time.perf_counter)
+    generation: Generation | None = None
+    """Streamed generation only: the row's Generation as far as it has gone."""
+
+    def logprobs(self, start: int, stop: int) -> list | None:
+        """Log probabilities of the generated tokens start..stop (appended to on the compute thread: a slice
+        of what is already there is safe to read)."""
+        gen = self.generation
+        return None if gen is None or gen.logprobs is None else gen.logprobs[start:stop]
 
     @property
     def loaded(self) -> LoadedVariant | None:
@@ -194,50 +202,67 @@ class Engine:
         self.reload_store()
 
     # ---- requests
-    async def classify(self, model: str, texts: list[str]) -> tuple[list[str], list[list[float]]]:
-        """-> (labels, one probability row per text)."""
+    async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
+        """Texts longer than the model reads are cut (and counted), or refused when truncate is False."""
         base, variant = self.resolve(model)
         entry = self.store.manifest.variants.get(variant) if variant else None
         if entry is None or not entry.labels:
             raise BadRequest(f"model '{model}' is not a classifier")
-        return entry.labels, await self._submit("classify", base, variant, texts)
+        if not truncate:
+            self.bases[base].check_inputs_fit(texts)
+        probs, tokens, truncated = await self._submit("classify", base, variant, texts)
+        return Classifications(entry.labels, probs, tokens, truncated)
 
-    async def embed(self, model: str, texts: list[str]) -> Embeddings:
-        """One unit vector per text, and the tokens read."""
+    async def embed(self, model: str, texts: list[str], truncate: bool = True) -> Embeddings:
+        """One unit vector per text, and the tokens read; long texts as classify() treats them."""
         base, variant = self.resolve(model)
+        if not truncate:
+            self.bases[base].check_inputs_fit(texts)
         return await self._submit("embed", base, variant, texts)
 
-    async def complete(self, model: str, params: SamplingParams, prompt: str | None = None,
+    async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None) -> Generation:
         """A text completion of `prompt`, or a chat completion of `messages` under the base's chat template."""
         return await self._submit(*self._generation_row(model, params, prompt, messages))
 
-    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | None = None,
+    async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                               messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
         """complete(), as text pieces while the tokens come. Text that may yet turn out to be the start of a
         stop string is held back until it cannot (half characters never reach the text: it is decoded
         incrementally)."""
-        updates: asyncio.Queue[str | None] = asyncio.Queue()  # one item per decode step: <= max_tokens + 1
+        updates: asyncio.Queue[tuple[str, int] | None] = asyncio.Queue()  # one per decode step: <= max_tokens + 1
         row = self._enqueue(*self._generation_row(model, params, prompt, messages), stream=updates)
         held = max((len(s) for s in params.stop), default=1) - 1
-        sent = 0
+        sent = sent_tokens = 0
+        prompt = params.echo or params.logprobs is not None  # the first piece carries the prompt
         try:
-            while (text := await updates.get()) is not None:
+            while (update := await updates.get()) is not None:
+                text, tokens = update
                 end = len(text) - held
                 if end > sent:
-                    yield TextDelta(text[sent:end])
-                    sent = end
+                    yield TextDelta(text[sent:end], logprobs=row.logprobs(sent_tokens, tokens),
+                                    **_prompt_of(row.generation, prompt))
+                    sent, sent_tokens, prompt = end, tokens, False
             gen = row.future.result()
-            yield TextDelta(gen.text[sent:], gen)
+            yield TextDelta(gen.text[sent:], gen, logprobs=None if gen.logprobs is None else gen.logprobs[sent_tokens:],
+                            **_prompt_of(gen, prompt))
         finally:
             row.cancelled = not row.future.done()
 
-    def _generation_row(self, model: str, params: SamplingParams, prompt: str | None,
+    def _generation_row(self, model: str, params: SamplingParams, prompt: str | list[int] | None,
                         messages: list[dict] | None) -> tuple[Op, str, str | None, tuple]:
+        """Without max_tokens a row may run to the end of the context, within the server's max_tokens."""
         base, variant = self.resolve(model)
         rt = self.bases[base]
         rt.require_causal()
-        ids = rt.chat_prompt(messages) if messages is not None else rt.encode_prompt(prompt or "")
+        if messages is not None:
+            ids = rt.chat_prompt(messages)
+        elif isinstance(prompt, list):
+            ids = rt.check_token_ids(prompt)
+        else:
+            ids = rt.encode_prompt(prompt or "")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max(1, min(self.config.limits.max_tokens, rt.max_length - len(ids))))
         rt.check_fits(ids, params)
         return "generate", base, variant, (ids, params)
 
@@ -378,7 +403,8 @@ class Engine:
                     self.batch_sizes.observe(len(group.batch) + len(finished))
                 for row, gen in group.batch.rows():
                     if row.stream is not None:
-                        row.stream.put_nowait(gen.text)
+                        row.stream.put_nowait((gen.text, len(gen.token_ids)))
+                        row.generation = gen
                 for row, gen in finished:
                     group.running.remove(row)
                     self._resolve(row, gen)
@@ -418,15 +444,19 @@ class Engine:
         if op == "embed":
             out, tokens = rt.embed(texts, per_text)
         else:
-            probs = rt.classify(texts, per_text, [r.loaded.head for r in rows for _ in r.payload])
+            out, tokens = rt.classify(texts, per_text, [r.loaded.head for r in rows for _ in r.payload])
+        at_limit = [i for i, n in enumerate(tokens.tolist()) if n == rt.max_input_tokens]
+        cut = set(i for i, n in zip(at_limit, rt.input_lengths([texts[i] for i in at_limit]))
+                  if n > rt.max_input_tokens)
         results, at = [], 0
         for r in rows:
-            span = slice(at, at + len(r.payload))
+            span = range(at, at + len(r.payload))
+            read, truncated = int(tokens[at:span.stop].sum()), sum(i in cut for i in span)
             if op == "embed":
-                results.append(Embeddings(out[span].tolist(), int(tokens[span].sum())))
+                results.append(Embeddings(out[at:span.stop].tolist(), read, truncated))
             else:
-                results.append([p.tolist() for p in probs[span]])
-            at += len(r.payload)
+                results.append(([out[i].tolist() for i in span], read, truncated))
+            at = span.stop
         return results
 
     async def drain(self, timeout_s: float = 30.0) -> None:
@@ -440,3 +470,9 @@ class Engine:
         if self._worker is not None:
             self._worker.cancel()
         self._compute.shutdown(wait=True)
+
+
+def _prompt_of(gen: Generation | None, wanted: bool) -> dict:
+    if not wanted or gen is None:
+        return {}
+    return {"prompt_text": gen.prompt_text, "prompt_logprobs": gen.prompt_logprobs}

@@ -7,10 +7,12 @@ prompt that has gone costs nothing. Positions count each row's own tokens, so pa
 Each row keeps its variant's slot (serve/engine/slots.py) from admission to its last step, and every forward
 carries a BatchPlan of those slots. Sampling is batched over the rows; greedy rows give the tokens they give
 alone, seeded rows draw from their own generator. Text is decoded incrementally, a few tokens a step.
+Log probabilities (when a row asks) are a log-softmax over the whole vocabulary in fp32 of the same logits
+the row samples from; a prefill that echoes its prompt keeps the logits of every position.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from transformers import DynamicCache
 
 from serve.engine.batch import BatchPlan, RowSlot
 from serve.engine.model import BaseModelRuntime
-from serve.engine.types import Generation, SamplingParams
+from serve.engine.types import Generation, SamplingParams, TokenLogprob
 from serve.variants.base import LoadedVariant
 
 
@@ -28,6 +30,7 @@ class NewRow:
     """The caller's handle for the row, returned with its Generation."""
     prompt: list[int]
     params: SamplingParams
+    """max_tokens is set (0 or more): the engine resolves a default before a row gets here."""
     variant: LoadedVariant | None = None
 
 
@@ -39,10 +42,29 @@ class _Seq:
     tag: Any
     slot: RowSlot
     done: bool = False
+    tail: list[int] = field(default_factory=list)
+    """The prompt's last CONTEXT tokens: the text is decoded after them, so it reads as a continuation."""
     prefix_offset: int = 0
-    """Incremental decoding: text is known up to token read_offset; tokens from prefix_offset are re-decoded
-    for context, so a piece that only makes sense after its neighbours comes out right."""
+    """Incremental decoding over tail + token_ids: text is known up to read_offset; tokens from prefix_offset
+    are re-decoded for context, so a piece that only makes sense after its neighbours comes out right."""
     read_offset: int = 0
+
+    @classmethod
+    def start(cls, row: NewRow, slot: RowSlot) -> "_Seq":
+        p = row.params
+        gen = Generation(prompt_tokens=len(row.prompt), logprobs=[] if p.logprobs is not None else None)
+        rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        tail = row.prompt[-CONTEXT:]
+        return cls(gen, p, rng, row.tag, slot, tail=tail, read_offset=len(tail))
+
+    def context(self) -> list[int]:
+        """The tokens before the last one taken."""
+        return (self.tail + self.gen.token_ids[:-1])[-CONTEXT:]
+
+
+CONTEXT = 5
+"""Tokens of context a piece of text is decoded after: a token's text depends on its neighbours (a
+SentencePiece word's leading space, a character split over byte tokens)."""
 
 
 def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -97,11 +119,12 @@ class DecodeBatch:
         self.cache = None
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                 seqs: list[_Seq]) -> torch.Tensor:
+                 seqs: list[_Seq], every_position: bool = False) -> torch.Tensor:
+        """-> [rows, vocab] fp32 logits of the last position, or [rows, seq, vocab] of every position."""
         plan = BatchPlan([s.slot for s in seqs], self.rt.device)
         out = self.rt.call(plan, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float()  # [rows, vocab]
+                           use_cache=True, logits_to_keep=0 if every_position else 1)
+        return out.logits.float() if every_position else out.logits[:, -1, :].float()
 
     def _admit(self, admitted: list[tuple[NewRow, RowSlot]]) -> list[tuple[Any, Generation]]:
         dev, n = self.rt.device, len(admitted)
@@ -112,11 +135,19 @@ class DecodeBatch:
             ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, longest - len(r.prompt):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        seqs = [_Seq(Generation(prompt_tokens=len(r.prompt)), r.params,
-                     torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None, r.tag,
-                     slot) for r, slot in admitted]
+        seqs = [_Seq.start(r, slot) for r, slot in admitted]
         cache = DynamicCache()
-        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, seqs)
+        echo = any(r.params.echo and r.params.logprobs is not None for r, _ in admitted)
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, seqs, every_position=echo)
+        if echo:
+            for s, (r, _), row_logits in zip(seqs, admitted, logits):
+                if r.params.echo and r.params.logprobs is not None:
+                    s.gen.prompt_logprobs = self._prompt_logprobs(r.prompt, row_logits[longest - len(r.prompt):],
+                                                                  r.params.logprobs)
+            logits = logits[:, -1, :]
+        for s, (r, _) in zip(seqs, admitted):
+            if r.params.echo or r.params.logprobs is not None:
+                s.gen.prompt_text = self.rt.tokenizer.decode(r.prompt)
         last = self._choose(seqs, logits)
         next_pos = torch.tensor([[len(r.prompt)] for r, _ in admitted], dtype=torch.long, device=dev)
         self._merge(seqs, cache, mask, last, next_pos)
@@ -132,13 +163,50 @@ class DecodeBatch:
 
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
         tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # [rows]
-        for s, tok in zip(seqs, tokens.tolist()):
+        chosen = tokens.tolist()
+        kept = []  # rows that asked for log probabilities and took a token (an end-of-text token is not kept)
+        for i, (s, tok) in enumerate(zip(seqs, chosen)):
+            before = len(s.gen.token_ids)
             s.done = self._advance(s, tok)
+            if s.params.logprobs is not None and len(s.gen.token_ids) > before:
+                kept.append(i)
+        for k in sorted({seqs[i].params.logprobs for i in kept}):
+            idx = [i for i in kept if seqs[i].params.logprobs == k]
+            entries = self._logprobs(logits[idx], [chosen[i] for i in idx], k, [seqs[i].context() for i in idx])
+            for i, lp in zip(idx, entries):
+                seqs[i].gen.logprobs.append(lp)
         return tokens.unsqueeze(-1)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: list[int], k: int, contexts: list[list[int]]
+                  ) -> list[TokenLogprob]:
+        """[n, vocab] fp32 logits and the token taken at each (after its context) -> its log probability and
+        the top k there, each as its text after that context."""
+        lp = torch.log_softmax(logits, -1)
+        taken = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+        top_lp, top_ids = (x.tolist() for x in lp.topk(k, -1)) if k else ([[]] * len(tokens), [[]] * len(tokens))
+        out = []
+        for t, v, ids, ps, ctx in zip(tokens, taken, top_ids, top_lp, contexts):
+            before = self.rt.tokenizer.decode(ctx)
+            piece = self._pieces(ctx, before, [t, *ids])
+            out.append(TokenLogprob(piece[0], v, list(zip(piece[1:], ps))))
+        return out
+
+    def _prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, k: int) -> list[TokenLogprob]:
+        """logits [len(prompt), vocab] of the prompt's positions: position j predicts token j + 1."""
+        first = TokenLogprob(self.rt.tokenizer.decode(prompt[:1]), None, [])
+        contexts = [prompt[max(0, j + 1 - CONTEXT):j + 1] for j in range(len(prompt) - 1)]
+        return [first] + self._logprobs(logits[:-1], prompt[1:], k, contexts)
+
+    def _pieces(self, context: list[int], before: str, tokens: list[int]) -> list[str]:
+        """The text each token adds after `context` (which decodes to `before`)."""
+        decode = self.rt.tokenizer.decode
+        return [decode(context + [t])[len(before):] for t in tokens]
 
     def _advance(self, s: _Seq, tok: int) -> bool:
         """Append one token; -> whether the row is finished."""
         gen, params = s.gen, s.params
+        if params.max_tokens == 0:  # the prompt alone was asked for (echo)
+            return True
         if tok in self.rt.eos_ids:
             gen.finish_reason = "stop"
             self._flush(s)
@@ -161,7 +229,7 @@ class DecodeBatch:
 
     def _decode_new(self, s: _Seq, final: bool = False) -> None:
         decode = self.rt.tokenizer.decode
-        ids = s.gen.token_ids
+        ids = s.tail + s.gen.token_ids
         known = decode(ids[s.prefix_offset:s.read_offset], skip_special_tokens=True)
         text = decode(ids[s.prefix_offset:], skip_special_tokens=True)
         if len(text) > len(known) and (final or not text.endswith("\ufffd")):  # half a character waits
@@ -169,7 +237,7 @@ class DecodeBatch:
             s.prefix_offset, s.read_offset = s.read_offset, len(ids)
 
     def _flush(self, s: _Seq) -> None:
-        if s.read_offset < len(s.gen.token_ids):
+        if s.read_offset < len(s.tail) + len(s.gen.token_ids):
             self._decode_new(s, final=True)
 
     def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor, last: torch.Tensor,

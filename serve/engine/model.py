@@ -7,6 +7,7 @@ sentence-transformers config says) and classification (BERT pooler + each row's 
 generate in serve.engine.generation.
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ class BaseModelRuntime:
         if self.causal and self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_length = int(getattr(config, "max_position_embeddings", 512))
+        self.max_input_tokens = self.max_length if self.causal else encoder_limit(model_dir, self.max_length)
         tensors = {n: t.detach() for n, t in self.model.state_dict().items()}
         if self.device.type != "cpu":
             host = SafetensorsSource(model_dir)  # decoders read the stored base; no second copy stays resident
@@ -72,11 +74,22 @@ class BaseModelRuntime:
             return self.model(**kwargs)
 
     # ---- encoders
+    def input_lengths(self, texts: list[str]) -> list[int]:
+        """Tokens of each text, special tokens included, before any truncation."""
+        return [len(i) for i in self.tokenizer(texts)["input_ids"]] if texts else []
+
+    def check_inputs_fit(self, texts: list[str]) -> None:
+        for i, n in enumerate(self.input_lengths(texts)):
+            if n > self.max_input_tokens:
+                raise BadRequest(f"input {i}: {n} tokens; model '{self.name}' reads at most {self.max_input_tokens} "
+                                 f"(send truncate: true to cut it)")
+
     @torch.no_grad()
     def _encode(self, texts: list[str], rows: list[RowSlot]) -> tuple[list, list[int]]:
-        """Every text through the encoder, in forwards of texts of similar length (length_buckets); -> (each
-        text's (last hidden states [seq, hidden], pooler output [hidden]) over its real tokens, tokens read)."""
-        ids = self.tokenizer(texts, truncation=True, max_length=min(self.max_length, 512))["input_ids"]
+        """Every text through the encoder, cut to max_input_tokens, in forwards of texts of similar length
+        (length_buckets); -> (each text's (last hidden states [seq, hidden], pooler output [hidden]) over its
+        real tokens, tokens read)."""
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_input_tokens)["input_ids"]
         out: list = [None] * len(texts)
         for group in length_buckets([len(i) for i in ids]):
             enc = self.tokenizer.pad({"input_ids": [ids[i] for i in group]}, return_tensors="pt")
@@ -97,20 +110,21 @@ class BaseModelRuntime:
 
     @torch.no_grad()
     def classify(self, texts: list[str], rows: list[RowSlot], heads: list[dict[str, torch.Tensor]]
-                 ) -> list[torch.Tensor]:
-        """One [labels] probability vector per text, each under its own row's head, as
-        BertForSequenceClassification computes them in eval mode."""
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(one [labels] probability vector per text, each under its own row's head, as
+        BertForSequenceClassification computes them in eval mode; [n] tokens read per text)."""
         self._need(encoder=True)
         for head in heads:
             if "weight" not in head or "bias" not in head:
                 raise BadRequest("this model has no classifier head")
-        pooled = torch.stack([p for _, p in self._encode(texts, rows)[0]])  # [n, hidden]
+        encoded, lengths = self._encode(texts, rows)
+        pooled = torch.stack([p for _, p in encoded])  # [n, hidden]
         out: list[torch.Tensor | None] = [None] * len(texts)
         for idx, head in _group_by_head(heads):
             logits = pooled[idx] @ head["weight"].T + head["bias"]  # [k, labels]
             for i, p in zip(idx, logits.softmax(-1)):
                 out[i] = p
-        return out  # type: ignore[return-value]
+        return out, torch.tensor(lengths)  # type: ignore[return-value]
 
     def _need(self, encoder: bool) -> None:
         if encoder == self.causal:
@@ -124,8 +138,20 @@ class BaseModelRuntime:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise BadRequest(f"model '{self.name}' has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except TemplateError as e:  # the template's own check, such as roles it does not take
+            raise BadRequest(f"messages: the chat template of '{self.name}' refuses them: {e}") from None
+        return list(ids)
+
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        vocab = len(self.tokenizer)
+        for i in ids:
+            if not 0 <= i < vocab:
+                raise BadRequest(f"prompt: token id {i} is outside the vocabulary (0 to {vocab - 1})")
         return list(ids)
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -137,6 +163,16 @@ class BaseModelRuntime:
         if len(prompt) + params.max_tokens > self.max_length:
             raise BadRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                              f"context of {self.max_length} tokens")
+
+
+def encoder_limit(model_dir: str | Path, positions: int) -> int:
+    """Tokens an encoder reads: sentence-transformers' max_seq_length where the model directory has one
+    (all-MiniLM-L6-v2: 256, though its positions go to 512), so embeddings equal the reference model's."""
+    try:
+        limit = json.loads((Path(model_dir) / "sentence_bert_config.json").read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        limit = None
+    return min(positions, int(limit)) if isinstance(limit, int) and limit > 0 else positions
 
 
 MAX_PADDING = 0.25

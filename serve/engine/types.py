@@ -9,12 +9,27 @@ Residency = Literal["device", "cpu", "disk"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    """None: up to the end of the context, within the server's limit. 0: the prompt only (with echo)."""
     temperature: float = 0.0
     """0 is greedy."""
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    """Each generated token's log probability with this many top alternatives; None: none."""
+    echo: bool = False
+    """The prompt's own tokens come back too, with their log probabilities when logprobs is set."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token as text, its log probability under the model (None for a prompt's first token, which nothing
+    predicts) and the most likely tokens at its position, most likely first."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]]
 
 
 @dataclass
@@ -23,6 +38,11 @@ class Generation:
     text: str = ""
     finish_reason: str = "length"
     prompt_tokens: int = 0
+    prompt_text: str = ""
+    """The prompt as the model read it (echo only)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per generated token, as far as it has gone."""
 
 
 @dataclass(frozen=True)
@@ -31,12 +51,29 @@ class TextDelta:
 
     text: str
     final: Generation | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """The generated tokens this piece completes (when asked)."""
+    prompt_text: str | None = None
+    """First piece only, when echo or logprobs were asked: the prompt as the model read it."""
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
 class Embeddings:
     vectors: list[list[float]]
     prompt_tokens: int
+    """Tokens read, after truncation."""
+    truncated: int = 0
+    """Inputs cut to the model's input limit."""
+
+
+@dataclass(frozen=True)
+class Classifications:
+    labels: list[str]
+    probs: list[list[float]]
+    """One probability row per input, in the order of labels."""
+    prompt_tokens: int
+    truncated: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 Text = Annotated[str, Field(max_length=1_000_000)]
 
@@ -20,10 +20,11 @@ class StreamOptions(_Request):
 
 class _Sampling(_Request):
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    """One choice per prompt: rows of one request do not share a prefill here yet."""
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     seed: int | None = None
     stream: bool = False
@@ -39,18 +40,79 @@ class _Sampling(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)]
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    """A text, a list of texts, a list of token ids, or a list of lists of token ids: one choice each, in order."""
+    max_tokens: Annotated[int, Field(ge=0)] = 16
+    """OpenAI's default for completions."""
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    """Log probabilities of the tokens, with this many most likely alternatives at each."""
+    echo: bool = False
+    """The prompt comes back before the completion (with its tokens' log probabilities, when asked)."""
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    suffix: None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return [p] if p and isinstance(p[0], int) else list(p)  # type: ignore[list-item]
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    """A string, or a list of text parts (other part types, such as images, are refused)."""
+    name: Annotated[str, Field(max_length=256)] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+    """Plain text only: JSON modes are not supported yet."""
+
+
+UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                    "modalities", "prediction", "web_search_options")
 
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Neither set: generation runs to an end-of-turn token or the end of the context, within the server's
+    max_tokens limit."""
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    store: Literal[False] = False
+    """Nothing is stored here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for key in UNSUPPORTED_CHAT:
+                if data.get(key) is not None:
+                    raise ValueError(f"{key}: not supported by this server")
+        return data
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
 
 
 class Usage(BaseModel):
@@ -59,10 +121,26 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class InputUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    truncated_inputs: int = 0
+    """Inputs cut to the model's input limit (all-MiniLM-L6-v2: 256 tokens)."""
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists, one entry per token; the prompt's first token has no logprob."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -80,9 +158,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -98,7 +191,7 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -119,6 +212,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -134,6 +228,8 @@ class ChatCompletionChunk(BaseModel):
 class ClassifyRequest(_Request):
     model: str
     input: Text | Annotated[list[Text], Field(min_length=1)]
+    truncate: bool = True
+    """Inputs longer than the model reads are cut (counted in usage.truncated_inputs); false refuses them."""
 
 
 class Classification(BaseModel):
@@ -146,6 +242,7 @@ class ClassifyResponse(BaseModel):
     object: Literal["list"] = "list"
     model: str
     data: list[Classification]
+    usage: InputUsage
 
 
 class EmbeddingRequest(_Request):
@@ -155,6 +252,8 @@ class EmbeddingRequest(_Request):
     """The official client asks for base64 (little-endian float32) unless told otherwise."""
     user: str | None = None
     dimensions: None = None
+    truncate: bool = True
+    """As for classify."""
 
 
 class Embedding(BaseModel):
@@ -167,7 +266,7 @@ class EmbeddingResponse(BaseModel):
     object: Literal["list"] = "list"
     data: list[Embedding]
     model: str
-    usage: Usage
+    usage: InputUsage
 
 
 class ModelCard(BaseModel):

@@ -42,7 +42,7 @@ def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, 
     base_entry = store.base(base)
     base_tensors = SafetensorsSource(store.base_dir(base))
     fine = SafetensorsSource(finetuned)
-    labels = _labels(config)
+    labels = classifier_labels(config)
     with store.stage() as staged:
         stats = compress(base_tensors, fine, staged / DELTA_FILE, metadata=fine.metadata, workers=workers,
                          progress=progress)
@@ -56,11 +56,15 @@ def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, 
         return store.commit(staged, entry), stats
 
 
-def _labels(config: dict) -> list[str] | None:
-    id2label = config.get("id2label")
-    if not isinstance(id2label, dict) or not config.get("architectures", [""])[0].endswith("ForSequenceClassification"):
+def classifier_labels(config: dict) -> list[str] | None:
+    """A sequence classifier's class names as transformers reads its config: one without id2label gets
+    LABEL_0 .. LABEL_{num_labels-1}, as transformers 5 saves a classifier with default labels."""
+    from transformers import PretrainedConfig
+
+    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
         return None
-    return [str(id2label[k]) for k in sorted(id2label, key=int)]
+    read = PretrainedConfig.from_dict(config)
+    return [str(read.id2label[i]) for i in range(read.num_labels)]
 
 
 HEAD_PREFIXES = ("classifier.",)

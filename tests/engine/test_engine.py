@@ -83,7 +83,8 @@ def test_classifier_variant_equals_transformers(engine, serving_store):
 
     _, refs = serving_store
     texts = ["a fine day at the sea", "the worst film I have seen", "ok"]
-    labels, probs = run(engine.classify("minilm-clf", texts))
+    res = run(engine.classify("minilm-clf", texts))
+    labels, probs = res.labels, res.probs
     model = AutoModelForSequenceClassification.from_pretrained(refs["minilm-clf"]).eval()
     tok = AutoTokenizer.from_pretrained(refs["minilm-clf"])
     with torch.no_grad():
@@ -297,3 +298,59 @@ def test_length_buckets_cover_every_text_once_with_bounded_padding(lengths):
         assert len(g) * max(lengths[i] for i in g) <= (1 + MAX_PADDING) * sum(lengths[i] for i in g)
     if len(set(lengths)) == 1:
         assert len(groups) == 1  # equal lengths: one forward
+
+
+def test_a_classifier_saved_with_default_labels_is_served_as_transformers_reads_it(serving_store, tmp_path):
+    """transformers 5 saves a binary classifier with default labels without id2label: its labels are LABEL_0 and
+    LABEL_1, as AutoConfig gives them, and it classifies."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from serve.data.models import minilm_dir
+    from serve.store.store import Store
+    from serve.variants.full import add_full_variant
+
+    src, _ = serving_store
+    root = tmp_path / "store"
+    shutil.copytree(src, root)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_dir()).eval()  # num_labels: 2 by default
+    model.save_pretrained(tmp_path / "binary")
+    AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(tmp_path / "binary")
+    assert "id2label" not in json.loads((tmp_path / "binary" / "config.json").read_text())
+    entry, _ = add_full_variant(Store(root), "minilm-binary", "minilm", tmp_path / "binary")
+    assert entry.labels == ["LABEL_0", "LABEL_1"]
+    res = run(Engine(ServeConfig(store=root)).classify("minilm-binary", ["a fine day"]))
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    with torch.no_grad():
+        ref = model(**tok(["a fine day"], return_tensors="pt")).logits.softmax(-1)
+    torch.testing.assert_close(torch.tensor(res.probs), ref, atol=1e-5, rtol=0)
+
+
+def test_encoders_read_what_sentence_transformers_reads(engine):
+    """all-MiniLM-L6-v2's sentence-transformers config says 256 tokens: longer inputs are cut there and counted,
+    or refused when the request says truncate: false."""
+    long = " ".join(["word"] * 400)
+    out = run(engine.embed("minilm", [long, "short"]))
+    assert out.prompt_tokens == 256 + 3 and out.truncated == 1
+    res = run(engine.classify("minilm-clf", [long]))
+    assert res.prompt_tokens == 256 and res.truncated == 1
+    with pytest.raises(BadRequest, match="input 0: 402 tokens; model 'minilm' reads at most 256"):
+        run(engine.embed("minilm", [long], truncate=False))
+
+
+def test_embeddings_of_a_long_input_equal_sentence_transformers(engine):
+    """The reference implementation of all-MiniLM-L6-v2 (its own modules.json, pooling and 256-token limit)."""
+    from sentence_transformers import SentenceTransformer
+
+    from serve.data.models import minilm_dir
+
+    text = " ".join(f"word{i % 50} and more" for i in range(150))  # about 400 tokens
+    reference = SentenceTransformer(str(minilm_dir()), device="cpu").encode([text, "a short one"],
+                                                                           convert_to_tensor=True)
+    out = torch.tensor(run(engine.embed("minilm", [text, "a short one"])).vectors)
+    assert len(engine.bases["minilm"].tokenizer(text)["input_ids"]) >= 400
+    cosine = torch.nn.functional.cosine_similarity(out, reference.float(), dim=-1)
+    assert cosine.min() >= 0.9999, cosine

@@ -157,7 +157,8 @@ def test_mixed_classify_rows_equal_peft(mixed):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dirs["minilm"])
-    for model, text, (labels, probs) in zip(models, ENC_TEXTS, results):
+    for model, text, res in zip(models, ENC_TEXTS, results):
+        labels, probs = res.labels, res.probs
         base_dir, adapter = reference_dir(dirs, model)
         ref_model = peft_model(base_dir, adapter, classifier=True)
         with torch.no_grad():
@@ -212,3 +213,50 @@ async def _nbytes(eng, name: str) -> int:
     async with eng.cache.use(name) as entry:
         return entry.nbytes
 
+
+
+def test_logprobs_and_echo_in_a_mixed_batch_equal_peft(mixed):
+    """Rows of the base, adapters and a full variant, prompts of different lengths, in one batch: each prompt
+    token's and each generated token's log probability, and the top alternatives, equal a log-softmax of
+    transformers + PEFT's logits for that row alone; the prompt's first token has none."""
+    from transformers import AutoTokenizer
+
+    engine, dirs = mixed
+    tok = AutoTokenizer.from_pretrained(dirs["tiny-lm"])
+    prompts = [p + " and" * i for i, p in enumerate(PROMPTS)]
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, echo=True)
+
+    async def together():
+        return await asyncio.gather(*(engine.complete(m, params, prompt=p) for m, p in zip(LM_ROWS, prompts)))
+
+    for model, prompt, gen in zip(LM_ROWS, prompts, asyncio.run(together())):
+        ids = tok(prompt)["input_ids"]
+        base_dir, adapter = reference_dir(dirs, model)
+        with torch.no_grad():
+            logits = peft_model(base_dir, adapter)(input_ids=torch.tensor([ids + gen.token_ids])).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)
+        seen = ids + gen.token_ids
+        entries = gen.prompt_logprobs + gen.logprobs
+        assert len(entries) == len(seen) and entries[0].logprob is None
+        assert gen.prompt_text == tok.decode(ids)
+        assert "".join(e.token for e in entries) == gen.prompt_text + gen.text  # the pieces join to the text
+
+        def piece(j: int, token: int) -> str:  # a token's text after the 5 before it
+            ctx = seen[max(0, j - 5):j]
+            return tok.decode(ctx + [token])[len(tok.decode(ctx)):]
+
+        for j in range(1, len(seen)):
+            e = entries[j]
+            assert e.token == piece(j, seen[j])
+            assert abs(e.logprob - float(lp[j - 1, seen[j]])) < 1e-4, (model, j)
+            top = lp[j - 1].topk(3)
+            assert [t for t, _ in e.top] == [piece(j, i) for i in top.indices.tolist()], (model, j)
+            torch.testing.assert_close(torch.tensor([v for _, v in e.top]), top.values, atol=1e-4, rtol=0)
+
+
+def test_echo_with_no_new_tokens_scores_the_prompt_alone(mixed):
+    engine, _ = mixed
+    gen = asyncio.run(engine.complete("lm-lora8", SamplingParams(max_tokens=0, logprobs=0, echo=True),
+                                      prompt=[5, 9, 12, 7]))
+    assert gen.token_ids == [] and gen.logprobs == [] and gen.finish_reason == "length"
+    assert [e.top for e in gen.prompt_logprobs[1:]] == [[]] * 3 and gen.prompt_tokens == 4

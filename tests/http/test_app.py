@@ -134,11 +134,11 @@ def test_unknown_model_names_close_matches(client):
 
 
 @pytest.mark.parametrize("body,status,fragment", [
-    ({"model": "tiny-lm", "prompt": "a", "max_tokens": 0}, 422, "max_tokens"),
+    ({"model": "tiny-lm", "prompt": "a", "max_tokens": -1}, 422, "max_tokens"),
     ({"model": "tiny-lm", "prompt": "a", "stream": True, "stream_options": {"bogus": 1}}, 422, "bogus"),
     ({"model": "tiny-lm", "prompt": "a", "bogus": 1}, 422, "bogus"),
     ({"model": "tiny-lm"}, 422, "prompt"),
-    ({"model": "tiny-lm", "prompt": "a", "max_tokens": 33}, 400, "limit of 32"),
+    ({"model": "tiny-lm", "prompt": "a", "max_tokens": 33}, 400, "max_tokens: at most 32 on this server, got 33"),
     ({"model": "tiny-lm", "prompt": "a " * 3000}, 413, "exceeds"),
 ])
 def test_invalid_and_oversized_bodies(client, body, status, fragment):

@@ -1,0 +1,166 @@
+"""What the ecosystem's clients send: log probabilities and echo, token-id and batched prompts, the chat message
+shapes of current clients, and 422s that name the field, the limit and the value."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.config import ServeConfig
+from serve.engine.engine import Engine
+from serve.http.app import build_http_app
+
+
+@pytest.fixture(scope="module")
+def client(serving_store):
+    root, _ = serving_store
+    config = ServeConfig(store=root, limits={"max_tokens": 40, "max_inputs": 4})
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oa(client):
+    from openai import OpenAI
+
+    return OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok(serving_store):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(serving_store[1]["tiny-lm"])
+
+
+def sse(response) -> list[dict]:
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_echo_and_logprobs_in_the_shape_the_openai_client_parses(oa):
+    c = oa.completions.create(model="tiny-lm-all", prompt="the cat sat on", max_tokens=3, temperature=0,
+                              logprobs=2, echo=True)
+    choice = c.choices[0]
+    lp = choice.logprobs
+    n = c.usage.prompt_tokens + c.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert choice.text.startswith("the cat sat on") and choice.text == "".join(lp.tokens)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        assert choice.text[offset:offset + len(token)] == token
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 2 <= len(top) <= 3 and top[token] == value  # the token taken is always among them
+        assert max(top.values()) >= value
+    generated = lp.tokens[c.usage.prompt_tokens:]  # greedy: every generated token is its position's best
+    assert all(lp.top_logprobs[c.usage.prompt_tokens + i][t] == max(lp.top_logprobs[c.usage.prompt_tokens + i]
+                                                                     .values()) for i, t in enumerate(generated))
+
+
+def test_streamed_logprobs_join_to_the_whole_answers(client, oa):
+    kw = {"model": "tiny-lm-top", "prompt": "one two three", "max_tokens": 6, "temperature": 0, "logprobs": 1,
+          "echo": True}
+    whole = oa.completions.create(**kw).choices[0]
+    chunks = list(oa.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    joined = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    offsets = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.text_offset]
+    assert joined == whole.logprobs.tokens and values == whole.logprobs.token_logprobs
+    assert offsets == whole.logprobs.text_offset
+
+
+def test_token_id_and_batched_prompts_are_one_choice_each_in_order(client, tok):
+    prompts = ["the cat sat on", "a big red dog and", "hello"]
+    singles = [client.post("/v1/completions", json={"model": "tiny-lm-all", "prompt": p, "max_tokens": 5,
+                                                    "temperature": 0}).json()["choices"][0]["text"] for p in prompts]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    for prompt in (prompts, ids):
+        r = client.post("/v1/completions", json={"model": "tiny-lm-all", "prompt": prompt, "max_tokens": 5,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1, 2] and [c["text"] for c in choices] == singles
+    one = client.post("/v1/completions", json={"model": "tiny-lm-all", "prompt": ids[1], "max_tokens": 5,
+                                               "temperature": 0}).json()
+    assert one["choices"][0]["text"] == singles[1] and one["usage"]["prompt_tokens"] == len(ids[1])
+    r = client.post("/v1/completions", json={"model": "tiny-lm-all", "prompt": prompts, "max_tokens": 5,
+                                             "temperature": 0, "stream": True})
+    texts = {}
+    for event in sse(r):
+        for c in event["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(3)] == singles
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(client, tok):
+    ids = tok("the cat sat on the mat")["input_ids"]
+    r = client.post("/v1/completions", json={"model": "tiny-lm", "prompt": [ids, ids[:3]], "max_tokens": 0,
+                                             "echo": True, "logprobs": 0, "temperature": 0}).json()
+    assert [len(c["logprobs"]["tokens"]) for c in r["choices"]] == [len(ids), 3]
+    assert r["choices"][0]["logprobs"]["token_logprobs"][:3] == r["choices"][1]["logprobs"]["token_logprobs"]
+    assert r["usage"]["completion_tokens"] == 0
+
+
+def test_chat_logprobs_and_top_logprobs(oa):
+    kw = {"model": "tiny-lm-all", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+          "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    c = oa.chat.completions.create(**kw)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    assert "".join(t.token for t in content) == c.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob  # greedy: the best
+        assert bytes(t.bytes).decode() == t.token
+    streamed = [t for chunk in oa.chat.completions.create(stream=True, **kw) if chunk.choices
+                and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_chat_without_max_tokens_runs_past_sixteen(client, tok):
+    r = client.post("/v1/chat/completions", json={"model": "tiny-lm-all", "temperature": 0,
+                                                  "messages": [{"role": "user", "content": "hello"}]}).json()
+    choice, usage = r["choices"][0], r["usage"]
+    assert choice["finish_reason"] == "stop" or usage["completion_tokens"] == 40  # an end token, or the limit
+
+
+def test_current_chat_message_shapes_are_accepted(client):
+    plain = client.post("/v1/chat/completions", json={
+        "model": "tiny-lm", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]})
+    shaped = client.post("/v1/chat/completions", json={
+        "model": "tiny-lm", "max_tokens": 4, "temperature": 0, "logprobs": False, "user": "u1", "store": False,
+        "response_format": {"type": "text"},
+        "messages": [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+                     {"role": "user", "name": "ann", "content": [{"type": "text", "text": "hello "},
+                                                                 {"type": "text", "text": "world"}]}]})
+    assert plain.status_code == shaped.status_code == 200, shaped.text
+    assert shaped.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    dev = client.post("/v1/chat/completions", json={"model": "tiny-lm", "max_tokens": 2, "messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "hello"}]})
+    assert dev.status_code == 200, dev.text
+
+
+@pytest.mark.parametrize("path,body,fragment", [
+    ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop: List should have at most 4 items"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, "n: Input should be less than or equal to 1"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs: Input should be less than or equal to 5"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt: List should have at least 1 item"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt.1: List should have at least 1 item"),
+    ("/v1/completions", {"prompt": ["a"] * 5}, "prompt: at most 4 prompts per request, got 5"),
+    ("/v1/completions", {"prompt": [999999]}, "prompt: token id 999999 is outside the vocabulary"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+     "tools: not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "response_format": {"type": "json_object"}}, "response_format.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content.0.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+     "top_logprobs: needs logprobs: true"),
+    ("/v1/classify", {"model": "minilm-clf", "input": []}, "input: List should have at least 1 item"),
+])
+def test_refusals_name_the_field_and_the_limit(client, path, body, fragment):
+    r = client.post(path, json={"model": "tiny-lm", **body})
+    assert r.status_code in (400, 413, 422) and fragment in r.json()["error"]["message"], r.text
