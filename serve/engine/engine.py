@@ -234,18 +234,18 @@ class Engine:
         row = self._enqueue(*self._generation_row(model, params, prompt, messages), stream=updates)
         held = max((len(s) for s in params.stop), default=1) - 1
         sent = sent_tokens = 0
-        prompt = params.echo or params.logprobs is not None  # the first piece carries the prompt
+        with_prompt = params.echo or params.logprobs is not None  # the first piece carries the prompt
         try:
             while (update := await updates.get()) is not None:
                 text, tokens = update
                 end = len(text) - held
                 if end > sent:
                     yield TextDelta(text[sent:end], logprobs=row.logprobs(sent_tokens, tokens),
-                                    **_prompt_of(row.generation, prompt))
-                    sent, sent_tokens, prompt = end, tokens, False
+                                    **_prompt_of(row.generation, with_prompt))
+                    sent, sent_tokens, with_prompt = end, tokens, False
             gen = row.future.result()
             yield TextDelta(gen.text[sent:], gen, logprobs=None if gen.logprobs is None else gen.logprobs[sent_tokens:],
-                            **_prompt_of(gen, prompt))
+                            **_prompt_of(gen, with_prompt))
         finally:
             row.cancelled = not row.future.done()
 

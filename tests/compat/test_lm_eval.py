@@ -9,8 +9,6 @@ import json
 import pytest
 import torch
 
-from tests.test_server import server  # noqa: F401  (the live server fixture)
-
 lm_eval = pytest.importorskip("lm_eval")
 pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
@@ -98,5 +96,6 @@ def test_harness_scores_equal_transformers(server, tasks, model, monkeypatch):
             gen = ref.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
         new = gen[0, len(ids):].tolist()
         new = new[:new.index(2)] if 2 in new else new  # up to the end-of-text token
-        text = tok.decode(new, skip_special_tokens=True).split("sleep")[0]
+        whole, before = (tok.decode(x, skip_special_tokens=True) for x in (ids + new, ids))
+        text = whole[len(before):].split("sleep")[0]  # the continuation of the prompt, cut at `until`
         assert s["resps"][0][0] == text, s["doc"]["prompt"]
