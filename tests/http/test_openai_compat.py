@@ -164,3 +164,13 @@ def test_current_chat_message_shapes_are_accepted(client):
 def test_refusals_name_the_field_and_the_limit(client, path, body, fragment):
     r = client.post(path, json={"model": "tiny-lm", **body})
     assert r.status_code in (400, 413, 422) and fragment in r.json()["error"]["message"], r.text
+
+
+def test_a_refused_request_is_one_log_line_with_its_request_id(client, caplog):
+    with caplog.at_level("INFO", logger="manyfold.http"):
+        r = client.post("/v1/completions", json={"model": "no-such-model", "prompt": "a"},
+                        headers={"x-request-id": "req-42"})
+    assert r.status_code == 404 and r.headers["x-request-id"] == "req-42"
+    lines = [rec for rec in caplog.records if rec.name == "manyfold.http"]
+    assert len(lines) == 1 and lines[0].levelname == "INFO" and lines[0].exc_info is None
+    assert "404" in lines[0].getMessage() and "req-42" in lines[0].getMessage()
