@@ -57,11 +57,6 @@ class _Seq:
         tail = row.prompt[-CONTEXT:]
         return cls(gen, p, rng, row.tag, slot, tail=tail, read_offset=len(tail))
 
-    def context(self, tok: int) -> list[int]:
-        """The tokens before `tok`, the last one taken (an end-of-text token is not in token_ids)."""
-        ids = self.gen.token_ids
-        return (self.tail + (ids[:-1] if ids and ids[-1] == tok else ids))[-CONTEXT:]
-
 
 CONTEXT = 5
 """Tokens of context a piece of text is decoded after: a token's text depends on its neighbours (a
@@ -165,17 +160,15 @@ class DecodeBatch:
     def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
         tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # [rows]
         chosen = tokens.tolist()
-        kept = []  # rows that asked for log probabilities and took a token: an end-of-text token too, which
-        for i, (s, tok) in enumerate(zip(seqs, chosen)):  # the text and token_ids leave out (as OpenAI's do)
-            before = len(s.gen.token_ids)
+        # Rows that asked for log probabilities get an entry for every token taken, an end-of-text token too
+        # (which the text and token_ids leave out, as OpenAI's do); a max_tokens 0 row takes none.
+        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and s.params.max_tokens > 0]
+        contexts = {i: (seqs[i].tail + seqs[i].gen.token_ids)[-CONTEXT:] for i in asking}  # before this token
+        for s, tok in zip(seqs, chosen):
             s.done = self._advance(s, tok)
-            if s.params.logprobs is not None and (len(s.gen.token_ids) > before or
-                                                  (tok in self.rt.eos_ids and s.params.max_tokens > 0)):
-                kept.append(i)
-        for k in sorted({seqs[i].params.logprobs for i in kept}):
-            idx = [i for i in kept if seqs[i].params.logprobs == k]
-            contexts = [seqs[i].context(chosen[i]) for i in idx]
-            entries = self._logprobs(logits[idx], [chosen[i] for i in idx], k, contexts)
+        for k in sorted({seqs[i].params.logprobs for i in asking}):
+            idx = [i for i in asking if seqs[i].params.logprobs == k]
+            entries = self._logprobs(logits[idx], [chosen[i] for i in idx], k, [contexts[i] for i in idx])
             for i, lp in zip(idx, entries):
                 seqs[i].gen.logprobs.append(lp)
         return tokens.unsqueeze(-1)

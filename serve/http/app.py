@@ -44,8 +44,9 @@ def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or "-"
 
 
-def _client_error(request: Request, status: int, message: str) -> None:
-    """One line per refused request, no traceback: the client's mistake is not the server's failure."""
+def _log_refused(request: Request, status: int, message: str) -> None:
+    """One line per refused request, no traceback (that is for internal errors): INFO for a client's mistake,
+    WARNING for the server's refusals (429, 5xx)."""
     level = logging.INFO if status in (400, 401, 403, 404, 413, 422, 499) else logging.WARNING
     log.log(level, "%s %s -> %d %s (request %s)", request.method, request.url.path, status, message,
             _request_id(request))
@@ -63,17 +64,13 @@ def build_http_app(backend, config: ServeConfig, gate: DrainGate | None = None) 
     @app.exception_handler(ManyfoldError)
     async def _manyfold_error(request: Request, e: ManyfoldError):
         headers = {"Retry-After": str(e.retry_after_s)} if hasattr(e, "retry_after_s") else None
-        if e.http_status >= 500:
-            log.warning("%s %s -> %d %s (request %s)", request.method, request.url.path, e.http_status, e,
-                        _request_id(request))
-        else:
-            _client_error(request, e.http_status, str(e))
+        _log_refused(request, e.http_status, str(e))
         return _error(e.http_status, e.code, str(e), headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         message = first_error(e, skip=("body",))
-        _client_error(request, 422, message)
+        _log_refused(request, 422, message)
         return _error(422, "invalid_request", message)
 
     @app.exception_handler(StarletteHTTPException)
@@ -208,7 +205,7 @@ def build_http_app(backend, config: ServeConfig, gate: DrainGate | None = None) 
                     yield _sse(kind(**envelope, choices=[], usage=_usage(*finals)))
                 yield _SSE_DONE
             except ManyfoldError as e:
-                _client_error(request, e.http_status, f"in a stream: {e}")
+                _log_refused(request, e.http_status, f"in a stream: {e}")
                 yield _sse(S.ErrorBody(error=S.ErrorDetail(message=str(e), type=e.code, code=e.code)))
                 yield _SSE_DONE
             except Exception:

@@ -3,7 +3,8 @@
 flight finish. The server closes every ingress's gate and waits for them before it stops the HTTP proxy."""
 
 import asyncio
-import json
+
+from serve.http.schemas import ErrorBody, ErrorDetail
 
 RETRY_AFTER_S = 5
 
@@ -35,8 +36,8 @@ class DrainGate:
 
     def refusal(self) -> bytes:
         message = f"server is shutting down (finishing {self.in_flight} requests in flight); retry later"
-        return json.dumps({"error": {"message": message, "type": "unavailable", "code": "unavailable",
-                                     "param": None}}).encode()
+        return ErrorBody(error=ErrorDetail(message=message, type="unavailable", code="unavailable")
+                         ).model_dump_json().encode()
 
 
 class Gated:
