@@ -126,3 +126,22 @@ def test_smollm2_pissa_adapter_trained_on_real_data_serves_peft_identical_tokens
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
         assert gen.token_ids == out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
+
+
+def test_smollm2_chat_without_max_tokens_runs_to_its_end_of_turn_token(tmp_path):
+    """OpenAI has no default cap: a chat answer longer than the old 16-token default ends where the model ends it."""
+    import asyncio
+
+    from serve.config import ServeConfig
+    from serve.data.models import smollm2_dir
+    from serve.engine.engine import Engine
+    from serve.engine.types import SamplingParams
+    from serve.store.store import Store
+
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("smollm2", smollm2_dir())
+    engine = Engine(ServeConfig(store=store.root))
+    messages = [{"role": "user", "content": "Write two sentences about the sea."}]
+    gen = asyncio.run(engine.complete("smollm2", SamplingParams(max_tokens=None, temperature=0), messages=messages))
+    assert gen.finish_reason == "stop" and len(gen.token_ids) > 16, (gen.finish_reason, gen.text)
+    assert gen.text.rstrip().endswith(".")
