@@ -6,11 +6,13 @@ The engine imports only these names; kernels/ imports nothing from serve/.
 import torch
 
 from kernels._backend import dispatch
+from kernels.emr_delta import emr_delta_torch, emr_delta_triton, pack_bits, unpack_bits
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
 from kernels.segments import NO_SLOT, Segments, make_segments
 
-__all__ = ["NO_SLOT", "Segments", "lora_expand", "lora_shrink", "make_segments"]
+__all__ = ["NO_SLOT", "Segments", "emr_delta", "lora_expand", "lora_shrink", "make_segments", "pack_bits",
+           "unpack_bits"]
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -21,3 +23,9 @@ def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, s
 def lora_expand(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, y: torch.Tensor) -> torch.Tensor:
     """y[t] += z[t] @ b_stacked[s].T for s = slot[t] >= 0, in place; NO_SLOT rows untouched. Returns y."""
     return dispatch(lora_expand_torch, lora_expand_triton, y)(z, b_stacked, seg, y)
+
+
+def emr_delta(x: torch.Tensor, tau: torch.Tensor, masks: torch.Tensor, scale: torch.Tensor, seg: Segments,
+              y: torch.Tensor) -> torch.Tensor:
+    """y[t] += scale[s] * x[t] @ (unpack(masks[s]) * tau).T for s = slot[t] >= 0, in place; masks stay packed."""
+    return dispatch(emr_delta_torch, emr_delta_triton, x)(x, tau, masks, scale, seg, y)

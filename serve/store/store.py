@@ -225,3 +225,22 @@ def architecture_of(config: dict, where: Path) -> str:
     if not archs or not isinstance(archs[0], str):
         raise ArtifactError(f"{where}/config.json names no architecture")
     return archs[0]
+
+
+TOKENIZER_FILES = ("vocab.txt", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """What a variant shares with its base's tokenizer: TOKENIZER_FILES and every file named *token*."""
+    return "token" in name or name in TOKENIZER_FILES
+
+
+def classifier_labels(config: dict) -> list[str] | None:
+    """A sequence classifier's class names as transformers reads its config: one without id2label gets
+    LABEL_0 .. LABEL_{num_labels-1}, as transformers 5 saves a classifier with default labels."""
+    from transformers import PretrainedConfig
+
+    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return None
+    read = PretrainedConfig.from_dict(config)
+    return [str(read.id2label[i]) for i in range(read.num_labels)]

@@ -14,7 +14,7 @@ from serve.codecs.fmdelta_file import CompressStats, FmdFile, compress, match_ba
 from serve.config import SlotsConfig
 from serve.errors import ArtifactError, VariantIncompatible
 from serve.store.manifest import FullVariantEntry
-from serve.store.store import Store, architecture_of, read_model_config
+from serve.store.store import Store, architecture_of, classifier_labels, is_tokenizer_file, read_model_config
 from serve.store.tensors import DTYPES, Alloc, SafetensorsSource, save_tensors
 from serve.variants.base import (
     BaseView,
@@ -26,12 +26,6 @@ from serve.variants.base import (
 
 DELTA_FILE = "delta.fmd"
 _CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("vocab.txt", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
-
-
-def is_tokenizer_file(name: str) -> bool:
-    """What a variant shares with its base's tokenizer: TOKENIZER_FILES and every file named *token*."""
-    return "token" in name or name in TOKENIZER_FILES
 
 
 def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, workers: int | None = None,
@@ -54,17 +48,6 @@ def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, 
         entry = FullVariantEntry(name=name, base=base, architecture=architecture_of(config, finetuned),
                                  raw_bytes=stats.raw_bytes, labels=labels, files=[])
         return store.commit(staged, entry), stats
-
-
-def classifier_labels(config: dict) -> list[str] | None:
-    """A sequence classifier's class names as transformers reads its config: one without id2label gets
-    LABEL_0 .. LABEL_{num_labels-1}, as transformers 5 saves a classifier with default labels."""
-    from transformers import PretrainedConfig
-
-    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
-        return None
-    read = PretrainedConfig.from_dict(config)
-    return [str(read.id2label[i]) for i in range(read.num_labels)]
 
 
 HEAD_PREFIXES = ("classifier.",)
