@@ -189,9 +189,7 @@ class VariantCache:
             self._refilling = asyncio.get_running_loop().run_in_executor(None, self.buffers.refill)
 
     def _promote(self, entry: CachedVariant) -> CachedVariant:
-        v = entry.variant
-        v.tensors = {k: t.to(self.device) for k, t in v.tensors.items()}
-        v.head = {k: t.to(self.device) for k, t in v.head.items()}
+        entry.variant.to(self.device)
         if self.device.type != "cpu":
             entry.owned = []  # host staging copies: freed, not pooled
         self._tiers["device"][entry.name] = entry
@@ -210,7 +208,7 @@ class VariantCache:
                 break
             entry = device.pop(name)
             if entry.nbytes <= self.cpu_bytes:
-                entry.variant.tensors = {k: t.to("cpu") for k, t in entry.variant.tensors.items()}
+                entry.variant.to("cpu")
                 cpu[name] = entry
             else:
                 self._release(entry)

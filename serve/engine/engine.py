@@ -27,6 +27,7 @@ from serve.engine.stats import BATCH_BUCKETS, Distribution
 from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
 from serve.errors import (ArtifactError, BadRequest, CapacityExceeded, Overloaded, VariantIncompatible,
                           VariantNotFound)
+from serve.store.manifest import MEMBER_SEP
 from serve.store.store import Store
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
@@ -49,7 +50,9 @@ class Row:
     cancelled: bool = False
     """Its caller has gone: a running generation drops the row at the next step."""
     held: CachedVariant | None = None
-    """Its variant, held in the cache from dispatch until the row is answered."""
+    """Its variant's store entry in memory, held in the cache from dispatch until the row is answered."""
+    model: str | None = None
+    """The model id it asked for: the entry itself, or one of a group's members ("<group>/<task>")."""
     enqueued_s: float = field(default_factory=time.perf_counter)
     generation: Generation | None = None
     """Streamed generation only: the row's Generation as far as it has gone."""
@@ -62,7 +65,7 @@ class Row:
 
     @property
     def loaded(self) -> LoadedVariant | None:
-        return self.held.variant if self.held is not None else None
+        return self.held.variant.member(self.model) if self.held is not None else None
 
 
 @dataclass
@@ -121,7 +124,7 @@ class Engine:
         entry = self.store.variant(name)
         rt = self.bases[entry.base]
         variant = variant_kind(entry.kind).load(self.store, entry, rt.view, alloc)
-        rt.families[variant.family].check(variant)
+        rt.slots(variant.family).check(variant)
         return variant
 
     def refresh(self) -> None:
@@ -140,8 +143,9 @@ class Engine:
 
     def model_infos(self) -> list[ModelInfo]:
         out = [ModelInfo(n, "base", None, "device", None) for n in self.bases]
-        out += [ModelInfo(v.name, v.kind, v.base, self.cache.residency(v.name), v.labels)
-                for v in self.store.manifest.variants.values() if v.base in self.bases]
+        out += [ModelInfo(model, v.kind, v.base, self.cache.residency(v.name), labels)
+                for v in self.store.manifest.variants.values() if v.base in self.bases
+                for model, labels in v.models().items()]
         return out
 
     async def models(self) -> list[ModelInfo]:
@@ -180,9 +184,13 @@ class Engine:
                 self._load_base(name)
 
     def info(self, name: str) -> ModelInfo:
+        """A model, or a group entry (an EMR group: its card, without labels; its tasks are the models)."""
         for m in self.model_infos():
             if m.name == name:
                 return m
+        v = self.store.manifest.variants.get(name)
+        if v is not None and v.base in self.bases:
+            return ModelInfo(v.name, v.kind, v.base, self.cache.residency(v.name), None)
         raise VariantNotFound(f"model '{name}' does not exist")
 
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
@@ -205,13 +213,13 @@ class Engine:
     async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
         """Texts longer than the model reads are cut (and counted), or refused when truncate is False."""
         base, variant = self.resolve(model)
-        entry = self.store.manifest.variants.get(variant) if variant else None
-        if entry is None or not entry.labels:
+        labels = self.store.labels(variant) if variant else None
+        if not labels:
             raise BadRequest(f"model '{model}' is not a classifier")
         if not truncate:
             self.bases[base].check_inputs_fit(texts)
         probs, tokens, truncated = await self._submit("classify", base, variant, texts)
-        return Classifications(entry.labels, probs, tokens, truncated)
+        return Classifications(labels, probs, tokens, truncated)
 
     async def embed(self, model: str, texts: list[str], truncate: bool = True) -> Embeddings:
         """One unit vector per text, and the tokens read; long texts as classify() treats them."""
@@ -271,7 +279,8 @@ class Engine:
         if not self._accepting:
             raise Overloaded("server is shutting down")
         self._ensure_started()
-        row = Row(op, base, variant, payload, asyncio.get_running_loop().create_future(), stream)
+        entry = variant.split(MEMBER_SEP, 1)[0] if variant is not None else None  # what the cache holds
+        row = Row(op, base, entry, payload, asyncio.get_running_loop().create_future(), stream, model=variant)
         try:
             self._queue.put_nowait(row)
         except asyncio.QueueFull:

@@ -15,7 +15,7 @@ import torch
 from serve.config import SlotsConfig
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.layers import SlotLayers, leaf_modules
-from serve.engine.slots import FAMILIES, Slots
+from serve.engine.slots import FAMILIES, Slots, family_class
 from serve.engine.types import SamplingParams
 from serve.errors import BadRequest
 from serve.store.tensors import SafetensorsSource, tensor_digest
@@ -44,7 +44,9 @@ class BaseModelRuntime:
         if self.device.type != "cpu":
             host = SafetensorsSource(model_dir)  # decoders read the stored base; no second copy stays resident
         self.view = BaseView(name, tensors, host, digests, leaf_modules(self.model))
-        self.families: dict[str, Slots] = {f: cls(self.view, self.device, slots) for f, cls in FAMILIES.items()}
+        self.slots_config = slots
+        self.families: dict[str, Slots] = {f: cls(self.view, self.device, slots) for f, cls in FAMILIES.items()
+                                           if f != "emr"}
         self.layers = SlotLayers(self.view.modules, self.families)
         eos = self.model.generation_config.eos_token_id if self.causal else None
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -54,11 +56,17 @@ class BaseModelRuntime:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     # ---- slots
+    def slots(self, family: str) -> Slots:
+        """A family's slots; a group's own family ("emr:<group>") gets them on first use."""
+        if family not in self.families:
+            self.families[family] = family_class(family)(self.view, self.device, self.slots_config, family=family)
+        return self.families[family]
+
     def attach(self, variant: LoadedVariant | None) -> RowSlot | None:
         """A row's place in the next forwards; None when its family has no free slot (the row waits)."""
         if variant is None:
             return BASE_ROW
-        slot = self.families[variant.family].attach(variant)
+        slot = self.slots(variant.family).attach(variant)
         return None if slot is None else RowSlot(variant.family, slot)
 
     def detach(self, row: RowSlot) -> None:

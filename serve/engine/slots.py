@@ -16,25 +16,65 @@ from typing import ClassVar
 import torch
 from torch.func import functional_call
 
-from kernels import lora_expand, lora_shrink
+from kernels import emr_delta, lora_expand, lora_shrink, unpack_bits
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.errors import VariantIncompatible
-from serve.variants.base import BaseView, LoadedVariant
+from serve.codecs.emr import reconstruct
+from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
 
 RANK_STEP = 8
 """Adapter stacks grow their rank in steps of this, so a new rank rarely reallocates them."""
 
 
 class Slots(ABC):
-    family: ClassVar[str]
+    """One family's slots on one base: rows attach to a slot before their first forward, detach when they leave."""
+
+    family: str
+    """The family's name; a group's own family names the group too ("emr:<group>")."""
+
+    def __init__(self, base: BaseView, device: torch.device):
+        self.base = base
+        self.device = device
+
+    def check(self, variant: LoadedVariant) -> None:
+        """Raise VariantIncompatible if the variant can never sit in these slots (called once, at load)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the slots hold beyond the cache's variants (stacked copies)."""
+        return 0
+
+    @abstractmethod
+    def attach(self, variant: LoadedVariant) -> int | None:
+        """The variant's slot for the next forwards; None when no slot can take it now (the row waits)."""
+
+    @abstractmethod
+    def detach(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def forget(self, name: str) -> None:
+        """The variant was removed or replaced: its slot must not serve the old contents again."""
+
+    @abstractmethod
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        """Whether some slot of this forward corrects module `name` (if not, the module runs as the base)."""
+
+    @abstractmethod
+    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              plan: BatchPlan) -> torch.Tensor:
+        """y (the base module's output for all rows of the plan) corrected for this family's rows."""
+
+
+class TableSlots(Slots):
+    """A table of slots, each holding one variant; a slot nobody uses is reused, least recently used first."""
+
     keep_warm: ClassVar[bool]
     """Whether a slot nobody uses keeps its variant for the next row (a copy is worth keeping; a reference
     to tensors the cache may recycle is not)."""
 
     def __init__(self, base: BaseView, device: torch.device, max_slots: int | None = None):
-        self.base = base
-        self.device = device
+        super().__init__(base, device)
         self.max_slots = max_slots
         self.names: list[str | None] = []
         self.variants: list[LoadedVariant | None] = []
@@ -42,14 +82,10 @@ class Slots(ABC):
         self.last_used: list[int] = []
         self._clock = 0
 
-    def check(self, variant: LoadedVariant) -> None:
-        """Raise VariantIncompatible if the variant can never sit in these slots (called once, at load)."""
-
     def slot_of(self, name: str) -> int | None:
         return self.names.index(name) if name in self.names else None
 
     def attach(self, variant: LoadedVariant) -> int | None:
-        """The variant's slot, written there if it is not already; None when every slot is in use."""
         slot = self.slot_of(variant.name)
         if slot is not None and self.variants[slot] is not variant and self.refs[slot] > 0:
             self.names[slot] = None  # replaced under the same name while rows still run the old one
@@ -77,7 +113,6 @@ class Slots(ABC):
         self._clear(slot)
 
     def forget(self, name: str) -> None:
-        """The variant was removed or replaced: its slot must not serve the old contents again."""
         slot = self.slot_of(name)
         if slot is not None:
             self.names[slot] = None
@@ -97,38 +132,29 @@ class Slots(ABC):
             return len(self.names) - 1
         return min(idle, key=lambda s: self.last_used[s]) if idle else None
 
-    @property
-    def nbytes(self) -> int:
-        return 0
-
     @abstractmethod
     def _write(self, slot: int, variant: LoadedVariant) -> None: ...
 
     @abstractmethod
     def _clear(self, slot: int) -> None: ...
 
-    @abstractmethod
-    def touches(self, name: str, plan: BatchPlan) -> bool:
-        """Whether some slot of this forward corrects module `name` (if not, the module runs as the base)."""
 
-    @abstractmethod
-    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-              plan: BatchPlan) -> torch.Tensor:
-        """y (the base module's output for all rows of the plan) corrected for this family's rows."""
+def tensor_owners(base: BaseView) -> dict[str, list[tuple[str, str]]]:
+    """Canonical tensor name -> every (module, parameter) that holds it (tied weights have several)."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mname, module in base.modules.items():
+        for local, p in module.named_parameters(recurse=False):
+            owners.setdefault(p.data_ptr(), []).append((mname, local))
+    return {n: owners.get(t.data_ptr(), []) for n, t in base.tensors.items()}
 
 
-class WeightSlots(Slots):
+class WeightSlots(TableSlots):
     family = "weights"
     keep_warm = False
 
     def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig):
         super().__init__(base, device)  # a slot is a reference to the cache's tensors: as many as rows need
-        owners: dict[int, list[tuple[str, str]]] = {}
-        for mname, module in base.modules.items():
-            for local, p in module.named_parameters(recurse=False):
-                owners.setdefault(p.data_ptr(), []).append((mname, local))
-        self._owners = {n: owners.get(t.data_ptr(), []) for n, t in base.tensors.items()}
-        """Canonical tensor name -> every (module, parameter) that holds it (tied weights have several)."""
+        self._owners = tensor_owners(base)
         self.overrides: list[dict[str, dict[str, torch.Tensor]]] = []
 
     def _write(self, slot: int, variant: LoadedVariant) -> None:
@@ -155,7 +181,7 @@ class WeightSlots(Slots):
         return y
 
 
-class AdapterSlots(Slots):
+class AdapterSlots(TableSlots):
     family = "lora"
     keep_warm = True
 
@@ -241,4 +267,121 @@ class AdapterSlots(Slots):
         return y
 
 
-FAMILIES: dict[str, type[Slots]] = {s.family: s for s in (WeightSlots, AdapterSlots)}
+class EmrSlots(Slots):
+    """Family "emr:<group>": the tasks of one EMR group, slot = the task's index in its bundle. Rows of task t add
+    lambda_t x (M_t * tau_uni)^T in every module the group merged (serve/codecs/emr.py):
+    - Linear weights through kernels.emr_delta (masks read packed; tau_uni shared by all the group's rows);
+    - Embedding weights per token: tau_uni's rows for the token ids, under the task's mask rows;
+    - every other merged tensor (norms, biases elsewhere) is small: the task's W_t_hat is formed for the
+      forward and the module run on the task's rows with it, as a full variant's.
+    The slots hold references to one loaded group (the cache's); a group replaced in the store waits until
+    the rows of the old one have left."""
+
+    family = "emr"
+
+    def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig, family: str = "emr"):
+        super().__init__(base, device)
+        self.family = family
+        self._owners = tensor_owners(base)
+        self.group: LoadedVariant | None = None
+        self.refs: dict[int, int] = {}
+        self.merged: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        """module -> [(parameter, tau_uni [shape], masks uint8 [tasks, *shape[:-1], ceil(shape[-1] / 8)])]."""
+        self.scale: torch.Tensor | None = None
+        """[tasks] fp32: each task's lambda."""
+
+    def check(self, variant: LoadedVariant) -> None:
+        for name in variant.tensors:
+            if name.endswith(MASKS_SUFFIX):
+                continue
+            if not self._owners.get(name):
+                raise VariantIncompatible(f"EMR group '{variant.name}': tensor '{name}' is held by no module of "
+                                          f"base '{self.base.name}'")
+
+    def attach(self, variant: LoadedVariant) -> int | None:
+        group = variant.parent
+        if group is not self.group:
+            if any(self.refs.values()):
+                return None  # rows of the group's previous bundle still run
+            self._use(group)
+        self.refs[variant.index] = self.refs.get(variant.index, 0) + 1
+        return variant.index
+
+    def detach(self, slot: int) -> None:
+        self.refs[slot] -= 1
+        if not any(self.refs.values()):
+            self._use(None)  # no reference outlives the rows: the cache may free the group
+
+    def forget(self, name: str) -> None:
+        if not any(self.refs.values()):
+            self._use(None)
+
+    def _use(self, group: LoadedVariant | None) -> None:
+        self.group, self.refs, self.merged, self.scale = group, {}, {}, None
+        if group is None:
+            return
+        for name, tau in group.tensors.items():
+            if name.endswith(MASKS_SUFFIX):
+                continue
+            masks = group.tensors[name + MASKS_SUFFIX]
+            for module, local in self._owners[name]:
+                self.merged.setdefault(module, []).append((local, tau, masks))
+        lambdas = [m.scales["rescaler"] for m in sorted(group.members.values(), key=lambda m: m.index)]
+        self.scale = torch.tensor(lambdas, dtype=torch.float32, device=self.device)
+
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        return name in self.merged
+
+    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              plan: BatchPlan) -> torch.Tensor:
+        merged = self.merged[name]
+        if isinstance(module, torch.nn.Embedding):
+            return self._embedding(merged, x, y, plan)
+        if isinstance(module, torch.nn.Linear):
+            return self._linear(merged, x, y, plan)
+        for slot, rows in plan.groups(self.family):  # norms and the like: small, formed per task
+            params = {local: reconstruct(getattr(module, local), tau, _unpacked(masks[slot], tau), self._scale(slot))
+                      for local, tau, masks in merged}
+            y[rows] = functional_call(module, params, (x[rows],))
+        return y
+
+    def _scale(self, slot: int) -> float:
+        return float(self.scale[slot])
+
+    def _linear(self, merged, x: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]
+        y2 = y.view(-1, y.shape[-1])  # [tokens, out]
+        seg = plan.segments(self.family, x2.shape[0])
+        for local, tau, masks in merged:
+            if local == "weight":
+                emr_delta(x2, tau, masks, self.scale, seg, y2)
+            else:  # the bias: one [out] delta per task
+                per_task = torch.where(unpack_bits(masks[seg.slots], tau.shape[-1]), tau, 0)  # [S, out]
+                delta = per_task * self.scale[seg.slots, None]
+                y2.index_add_(0, seg.order, delta.repeat_interleave(seg.lengths, 0).to(y2.dtype))
+        return y
+
+    def _embedding(self, merged, ids: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        (_, tau, masks), = merged
+        flat = ids.reshape(-1)  # [tokens]
+        y2 = y.view(-1, y.shape[-1])  # [tokens, dim]
+        seg = plan.segments(self.family, flat.numel())
+        task = seg.slots.repeat_interleave(seg.lengths)  # [n] each sorted token's task
+        token = flat[seg.order]  # [n] its id
+        on = unpack_bits(masks[task, token], tau.shape[-1])  # [n, dim]
+        delta = torch.where(on, tau[token], 0) * self.scale[task, None]
+        y2.index_add_(0, seg.order, delta.to(y2.dtype))
+        return y
+
+
+def _unpacked(masks: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """One task's packed mask -> bool of tau's shape."""
+    return unpack_bits(masks, tau.shape[-1] if tau.dim() else 1).reshape(tau.shape)
+
+
+FAMILIES: dict[str, type[Slots]] = {s.family: s for s in (WeightSlots, AdapterSlots, EmrSlots)}
+"""Family name (before any ":<group>") -> its slots class."""
+
+
+def family_class(family: str) -> type[Slots]:
+    return FAMILIES[family.split(":", 1)[0]]

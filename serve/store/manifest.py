@@ -22,6 +22,10 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+MEMBER_SEP = "/"
+"""Between an EMR group's name and its task's in a model id ("support/sentiment"); no Name contains it."""
+
+
 class FileEntry(StrictModel):
     path: str
     """Relative to the store root."""
@@ -40,24 +44,38 @@ class BaseEntry(StrictModel):
     files: list[FileEntry]
 
 
-class FullVariantEntry(StrictModel):
+class _OneModel(StrictModel):
+    """An entry that serves one model, under its own name."""
+
+    name: Name
+    labels: list[str] | None = None
+    """Class labels, for classifier variants."""
+
+    def models(self) -> dict[str, list[str] | None]:
+        """Model id -> class labels, for every model the entry serves."""
+        return {self.name: self.labels}
+
+    @property
+    def directory(self) -> str:
+        """Its files' directory under variants/."""
+        return self.name
+
+
+class FullVariantEntry(_OneModel):
     """A full fine-tune stored as an FM-Delta file against its parent base."""
 
     kind: Literal["full"] = "full"
-    name: Name
     base: Name
     architecture: str
     raw_bytes: int
     """Size of the fine-tune's tensors uncompressed."""
-    labels: list[str] | None = None
-    """Class labels, for classifier variants."""
     files: list[FileEntry]
 
 
-class _AdapterEntry(StrictModel):
-    """A PEFT LoRA-form adapter (adapter_config.json + adapter_model.safetensors) of its parent base."""
+class _AdapterEntry(_OneModel):
+    """A PEFT LoRA-form adapter (adapter_config.json + adapter_model.safetensors) of its parent base; `labels`
+    for a classifier adapter (its head saved through PEFT's modules_to_save)."""
 
-    name: Name
     base: Name
     architecture: str
     """The parent base's architecture (an adapter has none of its own)."""
@@ -66,8 +84,6 @@ class _AdapterEntry(StrictModel):
     """The largest rank over its modules, as served (a converted PiSSA adapter's 2r)."""
     target_modules: list[str]
     """Base module names it corrects."""
-    labels: list[str] | None = None
-    """Class labels, for a classifier adapter (its head saved through PEFT's modules_to_save)."""
     files: list[FileEntry]
 
 
@@ -81,7 +97,37 @@ class PissaVariantEntry(_AdapterEntry):
     kind: Literal["pissa"] = "pissa"
 
 
-VariantEntry = Annotated[FullVariantEntry | LoraVariantEntry | PissaVariantEntry, Field(discriminator="kind")]
+class EmrTaskEntry(StrictModel):
+    name: Name
+    labels: list[str] | None = None
+
+
+class EmrVariantEntry(StrictModel):
+    """An EMR-Merging group (serve/codecs/emr.py): one bundle, one model per task, "<group>/<task>"."""
+
+    kind: Literal["emr"] = "emr"
+    name: Name
+    base: Name
+    architecture: str
+    """The tasks' architecture (the first task's, as the bundle records it)."""
+    raw_bytes: int
+    """Size of the bundle's files."""
+    bundle: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")]
+    """Its directory under variants/: each bundle added gets a new one, so replacing a group (a task added,
+    re-merged) swaps the manifest entry from one whole directory to another."""
+    tasks: list[EmrTaskEntry]
+    files: list[FileEntry]
+
+    def models(self) -> dict[str, list[str] | None]:
+        return {f"{self.name}{MEMBER_SEP}{t.name}": t.labels for t in self.tasks}
+
+    @property
+    def directory(self) -> str:
+        return self.bundle
+
+
+VariantEntry = Annotated[FullVariantEntry | LoraVariantEntry | PissaVariantEntry | EmrVariantEntry,
+                         Field(discriminator="kind")]
 """Every variant kind's manifest entry, tagged by `kind`; serve.variants registers how each is served."""
 
 

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from serve.errors import ArtifactError, BadRequest, VariantNotFound
-from serve.store.manifest import (MANIFEST, BaseEntry, FileEntry, StoreManifest, VariantEntry, read_manifest,
-                                  write_manifest)
+from serve.store.manifest import (MANIFEST, MEMBER_SEP, BaseEntry, FileEntry, StoreManifest, VariantEntry,
+                                  read_manifest, write_manifest)
 from serve.store.writer import fsync_dir
 
 _LOCK = ".lock"
@@ -66,14 +66,21 @@ class Store:
         return True
 
     def resolve(self, model: str) -> tuple[str, str | None]:
-        """A model name -> (its base, the variant or None for a base); unknown names suggest close ones."""
+        """A model id -> (its base, the model id again, or None for a base); unknown ids suggest close ones."""
         if model in self.manifest.bases:
             return model, None
-        if model in self.manifest.variants:
-            return self.manifest.variants[model].base, model
-        close = difflib.get_close_matches(model, [*self.manifest.bases, *self.manifest.variants], n=3)
+        entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
+        if entry is not None and model in entry.models():
+            return entry.base, model
+        known = [*self.manifest.bases, *(m for v in self.manifest.variants.values() for m in v.models())]
+        close = difflib.get_close_matches(model, known, n=3)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise VariantNotFound(f"model '{model}' does not exist{hint}")
+
+    def labels(self, model: str) -> list[str] | None:
+        """A served variant's class labels (None: not a classifier, or a base)."""
+        entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
+        return entry.models().get(model) if entry is not None else None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -107,7 +114,7 @@ class Store:
         return SafetensorsSource(self.base_dir(name)).shapes()
 
     def variant_dir(self, name: str) -> Path:
-        return self.root / "variants" / self.variant(name).name
+        return self.root / "variants" / self.variant(name).directory
 
     def verify(self, entry: BaseEntry | VariantEntry) -> None:
         """Check every file of an entry against its recorded size and sha256."""
@@ -127,8 +134,8 @@ class Store:
                  "stored_bytes": sum(f.bytes for f in b.files), "raw_bytes": None, "params": b.params}
                 for b in self.manifest.bases.values()]
         rows += [{"name": v.name, "kind": v.kind, "base": v.base, "architecture": v.architecture,
-                  "stored_bytes": sum(f.bytes for f in v.files), "raw_bytes": v.raw_bytes, "labels": v.labels}
-                 for v in self.manifest.variants.values()]
+                  "stored_bytes": sum(f.bytes for f in v.files), "raw_bytes": v.raw_bytes,
+                  "models": v.models()} for v in self.manifest.variants.values()]
         return rows
 
     # ---- writing
@@ -158,19 +165,33 @@ class Store:
         return [FileEntry(path=str(p.relative_to(self.root)), bytes=p.stat().st_size, sha256=file_sha256(p))
                 for p in sorted(dest.rglob("*")) if p.is_file()]
 
-    def commit(self, staged: Path, entry: BaseEntry | VariantEntry) -> BaseEntry | VariantEntry:
-        """Move staged files into place and record the entry (with its files' digests) in the manifest."""
+    def commit(self, staged: Path, entry: BaseEntry | VariantEntry, replace: bool = False) -> BaseEntry | VariantEntry:
+        """Move staged files into place and record the entry (with its files' digests) in the manifest.
+
+        With replace, an entry of the same name, kind and base is replaced: the new entry's files must go to
+        a directory of their own (EmrVariantEntry.bundle), the manifest swaps from the old entry to the new
+        in one atomic write, and only then are the old files removed."""
         section = "bases" if entry.kind == "base" else "variants"
         with self._locked():
             self.reload()
-            if entry.name in self.manifest.bases or entry.name in self.manifest.variants:
+            old = self.manifest.variants.get(entry.name) if section == "variants" else None
+            if old is not None and replace:
+                if (old.kind, old.base) != (entry.kind, entry.base):
+                    raise BadRequest(f"store {self.root}: '{entry.name}' is a {old.kind} variant of '{old.base}'; "
+                                     f"it cannot be replaced by a {entry.kind} variant of '{entry.base}'")
+                if old.directory == entry.directory:
+                    raise BadRequest(f"store {self.root}: '{entry.name}' already holds this bundle")
+            elif entry.name in self.manifest.bases or entry.name in self.manifest.variants:
                 raise BadRequest(f"store {self.root} already has an entry named '{entry.name}'")
             if section == "variants":
                 self.base(entry.base)
-            entry = entry.model_copy(update={"files": self._place(staged, section, entry.name)})
+            directory = entry.name if entry.kind == "base" else entry.directory
+            entry = entry.model_copy(update={"files": self._place(staged, section, directory)})
             entries = {**getattr(self.manifest, section), entry.name: entry}
             self.manifest = self.manifest.model_copy(update={section: entries})
             write_manifest(self.root, self.manifest)
+            if old is not None:
+                shutil.rmtree(self.root / section / old.directory, ignore_errors=True)
         return entry
 
     def add_base(self, name: str, model_dir: str | Path) -> BaseEntry:
@@ -195,16 +216,18 @@ class Store:
             m = self.manifest
             if name in m.variants:
                 update, section = {"variants": {k: v for k, v in m.variants.items() if k != name}}, "variants"
+                directory = m.variants[name].directory
             elif name in m.bases:
                 children = sorted(v.name for v in m.variants.values() if v.base == name)
                 if children:
                     raise BadRequest(f"base '{name}' still has variants: {', '.join(children)}")
                 update, section = {"bases": {k: v for k, v in m.bases.items() if k != name}}, "bases"
+                directory = name
             else:
                 raise VariantNotFound(f"store {self.root} has no entry '{name}'")
             self.manifest = m.model_copy(update=update)
             write_manifest(self.root, self.manifest)
-            shutil.rmtree(self.root / section / name, ignore_errors=True)
+            shutil.rmtree(self.root / section / directory, ignore_errors=True)
 
 
 def read_model_config(model_dir: Path) -> dict:

@@ -21,6 +21,8 @@ from serve.store.store import Store
 from serve.store.tensors import Alloc
 
 Progress = Callable[[str], None]
+MASKS_SUFFIX = ":masks"
+"""An EMR group's tensors: tau_uni under the base tensor's name, its tasks' packed masks under name + this."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,29 @@ class LoadedVariant:
     labels: list[str] | None = None
     owned: list[torch.Tensor] = field(default_factory=list)
     """Buffers its load took from the engine's pool, returned when it leaves memory."""
+    members: dict[str, "LoadedVariant"] = field(default_factory=dict)
+    """A group kind's models (an EMR group's tasks, by model id "<group>/<task>"): each is a row's variant,
+    with its own head and scales; the tensors they share are the group's."""
+    parent: "LoadedVariant | None" = None
+    index: int = 0
+    """A member's place in its group (an EMR task's index in its bundle)."""
 
     @property
     def nbytes(self) -> int:
         tensors = [*self.tensors.values(), *self.head.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(m.nbytes for m in self.members.values())
+
+    def to(self, device: torch.device | str) -> "LoadedVariant":
+        """Move its tensors, its head and its members' heads (the cache's tiers)."""
+        self.tensors = {k: t.to(device) for k, t in self.tensors.items()}
+        self.head = {k: t.to(device) for k, t in self.head.items()}
+        for m in self.members.values():
+            m.to(device)
+        return self
+
+    def member(self, model: str) -> "LoadedVariant":
+        """The row's variant for model id `model`: the variant itself, or one of its members."""
+        return self if model == self.name else self.members[model]
 
 
 class VariantKind(ABC):

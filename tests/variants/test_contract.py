@@ -36,7 +36,15 @@ def make_pissa(base: Path, out: Path) -> Path:
     return out
 
 
-MAKERS = {"full": make_full, "lora": make_lora, "pissa": make_pissa}
+def make_emr(base: Path, out: Path) -> Path:
+    from serve.codecs.emr import merge
+
+    tasks = {"t1": write_perturbed(base, out.parent / "emr-t1", seed=5, scale=0.5),
+             "t2": write_perturbed(base, out.parent / "emr-t2", seed=6, scale=0.5, only="layers.1.")}
+    return merge(base, tasks, out).path
+
+
+MAKERS = {"full": make_full, "lora": make_lora, "pissa": make_pissa, "emr": make_emr}
 
 
 def dense_reference(base: Path, variant_dir: Path):
@@ -75,14 +83,16 @@ def test_kind_contract(base, kind, tmp_path):
     k.verify(store, entry)
 
     loaded = k.load(store, entry, rt.view, torch.empty)
-    assert loaded.family == k.family and loaded.nbytes > 0
-    rt.families[loaded.family].check(loaded)
-    row = rt.attach(loaded)
+    assert loaded.family.split(":")[0] == k.family and loaded.nbytes > 0
+    rt.slots(loaded.family).check(loaded)
+    model = next(iter(entry.models()))  # the variant, or a group's first member ("v-emr/t1")
+    row = rt.attach(loaded.member(model))
     try:
         with torch.no_grad():
             plan = BatchPlan([BASE_ROW, row], rt.device)
             got = rt.call(plan, input_ids=PROMPT.repeat(2, 1)).logits  # [2, seq, vocab]
-            ref = dense_reference(root / "tiny-lm", made)(input_ids=PROMPT).logits[0]
+            dense = made if model == entry.name else k.extract(store, model, tmp_path / "member")
+            ref = dense_reference(root / "tiny-lm", dense)(input_ids=PROMPT).logits[0]
             plain = rt.call(BatchPlan([BASE_ROW], rt.device), input_ids=PROMPT).logits[0]
     finally:
         rt.detach(row)
