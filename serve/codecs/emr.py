@@ -141,7 +141,8 @@ def reconstruct(base: torch.Tensor, tau_uni: torch.Tensor, mask: torch.Tensor, r
 
 # ---- merge
 def _task_tensors(name: str, path: Path, base: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], list[str]]:
-    """A task's checkpoint -> (its name -> base name for every tensor of the base, head tensor names)."""
+    """A task's checkpoint -> (its name -> base name for the base tensors it holds, which include every floating
+    one; its head tensor names). Integer buffers a checkpoint leaves out (position ids) are the base's."""
     base_names, names, head = set(base), {}, []
     for ckpt in SafetensorsSource(path):
         target = match_base_name(ckpt, base_names)
@@ -152,7 +153,7 @@ def _task_tensors(name: str, path: Path, base: Mapping[str, torch.Tensor]) -> tu
             head.append(ckpt)
         else:
             names[ckpt] = target
-    missing = sorted(base_names - set(names.values()))
+    missing = sorted(b for b in base_names - set(names.values()) if base[b].dtype.is_floating_point)
     if missing:
         raise VariantIncompatible(f"task '{name}': {path} lacks base tensor '{missing[0]}'"
                                   f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
@@ -184,7 +185,7 @@ def merge(base_dir: str | Path, tasks: Mapping[str, str | Path], out: str | Path
     merged_params, bits = 0, [0] * n_tasks
     for i, b in enumerate(sorted(base)):
         w_pre = base[b]
-        if not w_pre.dtype.is_floating_point:
+        if not w_pre.dtype.is_floating_point or b not in to_ckpt:
             continue
         taus = []
         for t in tasks:

@@ -11,7 +11,8 @@ from serve.engine.batch import BatchPlan
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.variants import variant_kind
-from tests.models import write_lora
+from serve.codecs import emr
+from tests.models import write_lora, write_perturbed
 
 LM_ADAPTERS = {  # name: (kind, r, targets, options)
     "lm-lora4": ("lora", 4, ["q_proj", "v_proj"], {}),
@@ -26,6 +27,10 @@ ENC_ADAPTERS = {
     "enc-pissa": ("pissa", 6, ["query", "value"], {}),
 }
 CLASSES = ["neg", "pos", "other"]
+EMR_GROUPS = [  # (group, base, {task: write_perturbed options})
+    ("lm-emr", "tiny-lm", {"t1": {"seed": 40, "scale": 0.5}, "t2": {"seed": 41, "scale": 0.5, "only": "layers.1."}}),
+    ("enc-emr", "minilm", {"a": {"seed": 42, "labels": CLASSES}, "b": {"seed": 43, "labels": CLASSES}}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,13 @@ def mixed(serving_store, tmp_path_factory):
         for n in (name, name + "-clf"):
             if n not in store.manifest.variants:
                 variant_kind(kind).add(store, n, "minilm", dirs[n])
+    for group, base, tasks in EMR_GROUPS:
+        finetunes = {t: write_perturbed(refs[base], tmp / f"{group}-{t}", **opts) for t, opts in tasks.items()}
+        bundle = emr.merge(refs[base], finetunes, tmp / group).path
+        for t in tasks:
+            dirs[f"{group}/{t}"] = emr.extract(bundle, t, tmp / f"{group}-{t}-merged")  # the reference
+        if group not in store.manifest.variants:
+            variant_kind("emr").add(store, group, base, bundle)
     return Engine(ServeConfig(store=root)), dirs
 
 
@@ -78,9 +90,9 @@ def reference_dir(dirs, name):
     return dirs[name], None
 
 
-LM_ROWS = ["tiny-lm", "lm-lora4", "tiny-lm-top", "lm-lora8", "lm-pissa", "lm-lora4"]
-PROMPTS = ["the cat sat on", "a big red dog", "one two three four", "hello world good day", "sun moon star sky",
-           "fish eat and drink"]
+LM_ROWS = ["tiny-lm", "lm-lora4", "tiny-lm-top", "lm-emr/t1", "lm-lora8", "lm-pissa", "lm-emr/t2", "lm-lora4"]
+PROMPTS = ["the cat sat on", "a big red dog", "one two three four", "the dog ran to", "hello world good day",
+           "sun moon star sky", "good night red moon", "fish eat and drink"]
 
 
 def test_mixed_forward_logits_equal_peft_row_by_row(mixed):
@@ -89,8 +101,8 @@ def test_mixed_forward_logits_equal_peft_row_by_row(mixed):
     ids = torch.tensor([rt.encode_prompt(p) for p in PROMPTS])  # equal lengths: no padding
 
     async def forward():
-        held = [await engine.cache.acquire(m) if m in engine.store.manifest.variants else None for m in LM_ROWS]
-        slots = [rt.attach(h.variant if h else None) for h in held]
+        held = [await engine.cache.acquire(m.split("/")[0]) if m != "tiny-lm" else None for m in LM_ROWS]
+        slots = [rt.attach(h.variant.member(m) if h else None) for h, m in zip(held, LM_ROWS)]
         with torch.no_grad():
             logits = rt.call(BatchPlan(slots, rt.device), input_ids=ids).logits  # [rows, seq, vocab]
         for s in slots:
@@ -142,12 +154,14 @@ def test_mixed_generation_with_rows_joining_mid_flight_equals_peft(mixed):
 
 
 ENC_TEXTS = ["The central bank raised interest rates", "What a lovely day at the beach",
-             "Win a free phone now, text YES", "The match ended in a draw", "I did not like the film"]
+             "Win a free phone now, text YES", "The match ended in a draw", "I did not like the film",
+             "Rain is expected over the weekend", "Our team shipped the release today"]
 
 
 def test_mixed_classify_rows_equal_peft(mixed):
     engine, dirs = mixed
-    models = ["minilm-clf", "enc-lora4-clf", "enc-lora8-clf", "enc-pissa-clf", "enc-lora4-clf"]
+    models = ["minilm-clf", "enc-lora4-clf", "enc-emr/a", "enc-lora8-clf", "enc-pissa-clf", "enc-emr/b",
+              "enc-lora4-clf"]
 
     async def together():
         return await asyncio.gather(*(engine.classify(m, [t]) for m, t in zip(models, ENC_TEXTS)))
@@ -169,7 +183,7 @@ def test_mixed_classify_rows_equal_peft(mixed):
 
 def test_mixed_embeddings_rows_equal_peft(mixed):
     engine, dirs = mixed
-    models = ["minilm", "enc-lora4", "minilm-clf", "enc-lora8", "enc-pissa"]
+    models = ["minilm", "enc-lora4", "minilm-clf", "enc-emr/b", "enc-lora8", "enc-pissa"]
 
     async def together():
         return await asyncio.gather(*(engine.embed(m, [t]) for m, t in zip(models, ENC_TEXTS)))
@@ -193,12 +207,13 @@ def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed):
     get evicted and load again while others run, adapters queue for slots; every answer equals the answer
     the model gives alone."""
     engine, _ = mixed
-    models = ["lm-lora4", "tiny-lm-top", "lm-lora8", "tiny-lm", "lm-pissa", "tiny-lm-all", "lm-lora4", "lm-pissa"]
+    models = ["lm-lora4", "tiny-lm-top", "lm-emr/t1", "lm-lora8", "tiny-lm", "lm-pissa", "tiny-lm-all", "lm-emr/t2",
+              "lm-lora4", "lm-pissa"]
     params = SamplingParams(max_tokens=5, temperature=0)
     alone = {m: asyncio.run(engine.complete(m, params, prompt="one two three")).token_ids for m in set(models)}
     config = engine.config.model_copy(update={"slots": engine.config.slots.model_copy(update={"max_adapters": 2})})
     eng = Engine(config)
-    eng.cache.device_bytes = max(asyncio.run(_nbytes(eng, m)) for m in set(models) - {"tiny-lm"})
+    eng.cache.device_bytes = max(asyncio.run(_nbytes(eng, m.split("/")[0])) for m in set(models) - {"tiny-lm"})
     eng.cache.cpu_bytes = 0
 
     async def churn():
