@@ -117,10 +117,12 @@ def cmd_store_verify(args: argparse.Namespace) -> None:
 
 
 def cmd_store_extract(args: argparse.Namespace) -> None:
+    from serve.store.manifest import MEMBER_SEP
     from serve.variants import variant_kind
 
     store = _store(args)
-    print(variant_kind(store.variant(args.name).kind).extract(store, args.name, Path(args.out)))
+    entry = store.variant(args.name.split(MEMBER_SEP, 1)[0])  # an EMR task's model id names its group first
+    print(variant_kind(entry.kind).extract(store, args.name, Path(args.out)))
 
 
 def _base_dir(args: argparse.Namespace) -> Path:
@@ -149,6 +151,26 @@ def cmd_adapter_convert(args: argparse.Namespace) -> None:
 
     print(f"{convert_pissa(Path(args.adapter), Path(args.initial), Path(args.out))}: a rank-2r LoRA on the "
           f"original base")
+
+
+def cmd_emr_merge(args: argparse.Namespace) -> None:
+    from serve.codecs.emr import describe, merge, read_merge_args
+
+    tasks = read_merge_args(args.task)
+    with _progress("merge") as tick:
+        bundle = merge(_base_dir(args), tasks, Path(args.out), rescaler=args.rescaler, progress=tick)
+    m = bundle.manifest
+    print(f"{bundle.path}: {len(m.tasks)} tasks over {m.merged_params:,} merged weights ({m.rescaler} rescalers)")
+    print(f"{'task':<24} {'lambda':>8} {'mask bits set':>14} {'share':>7}  labels")
+    for r in describe(bundle):
+        print(f"{r['task']:<24} {r['rescaler']:>8.4f} {r['mask_bits']:>14,} {r['mask_share']:>7.1%}  "
+              f"{', '.join(r['labels'] or []) or '-'}")
+
+
+def cmd_emr_extract(args: argparse.Namespace) -> None:
+    from serve.codecs.emr import extract
+
+    print(extract(Path(args.bundle), args.task, Path(args.out), base_dir=Path(args.base) if args.base else None))
 
 
 def cmd_bench_mixed(args: argparse.Namespace) -> None:
@@ -187,11 +209,10 @@ def _print_examples(url: str, config) -> None:
 
     store = Store(config.store)
     lines = [f"serving {config.store} at {url}  (Ctrl-C to stop)", "", "try:"]
-    for v in store.manifest.variants.values():
-        if v.labels:
-            lines.append(f"  curl -s {url}/v1/classify -H 'Content-Type: application/json' "
-                         f"-d '{{\"model\": \"{v.name}\", \"input\": \"a short text to classify\"}}'")
-            break
+    classifiers = [m for v in store.manifest.variants.values() for m, labels in v.models().items() if labels]
+    if classifiers:
+        lines.append(f"  curl -s {url}/v1/classify -H 'Content-Type: application/json' "
+                     f"-d '{{\"model\": \"{classifiers[0]}\", \"input\": \"a short text to classify\"}}'")
     for b in store.manifest.bases.values():
         if b.architecture.endswith("ForCausalLM"):
             lines.append(f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
@@ -275,16 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--store", default=default_store, required=default_store is None)
     st.choices["list"].add_argument("--json", action="store_true")
     st.choices["add"].add_argument("--kind", required=True,
-                                   help="base, or a variant kind: full, lora, pissa (see serve/variants/)")
+                                   help="base, or a variant kind: full, lora, pissa, emr (see serve/variants/)")
     st.choices["add"].add_argument("--name", required=True)
     st.choices["add"].add_argument("--model", required=True,
-                                   help="a HF model directory (base, full) or a PEFT adapter directory (lora, pissa)")
+                                   help="a HF model directory (base, full), a PEFT adapter directory (lora, pissa) "
+                                        "or an EMR bundle (emr: adding a group again replaces it whole)")
     st.choices["add"].add_argument("--base", help="for a variant: the store base it was fine-tuned from")
     st.choices["add"].add_argument("--max-rank", type=int, default=64,
                                    help="adapters: the largest rank the server's slots take (slots.max_rank)")
     st.choices["remove"].add_argument("name")
     st.choices["verify"].add_argument("name", nargs="?")
-    st.choices["extract"].add_argument("--name", required=True)
+    st.choices["extract"].add_argument("--name", required=True, help="a variant, or an EMR task: GROUP/TASK")
     st.choices["extract"].add_argument("--out", required=True)
 
     ad = sub.add_parser("adapter", help="LoRA / PiSSA adapters with PEFT").add_subparsers(dest="action",
@@ -307,6 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--adapter", required=True, help="the trained (raw) PiSSA adapter directory")
     cv.add_argument("--initial", required=True, help="the untrained PiSSA adapter saved before training")
     cv.add_argument("--out", required=True, help="a new directory")
+
+    em = sub.add_parser("emr", help="EMR-Merging groups").add_subparsers(dest="action", required=True)
+    mg = add(em, "merge", cmd_emr_merge, "merge full fine-tunes of one base into an EMR bundle")
+    mg.add_argument("--base", required=True, help="a HF model directory, or a base's name in --store")
+    mg.add_argument("--store", default=default_store)
+    mg.add_argument("--task", action="append", required=True, metavar="NAME=DIR",
+                    help="a task and its fine-tune (a HF model directory); repeat for each task")
+    mg.add_argument("--rescaler", choices=["mean", "global"], default="mean",
+                    help="mean: per-tensor means, as the reference code (default); global: the paper's sums")
+    mg.add_argument("--out", required=True, help="the bundle directory (an old bundle is replaced when complete)")
+    ex = add(em, "extract", cmd_emr_extract, "write one task of a bundle as a HF model directory")
+    ex.add_argument("--bundle", required=True)
+    ex.add_argument("--task", required=True)
+    ex.add_argument("--base", help="the base's HF model directory (default: where merge read it)")
+    ex.add_argument("--out", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
     b = add(bench, "fmdelta", cmd_bench_fmdelta, "FM-Delta against lzma, zstd and XOR baselines on the demo fine-tunes")

@@ -196,12 +196,14 @@ class Engine:
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
         """Validate and store a variant of any registered kind, atomically; served at once, without restart.
         A file of the caller's that is missing or unreadable is the caller's error here (422), not the store's."""
+        before = dict(self.store.manifest.variants)  # the add updates self.store's manifest itself
         try:
             await asyncio.to_thread(variant_kind(kind).add, self.store, name, base, Path(path),
                                     slots=self.config.slots)
         except ArtifactError as e:
             raise VariantIncompatible(str(e)) from e
-        self.reload_store()
+        self.store.reload()
+        self._apply_store_change(before)  # a replaced group leaves the cache and its slots
         return self.info(name)
 
     async def remove_variant(self, name: str) -> None:
@@ -393,6 +395,7 @@ class Engine:
         """The base's running DecodeBatch: admits waiting rows (of any variant), steps, until none are left."""
         loop = asyncio.get_running_loop()
         cap = self.config.batch.max_batch_size
+        new: list[Row] = []
         try:
             while group.pending or len(group.batch):
                 gone = [r for r in group.running + group.pending if r.cancelled]
@@ -417,9 +420,10 @@ class Engine:
                 for row, gen in finished:
                     group.running.remove(row)
                     self._resolve(row, gen)
-        except Exception as e:  # the batch's rows fail together; other batches go on
+        except Exception as e:  # the batch's rows fail together, those it was admitting too; other batches go on
             await loop.run_in_executor(self._compute, group.batch.close)
-            for r in group.running + group.pending:
+            failed = {id(r): r for r in group.running + new + group.pending if not r.future.done()}
+            for r in failed.values():
                 self._resolve(r, error=e)
         finally:
             if self._generating.get(base) is group:
