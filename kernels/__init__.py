@@ -6,13 +6,13 @@ The engine imports only these names; kernels/ imports nothing from serve/.
 import torch
 
 from kernels._backend import dispatch
-from kernels.emr_delta import emr_delta_torch, emr_delta_triton, pack_bits, unpack_bits
+from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
 from kernels.segments import NO_SLOT, Segments, make_segments
 
-__all__ = ["NO_SLOT", "Segments", "emr_delta", "lora_expand", "lora_shrink", "make_segments", "pack_bits",
-           "unpack_bits"]
+__all__ = ["NO_SLOT", "Segments", "emr_delta", "lora_expand", "lora_shrink", "make_segments", "masked",
+           "pack_bits", "unpack_bits"]
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:

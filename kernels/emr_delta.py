@@ -33,6 +33,15 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return table[packed.long()].flatten(-2)[..., :n]
 
 
+def masked(packed: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """unpack(packed) * tau in tau's dtype: [..., out, ceil(in / 8)] uint8 and [out, in] -> [..., out, in]. The bits
+    become 0.0 / 1.0 through a 256-row table lookup (an embedding), several times faster on CPU than a bool unpack
+    followed by a multiply."""
+    table = _BIT_TABLE.to(device=tau.device, dtype=tau.dtype)  # [256, 8]
+    bits = torch.nn.functional.embedding(packed.long(), table).flatten(-2)[..., :tau.shape[-1]]
+    return bits.mul_(tau)
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """[..., n] bool -> [..., ceil(n / 8)] uint8, little-endian bit order along the last dimension."""
     n = mask.shape[-1]
@@ -59,7 +68,7 @@ def emr_delta_torch(x: torch.Tensor, tau: torch.Tensor, masks: torch.Tensor, sca
     s = scale.index_select(0, seg.slots)[:, None, None]  # [S, 1, 1]
     parts = []
     for o in range(0, out_features, rows):  # bounded: ceil(out / rows) chunks
-        w = unpack_bits(m[:, o:o + rows], in_features).to(x.dtype).mul_(tau[o:o + rows])  # [S, c, in]
+        w = masked(m[:, o:o + rows], tau[o:o + rows])  # [S, c, in]
         parts.append(torch.bmm(xs.float(), w.float().transpose(1, 2)))  # [S, L, c] fp32
     ys = torch.cat(parts, dim=2).mul_(s)  # [S, L, out]
     if one:

@@ -173,6 +173,12 @@ def cmd_emr_extract(args: argparse.Namespace) -> None:
     print(extract(Path(args.bundle), args.task, Path(args.out), base_dir=Path(args.base) if args.base else None))
 
 
+def cmd_bench_emr(args: argparse.Namespace) -> None:
+    from serve.bench.emr import run_emr_bench
+
+    run_emr_bench(Path(args.out), args.examples, args.rows, args.repeats)
+
+
 def cmd_bench_mixed(args: argparse.Namespace) -> None:
     from serve.bench.mixed import run_mixed_bench
 
@@ -365,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     mx.add_argument("--out", default="bench-results/mixed.json")
     mx.add_argument("--repeats", type=int, default=5)
     mx.add_argument("--rows", default="8,32", help="batch sizes, joined by commas")
+    be = add(bench, "emr", cmd_bench_emr, "EMR-Merging against the individual fine-tunes, task arithmetic, TIES and "
+             "averaging; its bytes per task; a mixed forward's time")
+    be.add_argument("--out", default="bench-results/emr.json")
+    be.add_argument("--examples", type=int, default=500, help="held-out examples per task at most")
+    be.add_argument("--rows", type=int, default=16, help="rows of the timed forward (a multiple of 4)")
+    be.add_argument("--repeats", type=int, default=5)
     return p
 
 

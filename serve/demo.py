@@ -81,6 +81,23 @@ ADAPTER_TASKS = (
 )
 
 
+@dataclass(frozen=True)
+class EmrGroup:
+    """An EMR-Merging group of demo full fine-tunes, next to their FM-Delta forms: the same fine-tunes served two
+    ways, to compare over HTTP (`GROUP/TASK` against the full variant)."""
+
+    name: str
+    base: str
+    tasks: tuple[tuple[str, str], ...]
+    """(task, the full variant it merges)."""
+
+
+EMR_GROUPS = (
+    EmrGroup("minilm-emr", BASE, (("topic", "minilm-topic"), ("sentiment", "minilm-sentiment"), ("spam", "minilm-spam"))),
+    EmrGroup("smollm2-emr", LM_BASE, (("fortunes", "smollm2-fortunes"), ("news", "smollm2-news"))),
+)
+
+
 def lm_corpus(name: str) -> list[str]:
     from serve.data.datasets import bbc_topics, fortunes
 
@@ -199,8 +216,9 @@ def classifier_accuracy(model, tok, data: Dataset, max_len: int, limit: int = 20
 
 def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TASKS,
                      lm_tasks: tuple[LmTask, ...] = LM_TASKS, adapter_tasks: tuple[AdapterTask, ...] = ADAPTER_TASKS,
-                     log: Callable[[str], None] = print) -> Store:
-    """Add the bases and every missing demo variant; returns the opened store."""
+                     emr_groups: tuple[EmrGroup, ...] = EMR_GROUPS, log: Callable[[str], None] = print) -> Store:
+    """Add the bases and every missing demo variant; returns the opened store. An EMR group is merged once every
+    fine-tune it merges is in the store."""
     root = root or demo_store_dir()
     store = Store(root, create=True)
     if lm_tasks and LM_BASE not in store.manifest.bases:
@@ -231,7 +249,25 @@ def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TAS
             _, stats = add_full_variant(store, task.variant, BASE, tmp)
         log(f"  test accuracy {acc:.1%}; stored {stats.raw_bytes / 1e6:.1f} MB as {stats.file_bytes / 1e6:.1f} MB"
             f" FM-Delta ({stats.ratio:.1%})")
+    for group in emr_groups:
+        if group.name not in store.manifest.variants and all(v in store.manifest.variants for _, v in group.tasks):
+            add_emr_group(store, group, log)
     return store
+
+
+def add_emr_group(store: Store, group: EmrGroup, log: Callable[[str], None] = print) -> None:
+    """Merge the group's full variants (decoded from the store) by EMR-Merging and add the bundle."""
+    from serve.codecs.emr import merge
+    from serve.variants import variant_kind
+    from serve.variants.full import extract_full_variant
+
+    log(f"merging '{group.name}' (EMR): {', '.join(v for _, v in group.tasks)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {t: extract_full_variant(store, v, Path(tmp) / t) for t, v in group.tasks}
+        bundle = merge(store.base_dir(group.base), dirs, Path(tmp) / "bundle")
+        entry = variant_kind("emr").add(store, group.name, group.base, bundle.path)
+    lambdas = ", ".join(f"{t.name} {t.rescaler:.2f}" for t in bundle.manifest.tasks)
+    log(f"  stored {sum(f.bytes for f in entry.files) / 1e6:.1f} MB for {len(group.tasks)} tasks (rescalers: {lambdas})")
 
 
 def add_demo_adapter(store: Store, task: AdapterTask, log: Callable[[str], None] = print) -> None:

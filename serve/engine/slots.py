@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch.func import functional_call
 
-from kernels import emr_delta, lora_expand, lora_shrink, unpack_bits
+from kernels import emr_delta, lora_expand, lora_shrink, masked, unpack_bits
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.errors import VariantIncompatible
@@ -356,8 +356,7 @@ class EmrSlots(Slots):
             if local == "weight":
                 emr_delta(x2, tau, masks, self.scale, seg, y2)
             else:  # the bias: one [out] delta per task
-                per_task = torch.where(unpack_bits(masks[seg.slots], tau.shape[-1]), tau, 0)  # [S, out]
-                delta = per_task * self.scale[seg.slots, None]
+                delta = masked(masks[seg.slots], tau) * self.scale[seg.slots, None]  # [S, out]
                 y2.index_add_(0, seg.order, delta.repeat_interleave(seg.lengths, 0).to(y2.dtype))
         return y
 
@@ -368,8 +367,7 @@ class EmrSlots(Slots):
         seg = plan.segments(self.family, flat.numel())
         task = seg.slots.repeat_interleave(seg.lengths)  # [n] each sorted token's task
         token = flat[seg.order]  # [n] its id
-        on = unpack_bits(masks[task, token], tau.shape[-1])  # [n, dim]
-        delta = torch.where(on, tau[token], 0) * self.scale[task, None]
+        delta = masked(masks[task, token], tau[token]) * self.scale[task, None]  # [n, dim]
         y2.index_add_(0, seg.order, delta.to(y2.dtype))
         return y
 
