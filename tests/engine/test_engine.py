@@ -354,3 +354,26 @@ def test_embeddings_of_a_long_input_equal_sentence_transformers(engine):
     assert len(engine.bases["minilm"].tokenizer(text)["input_ids"]) >= 400
     cosine = torch.nn.functional.cosine_similarity(out, reference.float(), dim=-1)
     assert cosine.min() >= 0.9999, cosine
+
+
+def test_a_decode_step_that_fails_while_admitting_rows_fails_them_too(serving_store, monkeypatch):
+    """Rows a step was admitting are neither running nor pending while it runs: a failure must still answer them
+    (they used to be lost, and their requests never returned)."""
+    from serve.engine.generation import DecodeBatch
+
+    engine = Engine(ServeConfig(store=serving_store[0]))
+    calls = []
+
+    def failing_run(self, new_rows, gone):
+        calls.append(len(new_rows))
+        raise RuntimeError("decode step failed")
+
+    monkeypatch.setattr(DecodeBatch, "run", failing_run)
+
+    async def both():
+        params = SamplingParams(max_tokens=3, temperature=0)
+        jobs = [engine.complete(m, params, prompt="one two three") for m in ("tiny-lm", "tiny-lm-top")]
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 120)  # a guard against a hang
+
+    results = asyncio.run(both())
+    assert calls and all(isinstance(r, RuntimeError) and "decode step failed" in str(r) for r in results)
