@@ -202,9 +202,13 @@ def train_classifier_epoch(model, tok, examples: list, label_id: dict[str, int],
     return loss.item()
 
 
-@torch.no_grad()
 def classifier_accuracy(model, tok, data: Dataset, max_len: int, limit: int = 200) -> float:
-    examples = data.examples[:limit]
+    return examples_accuracy(model, tok, data.examples[:limit], max_len)
+
+
+@torch.no_grad()
+def examples_accuracy(model, tok, examples: list, max_len: int) -> float:
+    """Share of `examples` whose label the classifier predicts, in batches of 32."""
     correct = 0
     for start in range(0, len(examples), 32):
         chunk = examples[start:start + 32]

@@ -4,13 +4,8 @@ A trained PiSSA adapter is relative to its residual base W_res = W - s B0 A0; th
 it serves the converted rank-2r LoRA, which is relative to W (what peft's `subtract_mutated_init` writes).
 """
 
-import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from serve.errors import ArtifactError, VariantIncompatible
-from serve.store.writer import fsync_dir
+from serve.store.writer import atomic_dir
 from serve.variants.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -31,32 +26,9 @@ SAME_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "
 """Config fields a trained adapter and its initial adapter must share."""
 
 
-@contextlib.contextmanager
-def staged_dir(out_dir: str | Path) -> Iterator[Path]:
-    """Yield a fresh directory beside out_dir; on clean exit its files are fsynced and it is renamed to out_dir.
-
-    A crash leaves no out_dir (or the empty one that was there), never a half-written adapter.
-    """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ArtifactError(f"{out_dir}: already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
-        yield stage
-        for f in stage.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        os.replace(stage, out_dir)  # rename(2) may replace an empty directory
-        fsync_dir(out_dir.parent)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
 def write_adapter(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
     """Write a PEFT adapter directory atomically, in the layout `PeftModel.from_pretrained` reads."""
-    with staged_dir(out_dir) as stage:
+    with atomic_dir(out_dir) as stage:
         save_file({k: v.contiguous() for k, v in tensors.items()}, stage / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         (stage / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return Path(out_dir)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from serve.adapters.convert import staged_dir
 from serve.adapters.data import TrainExample, collate, read_jsonl, tokenize_examples
 from serve.errors import ConfigError
+from serve.store.writer import atomic_dir
 from serve.variants.lora import ADAPTER_CONFIG
 
 INITIAL = "pissa_initial"
@@ -139,7 +139,7 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
     if not examples or steps < 1 or batch_size < 1:
         raise ConfigError(f"need examples, steps >= 1 and batch_size >= 1; got {len(examples)} examples, "
                           f"{steps} steps, batch_size {batch_size}")
-    with staged_dir(out_dir) as stage:
+    with atomic_dir(out_dir) as stage:
         t0 = time.perf_counter()
         model, tok = make_peft_model(base_dir, init, rank, alpha, target_modules, seed)
         init_seconds = time.perf_counter() - t0

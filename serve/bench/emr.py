@@ -18,17 +18,16 @@ import json
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from kernels import make_segments
 from kernels.emr_delta import emr_delta_torch, masked
-from serve.bench.fmdelta import machine
+from serve.bench.fmdelta import machine, median_time
 from serve.codecs import emr
 from serve.data.datasets import CLASSIFICATION
-from serve.demo import EMR_GROUPS, TASKS, build_demo_store
+from serve.demo import EMR_GROUPS, TASKS, build_demo_store, examples_accuracy
 from serve.engine.batch import BASE_ROW, BatchPlan
 from serve.engine.model import BaseModelRuntime
 from serve.store.tensors import SafetensorsSource
@@ -47,17 +46,6 @@ def _test_sets(n: int, seed: int = 0) -> dict[str, list]:
         examples = CLASSIFICATION[task]("test").examples
         out[task] = examples if len(examples) <= n else random.Random(seed).sample(examples, n)
     return out
-
-
-@torch.no_grad()
-def _accuracy(model, tok, examples: list, max_len: int) -> float:
-    correct = 0
-    for start in range(0, len(examples), 32):
-        chunk = examples[start:start + 32]
-        enc = tok([e.text for e in chunk], truncation=True, max_length=max_len, padding=True, return_tensors="pt")
-        pred = model(**enc).logits.argmax(-1).tolist()
-        correct += sum(model.config.id2label[p] == e.label for p, e in zip(pred, chunk))
-    return correct / len(examples)
 
 
 def ties_merge(taus: dict[str, dict[str, torch.Tensor]], top: float) -> dict[str, torch.Tensor]:
@@ -115,7 +103,7 @@ def accuracy_table(store, work: Path, examples: int) -> tuple[dict, dict]:
             w = weights(t)
             if w is not None:
                 model.load_state_dict(w, strict=False)  # the shared weights; the head stays the task's own
-            acc[method][t] = _accuracy(model, tok, tests[t], max_len[t])
+            acc[method][t] = examples_accuracy(model, tok, tests[t], max_len[t])
         acc[method]["average"] = statistics.mean(acc[method][t] for t in dirs)
     m = bundles["mean"]
     masks, heads = m.tensors(emr.MASKS_FILE), m.tensors(emr.HEADS_FILE)
@@ -132,16 +120,6 @@ def accuracy_table(store, work: Path, examples: int) -> tuple[dict, dict]:
     sizes["merged_weights"] = m.manifest.merged_params
     sizes["examples"] = {t: len(v) for t, v in tests.items()}
     return acc, sizes
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -171,11 +149,11 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
         base_plan = BatchPlan([BASE_ROW] * rows, rt.device)
         base_rows_plan = BatchPlan([BASE_ROW] * len(base_rows), rt.device)
         times = {
-            "base alone": _median_s(lambda: rt.call(base_plan, input_ids=ids), repeats),
-            "EMR: 3 tasks + base, one forward": _median_s(lambda: rt.call(plan, input_ids=ids), repeats),
-            "dense: one forward a task + the base's": _median_s(lambda: (
+            "base alone": median_time(lambda: rt.call(base_plan, input_ids=ids), repeats, warmup=True),
+            "EMR: 3 tasks + base, one forward": median_time(lambda: rt.call(plan, input_ids=ids), repeats, warmup=True),
+            "dense: one forward a task + the base's": median_time(lambda: (
                 rt.call(base_rows_plan, input_ids=ids[base_rows]),
-                [dense[m.name](input_ids=ids[rows_of[m.name]]) for m in members]), repeats),
+                [dense[m.name](input_ids=ids[rows_of[m.name]]) for m in members]), repeats, warmup=True),
         }
         linears = {n: mod for n, mod in rt.view.modules.items() if isinstance(mod, torch.nn.Linear)}
         task_ids = torch.tensor([v.index if v is not None else -1 for v in who]).repeat_interleave(SEQ)
@@ -194,8 +172,8 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
                 masks = group.tensors[n + MASKS_SUFFIX]
                 masked(masks[seg.slots], group.tensors[n])
 
-        times["of which emr_delta over every Linear"] = _median_s(deltas, repeats)
-        times["of which its unpacking of the masks"] = _median_s(unpacking, repeats)
+        times["of which emr_delta over every Linear"] = median_time(deltas, repeats, warmup=True)
+        times["of which its unpacking of the masks"] = median_time(unpacking, repeats, warmup=True)
     finally:
         for s in slots:
             rt.detach(s)

@@ -49,7 +49,10 @@ def xor_bytegroup_bytes(base: dict[str, torch.Tensor], fine: dict[str, torch.Ten
     return other + sum(order0_bits(c) for c in planes.values()) / 8
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int, warmup: bool = False) -> float:
+    """Median seconds of `repeats` calls of fn (after one untimed call with warmup)."""
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -78,8 +81,8 @@ def bench_pair(label: str, base: dict[str, torch.Tensor], fine: dict[str, torch.
     cores = os.cpu_count() or 1
     speed = {}
     for workers in sorted({1, cores}):
-        c = _median_time(lambda: compress(base, fine, path, workers=workers), repeats)
-        d = _median_time(lambda: FmdFile(path).decode_all(base, workers=workers), repeats)
+        c = median_time(lambda: compress(base, fine, path, workers=workers), repeats)
+        d = median_time(lambda: FmdFile(path).decode_all(base, workers=workers), repeats)
         speed[f"compress_mb_s_{workers}c"] = n / c / 1e6
         speed[f"decompress_mb_s_{workers}c"] = n / d / 1e6
     return {"fine_tune": label, "raw_mb": n / 1e6, "fmdelta": stats.file_bytes / n,

@@ -27,12 +27,9 @@ destination and swapped in only when whole; a reader checks every file before it
 """
 
 import json
-import os
 import re
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -46,7 +43,7 @@ from serve.errors import ArtifactError, VariantIncompatible, first_error
 from serve.store.manifest import Name, Sha256, StrictModel
 from serve.store.store import architecture_of, classifier_labels, file_sha256, is_tokenizer_file, read_model_config
 from serve.store.tensors import SafetensorsSource, fingerprint, save_tensors
-from serve.store.writer import atomic_write, fsync_dir
+from serve.store.writer import atomic_dir, atomic_write
 
 BUNDLE_JSON = "bundle.json"
 TAU_FILE = "tau.safetensors"
@@ -218,7 +215,7 @@ def merge(base_dir: str | Path, tasks: Mapping[str, str | Path], out: str | Path
     for k, t in enumerate(tasks):
         task_entries.append(BundleTask(name=t, rescaler=lambdas[k], mask_bits=bits[k], labels=classifier_labels(
             configs[t]), architecture=architecture_of(configs[t], Path(tasks[t]))))
-    with _staged_dir(Path(out)) as staged:
+    with atomic_dir(out, replace=True) as staged:
         save_tensors(staged / TAU_FILE, tau_out)
         save_tensors(staged / MASKS_FILE, mask_out)
         save_tensors(staged / HEADS_FILE, {f"{t}/{h}": sources[t][h] for t in tasks for h in heads[t]})
@@ -236,30 +233,6 @@ def merge(base_dir: str | Path, tasks: Mapping[str, str | Path], out: str | Path
 
 def _last(t: torch.Tensor) -> int:
     return t.shape[-1] if t.dim() else 1
-
-
-@contextmanager
-def _staged_dir(out: Path) -> Iterator[Path]:
-    """A directory beside `out` to write into; on clean exit it replaces `out` (an old bundle is moved aside
-    first and removed after), on error it is removed and `out` is untouched."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".new", dir=out.parent))
-    try:
-        yield staged
-        for p in staged.rglob("*"):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / "bundle")
-        os.replace(staged, out)
-        fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
 
 
 # ---- read
