@@ -1,5 +1,6 @@
 """EngineReplica: one Engine serving one base and its variants, as a Ray Serve deployment."""
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -13,6 +14,9 @@ from serve.engine.types import SamplingParams
 from serve.errors import ManyfoldError
 
 log = logging.getLogger("ray.serve")
+
+BOARD_FORGET_TIMEOUT_S = 2.0
+"""How long a stopping replica waits to tell the residency board it is gone."""
 
 MAX_MULTIPLEXED_IDS = 64
 """Variant ids a replica reports to Ray's router as held (affinity only: memory is the cache's budget)."""
@@ -102,7 +106,7 @@ class EngineReplica:
     async def __del__(self):
         """Serve calls this when the replica stops: finish what is queued, then release the compute thread."""
         await self.engine.drain(timeout_s=25.0)
-        try:
-            await self.board.forget.remote(self.replica_id)
+        try:  # bounded: a board already deleted with the app never answers, and Serve would force-kill us
+            await asyncio.wait_for(self.board.forget.remote(self.replica_id), BOARD_FORGET_TIMEOUT_S)
         except Exception:  # noqa: BLE001  (the board may be stopping too)
             pass
