@@ -9,10 +9,11 @@ from kernels._backend import dispatch
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
+from kernels.neuzip_decode import neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
 from kernels.segments import NO_SLOT, Segments, make_segments
 
 __all__ = ["NO_SLOT", "Segments", "emr_delta", "lora_expand", "lora_shrink", "make_segments", "masked",
-           "pack_bits", "unpack_bits"]
+           "neuzip_decode", "pack_bits", "unpack_bits"]
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -29,3 +30,13 @@ def emr_delta(x: torch.Tensor, tau: torch.Tensor, masks: torch.Tensor, scale: to
               y: torch.Tensor) -> torch.Tensor:
     """y[t] += scale[s] * x[t] @ (unpack(masks[s]) * tau).T for s = slot[t] >= 0, in place; masks stay packed."""
     return dispatch(emr_delta_torch, emr_delta_triton, x)(x, tau, masks, scale, seg, y)
+
+
+def neuzip_decode(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor, bits: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """out (a bf16 tensor's bits, int16) from a NeuZip stream, in place; -> status [lanes], 0 where clean.
+    CPU tensors decode with numba (the torch twin steps lanes from Python: the specification, not a server's
+    path); CUDA tensors with the Triton kernel."""
+    if not out.is_cuda:
+        return neuzip_decode_numba(words, offsets, table, sm, bits, out)
+    return dispatch(neuzip_decode_torch, neuzip_decode_triton, out)(words, offsets, table, sm, bits, out)

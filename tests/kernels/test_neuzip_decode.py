@@ -1,0 +1,72 @@
+import numpy as np
+import pytest
+import torch
+
+from kernels.neuzip_decode import neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
+from serve.codecs import neuzip
+
+# name: (elements, lane): one lane, a ragged last step, lanes of one symbol, many lanes.
+SHAPES = {"one-lane": (700, 2048), "ragged": (1001, 64), "one-symbol-lanes": (37, 1), "many-lanes": (5000, 16)}
+
+
+def weights(n: int, gen: torch.Generator) -> np.ndarray:
+    w = (torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16)
+    return w.view(torch.int16).numpy().view(np.uint16)
+
+
+def streams(n, lane, bits, gen, device="cpu"):
+    enc = neuzip.encode(weights(n, gen), bits, lane=lane)
+    return enc, [t.to(device) for t in neuzip.as_tensors(enc)]
+
+
+@pytest.mark.parametrize("bits", neuzip.BITS)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_numba_and_torch_twin_decode_what_was_encoded(shape, bits, gen):
+    bits16 = weights(shape[0], gen)
+    enc = neuzip.encode(bits16, bits, lane=shape[1])
+    want = neuzip.rounded(bits16, bits)
+    for form in (neuzip_decode_torch, neuzip_decode_numba):
+        out = torch.empty(enc.n, dtype=torch.int16)
+        status = form(*neuzip.as_tensors(enc), bits, out)
+        assert not status.any() and status.numel() == enc.lanes
+        assert np.array_equal(out.numpy().view(np.uint16), want), form.__name__
+
+
+@pytest.mark.parametrize("bits", neuzip.BITS)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_triton_matches_torch_twin(shape, bits, triton_device, gen):
+    enc, args = streams(*shape, bits, gen, triton_device)
+    got, want = (torch.empty(enc.n, dtype=torch.int16, device=triton_device) for _ in range(2))
+    assert not neuzip_decode_triton(*args, bits, got).any()
+    assert not neuzip_decode_torch(*args, bits, want).any()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("form", [neuzip_decode_torch, neuzip_decode_numba, neuzip_decode_triton],
+                         ids=["torch", "numba", "triton"])
+def test_every_form_flags_the_lanes_of_a_damaged_stream(form, gen):
+    """A flipped word, a cut stream and a shifted lane boundary all show in the status; nothing reads out of
+    bounds."""
+    enc, (words, offsets, table, sm) = streams(*SHAPES["many-lanes"], 7, gen)
+    lane = 5
+    flipped = words.clone()
+    flipped[int(offsets[lane]) + 3] ^= 0x5A5A
+    cut = offsets.clone()
+    cut[-1] -= 1
+    shifted = offsets.clone()
+    shifted[lane + 1] += 1
+    for w, o, bad_lane in ((flipped, offsets, lane), (words[:-1].clone(), cut, enc.lanes - 1), (words, shifted, lane)):
+        out = torch.empty(enc.n, dtype=torch.int16)
+        status = form(w, o, table, sm, 7, out)
+        assert status[bad_lane] == 1
+
+
+def test_forms_refuse_arguments_of_the_wrong_kind(gen):
+    enc, (words, offsets, table, sm) = streams(100, 16, 3, gen)
+    out = torch.empty(enc.n, dtype=torch.int16)
+    with pytest.raises(ValueError, match="bits must be"):
+        neuzip_decode_torch(words, offsets, table, sm, 2, out)
+    with pytest.raises(TypeError, match="int16"):
+        neuzip_decode_numba(words, offsets, table, sm, 3, out.float())
+    with pytest.raises(ValueError, match="sm has"):
+        neuzip_decode_numba(words, offsets, table, sm[:10], 3, out)
