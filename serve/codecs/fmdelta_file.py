@@ -1,24 +1,12 @@
 """The .fmd container: a fine-tune as FM-Delta streams against its base, read strictly before decoding.
 
-Layout (little-endian):
-  0   8 bytes   magic b"MFDELTA\\0"
-  8   u32       format version (1)
-  12  u32       reserved (0)
-  16  u64       header length H
-  24  32 bytes  sha256 of the header
-  56  H bytes   header, UTF-8 JSON (FmdHeader)
-  ..  zero padding to a multiple of 64
-  P   payload: per tensor, for each chunk its rANS words then its raw-bit words (uint32)
-Offsets in the header are relative to P. Every tensor records the digest (XXH3-128) of its payload (checked
-before decoding), of the base tensor it was coded against (a wrong base fails clearly) and of its own bytes
-(checked after decoding: lossless means bit-identical).
+Framing as serve/codecs/container.py gives it (magic b"MFDELTA\\0", version 1, an FmdHeader); the payload holds,
+per tensor, for each chunk its rANS words then its raw-bit words (uint32). Every tensor records the digest
+(XXH3-128) of its payload (checked before decoding), of the base tensor it was coded against (a wrong base fails
+clearly) and of its own bytes (checked after decoding: lossless means bit-identical).
 """
 
-import hashlib
-import json
-import mmap
 import os
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,22 +15,18 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import xxhash
-from pydantic import Field, StringConstraints, ValidationError, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
-from serve.codecs import entropy
+from serve.codecs import container, entropy
 from serve.codecs.fmdelta import (CHUNK_ELEMS, Chunk, Mapper, alphabet_size, decode_delta, encode_delta,
                                   map_tensors, pool_map)
-from serve.errors import ArtifactError, VariantIncompatible, first_error
+from serve.errors import ArtifactError, VariantIncompatible
 from serve.store.manifest import Sha256, StrictModel
 from serve.store.tensors import (DIGEST, DTYPES, FLOAT_BITS, Alloc, as_bytes, digest_hex, dtype_name,
                                  fingerprint, save_tensors)
-from serve.store.writer import atomic_write
 
 MAGIC = b"MFDELTA\0"
 VERSION = 1
-_PREFIX = struct.Struct("<8sIIQ32s")
-_ALIGN = 64
-MAX_HEADER_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 1 << 40
 
 NonNeg = Annotated[int, Field(ge=0)]
@@ -190,10 +174,7 @@ def compress(base: Mapping[str, torch.Tensor], fine: Mapping[str, torch.Tensor],
         offset += length
     header = FmdHeader(base_fingerprint=fingerprint(base, base_digests), metadata=dict(metadata or {}),
                        tensors=[TensorRecord(**r) for r in records])
-    header_bytes = header.model_dump_json(exclude_none=True).encode()
-    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header_bytes), hashlib.sha256(header_bytes).digest())
-    pad = b"\0" * (-(len(prefix) + len(header_bytes)) % _ALIGN)
-    file_bytes = atomic_write(out, [prefix, header_bytes, pad, *parts])
+    file_bytes = container.write(out, MAGIC, VERSION, header, parts)
     codecs: dict[str, int] = {}
     for r in records:
         codecs[r["codec"]] = codecs.get(r["codec"], 0) + 1
@@ -206,41 +187,11 @@ class FmdFile:
     """A strictly validated .fmd file, memory-mapped; tensors decode one at a time against a base."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        except OSError as e:
-            raise ArtifactError(f"{self.path}: cannot open ({e.strerror})") from e
-        self.header = self._read_header(size)
+        mapped = container.Mapped(path, MAGIC, VERSION, FmdHeader, "an FM-Delta file")
+        self.path, self._map, self.header = mapped.path, mapped.map, mapped.header
+        self._fail, self._payload_start = mapped.fail, mapped.payload_start
+        self._check_layout(self.header, mapped.payload_size)
         self.records = {r.name: r for r in self.header.tensors}
-
-    def _fail(self, what: str) -> ArtifactError:
-        return ArtifactError(f"{self.path}: {what}")
-
-    def _read_header(self, size: int) -> FmdHeader:
-        if size < _PREFIX.size:
-            raise self._fail(f"truncated: {size} bytes, not an FM-Delta file")
-        magic, version, _, header_len, header_sha = _PREFIX.unpack_from(self._map, 0)
-        if magic != MAGIC:
-            raise self._fail("not an FM-Delta file (bad magic)")
-        if version != VERSION:
-            raise self._fail(f"format version {version}; this Manyfold reads version {VERSION}")
-        if header_len > min(MAX_HEADER_BYTES, size - _PREFIX.size):
-            raise self._fail(f"truncated: header of {header_len} bytes does not fit in {size} bytes")
-        raw = self._map[_PREFIX.size:_PREFIX.size + header_len]
-        if hashlib.sha256(raw).digest() != header_sha:
-            raise self._fail("header checksum mismatch (file is corrupt)")
-        try:
-            header = FmdHeader.model_validate(json.loads(raw))
-        except ValidationError as e:
-            raise self._fail(f"malformed header ({first_error(e)})") from e
-        except ValueError as e:
-            raise self._fail(f"malformed header ({str(e).splitlines()[0]})") from e
-        self._payload_start = _PREFIX.size + header_len + (-(_PREFIX.size + header_len) % _ALIGN)
-        self._check_layout(header, size - self._payload_start)
-        return header
 
     def _check_layout(self, header: FmdHeader, payload_size: int) -> None:
         seen: set[str] = set()

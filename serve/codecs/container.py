@@ -1,0 +1,78 @@
+"""The framing Manyfold's coded files share (.fmd, .nzp): a fixed prefix, a checksummed JSON header, a payload.
+
+Layout (little-endian):
+  0   8 bytes   magic
+  8   u32       format version
+  12  u32       reserved (0)
+  16  u64       header length H
+  24  32 bytes  sha256 of the header
+  56  H bytes   header, UTF-8 JSON (a strict pydantic model)
+  ..  zero padding to a multiple of 64
+  P   payload; offsets in the header are relative to P
+The reader maps the file, checks the prefix and the header's checksum, then validates the header before anything
+else is read.
+"""
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from serve.errors import ArtifactError, first_error
+from serve.store.writer import atomic_write
+
+PREFIX = struct.Struct("<8sIIQ32s")
+ALIGN = 64
+MAX_HEADER_BYTES = 64 << 20
+
+H = TypeVar("H", bound=BaseModel)
+
+
+def write(out: str | Path, magic: bytes, version: int, header: BaseModel, payload: Iterable[bytes | memoryview]) -> int:
+    """Write the file atomically; returns its size."""
+    header_bytes = header.model_dump_json(exclude_none=True).encode()
+    prefix = PREFIX.pack(magic, version, 0, len(header_bytes), hashlib.sha256(header_bytes).digest())
+    pad = b"\0" * (-(len(prefix) + len(header_bytes)) % ALIGN)
+    return atomic_write(out, [prefix, header_bytes, pad, *payload])
+
+
+class Mapped:
+    """A container file, memory-mapped, its header validated as `header_cls`; `what` names the format in errors."""
+
+    def __init__(self, path: str | Path, magic: bytes, version: int, header_cls: type[H], what: str):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except OSError as e:
+            raise ArtifactError(f"{self.path}: cannot open ({e.strerror})") from e
+        if size < PREFIX.size:
+            raise self.fail(f"truncated: {size} bytes, not {what}")
+        got_magic, got_version, _, header_len, header_sha = PREFIX.unpack_from(self.map, 0)
+        if got_magic != magic:
+            raise self.fail(f"not {what} (bad magic)")
+        if got_version != version:
+            raise self.fail(f"format version {got_version}; this Manyfold reads version {version}")
+        if header_len > min(MAX_HEADER_BYTES, size - PREFIX.size):
+            raise self.fail(f"truncated: header of {header_len} bytes does not fit in {size} bytes")
+        raw = self.map[PREFIX.size:PREFIX.size + header_len]
+        if hashlib.sha256(raw).digest() != header_sha:
+            raise self.fail("header checksum mismatch (file is corrupt)")
+        try:
+            self.header = header_cls.model_validate(json.loads(raw))
+        except ValidationError as e:
+            raise self.fail(f"malformed header ({first_error(e)})") from e
+        except ValueError as e:
+            raise self.fail(f"malformed header ({str(e).splitlines()[0]})") from e
+        self.payload_start = PREFIX.size + header_len + (-(PREFIX.size + header_len) % ALIGN)
+        self.payload_size = size - self.payload_start
+
+    def fail(self, what: str) -> ArtifactError:
+        return ArtifactError(f"{self.path}: {what}")
