@@ -79,10 +79,20 @@ def cmd_store_list(args: argparse.Namespace) -> None:
 
 def cmd_store_add(args: argparse.Namespace) -> None:
     store = _store(args, create=True)
+    if args.kind == "base" and args.neuzip_bits is not None:
+        from serve.codecs.neuzip_file import add_base
+
+        with _progress("neuzip") as tick:
+            entry, stats, cast = add_base(store, args.name, args.model, args.neuzip_bits, progress=tick)
+        print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params) in NeuZip form: "
+              f"{_neuzip_summary(stats, cast)}")
+        return
     if args.kind == "base":
         entry = store.add_base(args.name, args.model)
         print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params)")
         return
+    if args.neuzip_bits is not None:
+        raise ConfigError("--neuzip-bits is for --kind base")
     from serve.config import SlotsConfig
     from serve.variants import variant_kind
 
@@ -171,6 +181,29 @@ def cmd_emr_extract(args: argparse.Namespace) -> None:
     from serve.codecs.emr import extract
 
     print(extract(Path(args.bundle), args.task, Path(args.out), base_dir=Path(args.base) if args.base else None))
+
+
+def _neuzip_summary(stats, cast: bool) -> str:
+    what = "lossless" if stats.bits == 7 else f"{stats.bits} mantissa bits kept"
+    return (f"{stats.codecs['neuzip']} weights coded ({what}): {_human(stats.coded_raw_bytes)} of bf16 -> "
+            f"{_human(stats.coded_raw_bytes * stats.coded_ratio)} ({stats.coded_ratio:.1%}); "
+            f"{stats.codecs['raw']} tensors kept raw (embeddings, norms, biases)"
+            + ("; float32 weights were cast to bfloat16 first" if cast else ""))
+
+
+def cmd_neuzip_compress(args: argparse.Namespace) -> None:
+    from serve.codecs.neuzip_file import compress_dir
+
+    with _progress("neuzip") as tick:
+        stats, cast = compress_dir(args.model, args.bits, args.out, progress=tick)
+    print(f"{args.out}: {_neuzip_summary(stats, cast)}")
+
+
+def cmd_neuzip_decompress(args: argparse.Namespace) -> None:
+    from serve.codecs.neuzip_file import decompress_dir
+
+    n = decompress_dir(getattr(args, "in"), args.out)
+    print(f"{args.out}: {n} tensors, bf16 as decoded (checksums verified)")
 
 
 def cmd_bench_emr(args: argparse.Namespace) -> None:
@@ -291,6 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="the .safetensors file to write")
     d.add_argument("--workers", type=int, default=None)
 
+    nz = sub.add_parser("neuzip", help="NeuZip model directories").add_subparsers(dest="action", required=True)
+    c = add(nz, "compress", cmd_neuzip_compress, "a HF model directory -> NeuZip form (float32 cast to bf16)")
+    c.add_argument("--model", required=True, help="a HF model directory")
+    c.add_argument("--bits", type=int, choices=[0, 1, 3, 7], default=7, help="mantissa bits kept (7: lossless)")
+    c.add_argument("--out", required=True, help="a new directory")
+    d = add(nz, "decompress", cmd_neuzip_decompress, "NeuZip form -> a HF model directory of bf16 weights")
+    d.add_argument("--in", required=True, help="a directory written by neuzip compress")
+    d.add_argument("--out", required=True, help="a new directory")
+
     st = sub.add_parser("store", help="the variant store").add_subparsers(dest="action", required=True)
     default_store = os.environ.get("MANYFOLD_STORE")
     for name, fn, help in [("list", cmd_store_list, "list bases and variants with their sizes"),
@@ -308,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    help="a HF model directory (base, full), a PEFT adapter directory (lora, pissa) "
                                         "or an EMR bundle (emr: adding a group again replaces it whole)")
     st.choices["add"].add_argument("--base", help="for a variant: the store base it was fine-tuned from")
+    st.choices["add"].add_argument("--neuzip-bits", type=int, choices=[0, 1, 3, 7], default=None,
+                                   help="for a base: serve it in NeuZip form keeping this many mantissa bits "
+                                        "(7: lossless)")
     st.choices["add"].add_argument("--max-rank", type=int, default=64,
                                    help="adapters: the largest rank the server's slots take (slots.max_rank)")
     st.choices["remove"].add_argument("name")

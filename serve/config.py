@@ -88,6 +88,10 @@ class TenantConfig(StrictModel):
     """Bases and variants this tenant may call; "*" is all."""
 
 
+NEUZIP_DECODED_MIB = 0
+"""Default decoded-layer budget of a NeuZip base (see `manyfold bench neuzip` for the trade)."""
+
+
 class ServeConfig(StrictModel):
     store: Path
     host: str = "127.0.0.1"
@@ -107,6 +111,8 @@ class ServeConfig(StrictModel):
     ingress_max_ongoing_requests: Annotated[int, Field(ge=1)] = 4096
     """Requests one ingress replica holds at once, for every base together. It only awaits the model replicas,
     so it should hold what they take and queue; Ray Serve's default of 5 would cap every batch at five rows."""
+    neuzip_decoded_mib: Annotated[int, Field(ge=0)] = NEUZIP_DECODED_MIB
+    """A NeuZip base's decoded-layer budget: weights kept decoded for good (the rest decode on every use)."""
     cache: CacheConfig = CacheConfig()
     batch: BatchConfig = BatchConfig()
     slots: SlotsConfig = SlotsConfig()

@@ -90,3 +90,33 @@ def test_console_script_exit_codes(tmp_path):
     assert proc.stderr.strip() == f"manyfold: error: {tmp_path}: not a Manyfold store (no manifest.json)"
     proc = subprocess.run([sys.executable, "-m", "serve.cli", "fmdelta", "compress"], capture_output=True, text=True)
     assert proc.returncode == 2 and "required" in proc.stderr
+
+
+def test_neuzip_compress_decompress_and_store_add(files, capsys):
+    """An fp32 model directory: compress says it cast to bf16; decompress gives the bf16 weights exactly; a
+    store base in NeuZip form keeps its bf16 weights beside the coded ones and verifies."""
+    import torch
+
+    d, _ = files
+    weights = dict(SafetensorsSource(d / "base.safetensors"))
+    model_dir(d / "basedir", weights)
+    code, out, _ = run(capsys, "neuzip", "compress", "--model", str(d / "basedir"), "--bits", "7",
+                       "--out", str(d / "nz"))
+    assert code == 0 and "cast to bfloat16" in out and "4 weights coded (lossless)" in out
+    assert (d / "nz" / "neuzip.nzp").is_file() and not (d / "nz" / "model.safetensors").exists()
+    code, out, _ = run(capsys, "neuzip", "decompress", "--in", str(d / "nz"), "--out", str(d / "back"))
+    assert code == 0
+    back = SafetensorsSource(d / "back")
+    assert all(same_bits(back[k], weights[k].to(torch.bfloat16)) for k in weights)
+    code, _, err = run(capsys, "neuzip", "decompress", "--in", str(d / "nz"), "--out", str(d / "back"))
+    assert code == 1 and "already exists" in err and err.count("\n") == 1
+
+    store = str(d / "store")
+    code, out, _ = run(capsys, "store", "add", "--store", store, "--kind", "base", "--name", "tiny",
+                       "--model", str(d / "basedir"), "--neuzip-bits", "3")
+    assert code == 0 and "3 mantissa bits kept" in out
+    code, out, _ = run(capsys, "store", "verify", "--store", store)
+    assert code == 0 and "tiny: ok" in out
+    code, _, err = run(capsys, "store", "add", "--store", store, "--kind", "full", "--name", "ft", "--base", "tiny",
+                       "--model", str(d / "ft"), "--neuzip-bits", "3")
+    assert code == 2 and "--neuzip-bits is for --kind base" in err

@@ -11,11 +11,13 @@ tables stay raw (a forward reads a few rows; a tied LM head reads the table that
 vectors (norms, biases: small) and anything holding Inf or NaN.
 """
 
+import json
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import numpy as np
 import torch
@@ -27,8 +29,17 @@ from serve.codecs.entropy import order0_bits
 from serve.codecs.fmdelta import pool_map
 from serve.errors import ArtifactError
 from serve.store.manifest import StrictModel
-from serve.store.tensors import DTYPES, as_bytes, digest_hex, dtype_name, save_tensors
+from serve.store.store import NOT_COPIED
+from serve.store.tensors import (DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsSource, as_bytes, digest_hex, dtype_name,
+                                 save_tensors, weight_files)
+from serve.store.writer import atomic_dir, atomic_write
 
+if TYPE_CHECKING:
+    from serve.store.manifest import BaseEntry
+    from serve.store.store import Store
+
+NEUZIP_FILE = "neuzip.nzp"
+"""A NeuZip model directory's coded weights (in a store, beside the lossless safetensors)."""
 MAGIC = b"MFNEUZIP"
 VERSION = 1
 MAX_TENSOR_BYTES = 1 << 40
@@ -167,6 +178,10 @@ class Stream:
     sm: torch.Tensor
 
     @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.words, self.offsets, self.sm))
 
@@ -288,3 +303,71 @@ def decompress(nzp: str | Path, out: str | Path) -> int:
     tensors = {name: f.tensor(name) for name in f.records}
     save_tensors(out, tensors, metadata=f.header.metadata or None)
     return len(tensors)
+
+
+# ---- model directories
+
+
+def cast_to_bf16(model_dir: Path) -> bool:
+    """Rewrite a HF model directory's float32 weights as bfloat16, in place, as one model.safetensors (NeuZip
+    codes bf16); True if anything was cast. config.json then says bfloat16, so transformers loads it so."""
+    weights = SafetensorsSource(model_dir)
+    if not any(weights[n].dtype == torch.float32 for n in weights):
+        return False
+    tensors = {n: weights[n].to(torch.bfloat16) if weights[n].dtype == torch.float32 else weights[n] for n in weights}
+    files = weight_files(model_dir)
+    save_tensors(model_dir / SINGLE_FILE, tensors, metadata={"format": "pt"})
+    for f in files:
+        if f.name != SINGLE_FILE:
+            f.unlink()
+    (model_dir / INDEX_FILE).unlink(missing_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    config.pop("torch_dtype", None)
+    atomic_write(model_dir / "config.json", [json.dumps(config, indent=2).encode()])
+    return True
+
+
+def encode_dir(model_dir: Path, bits: int, progress: Callable[[str], None] | None = None,
+               keep_weights: bool = False) -> tuple[NzpStats, bool]:
+    """Add NEUZIP_FILE to a HF model directory, in place, float32 weights cast to bf16 first; without keep_weights
+    its safetensors then go (a store keeps them: the lossless reference its variants are coded against).
+    -> (stats, whether float32 was cast)."""
+    cast = cast_to_bf16(model_dir)
+    weights = SafetensorsSource(model_dir)
+    stats = compress({n: weights[n] for n in weights}, bits, model_dir / NEUZIP_FILE, progress=progress)
+    if not keep_weights:
+        for f in weight_files(model_dir):
+            f.unlink()
+        (model_dir / INDEX_FILE).unlink(missing_ok=True)
+    return stats, cast
+
+
+def compress_dir(model_dir: str | Path, bits: int, out_dir: str | Path,
+                 progress: Callable[[str], None] | None = None) -> tuple[NzpStats, bool]:
+    """A HF model directory -> out_dir (atomically) with its config, tokenizer and NEUZIP_FILE."""
+    with atomic_dir(out_dir) as staged:
+        shutil.copytree(model_dir, staged, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*NOT_COPIED))
+        return encode_dir(staged, bits, progress)
+
+
+def decompress_dir(in_dir: str | Path, out_dir: str | Path) -> int:
+    """A NeuZip model directory -> a HF model directory with the decoded bf16 weights; returns the tensor count."""
+    in_dir, out_dir = Path(in_dir), Path(out_dir)
+    nzp = in_dir / NEUZIP_FILE
+    if not nzp.is_file():
+        raise ArtifactError(f"{in_dir}: no {NEUZIP_FILE} in this directory")
+    with atomic_dir(out_dir) as staged:
+        shutil.copytree(in_dir, staged, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*NOT_COPIED, NEUZIP_FILE))
+        return decompress(nzp, staged / SINGLE_FILE)
+
+
+def add_base(store: "Store", name: str, model_dir: str | Path, bits: int,
+             progress: Callable[[str], None] | None = None) -> tuple["BaseEntry", NzpStats, bool]:
+    """Store a base to be served in NeuZip form: its weights as bf16 safetensors (the lossless reference its
+    variants are coded against and a lossy base's full variants decode from) and NEUZIP_FILE beside them.
+    -> (entry, stats, whether float32 was cast)."""
+    done: list[tuple[NzpStats, bool]] = []
+    entry = store.add_base(name, model_dir, derive=lambda staged: done.append(
+        encode_dir(staged, neuzip.check_bits(bits), progress, keep_weights=True)), neuzip_bits=bits)
+    return entry, *done[0]

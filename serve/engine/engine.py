@@ -101,7 +101,8 @@ class Engine:
     # ---- bases and variants
     def _load_base(self, name: str) -> None:
         self.store.verify(self.store.base(name))  # every file against its manifest sha256
-        self.bases[name] = BaseModelRuntime(name, self.store.base_dir(name), self.config.device, self.config.slots)
+        self.bases[name] = BaseModelRuntime(name, self.store.base_dir(name), self.config.device, self.config.slots,
+                                            self.config.neuzip_decoded_mib << 20)
         self.cache.buffers.reserve(self._reserve_layout(name))
         self.cache.buffers.refill()
 

@@ -15,15 +15,20 @@ import torch
 from serve.config import SlotsConfig
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.layers import SlotLayers, leaf_modules
+from serve.engine.neuzip import CodedWeights
+from serve.engine.neuzip import load_model as load_neuzip
 from serve.engine.slots import FAMILIES, Slots, family_class
 from serve.engine.types import SamplingParams
 from serve.errors import BadRequest
+from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile
 from serve.store.tensors import SafetensorsSource, tensor_digest
 from serve.variants.base import BaseView, LoadedVariant
 
 
 class BaseModelRuntime:
-    def __init__(self, name: str, model_dir: str | Path, device: str = "cpu", slots: SlotsConfig = SlotsConfig()):
+    def __init__(self, name: str, model_dir: str | Path, device: str = "cpu", slots: SlotsConfig = SlotsConfig(),
+                 decoded_bytes: int = 0):
+        """decoded_bytes: a NeuZip base's decoded-layer budget (serve/engine/neuzip.py)."""
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
         self.name = name
@@ -31,10 +36,22 @@ class BaseModelRuntime:
         config = AutoConfig.from_pretrained(model_dir)
         self.causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
         cls = AutoModelForCausalLM if self.causal else AutoModel
-        self.model = cls.from_pretrained(model_dir, dtype="auto").eval()  # as stored: deltas match
-        host = {n: t.detach() for n, t in self.model.state_dict().items()}
-        digests = {n: tensor_digest(t) for n, t in host.items()}  # on the host, before the move
-        self.model.to(self.device)
+        nzp_path = Path(model_dir) / NEUZIP_FILE
+        streams = {}
+        if nzp_path.exists():  # coded weights stay coded; decoders read the stored lossless base
+            nzp = NzpFile(nzp_path)
+            self.model, streams = load_neuzip(cls, model_dir, nzp, self.device)
+            digests = {n: r.source_digest for n, r in nzp.records.items()}
+            host = SafetensorsSource(model_dir)
+        else:
+            self.model = cls.from_pretrained(model_dir, dtype="auto").eval()  # as stored: deltas match
+            host = {n: t.detach() for n, t in self.model.state_dict().items()}
+            digests = {}
+        for n, t in self.model.state_dict().items():
+            if n not in digests and not t.is_meta:
+                digests[n] = tensor_digest(t.cpu())  # on the host, before the move
+        if not streams:
+            self.model.to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.causal and self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -48,12 +65,16 @@ class BaseModelRuntime:
         self.families: dict[str, Slots] = {f: cls(self.view, self.device, slots) for f, cls in FAMILIES.items()
                                            if f != "emr"}
         self.layers = SlotLayers(self.view.modules, self.families)
+        # After the correction hooks: a coded weight goes back to its placeholder once they have run.
+        self.coded = CodedWeights(self.model, streams, decoded_bytes) if streams else None
         eos = self.model.generation_config.eos_token_id if self.causal else None
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Resident weight bytes: parameters held as tensors, plus a NeuZip base's streams and decoded buffer."""
+        params = [p for p in self.model.parameters() if not p.is_meta]  # parameters() yields a tied one once
+        return sum(p.numel() * p.element_size() for p in params) + (self.coded.nbytes if self.coded else 0)
 
     # ---- slots
     def slots(self, family: str) -> Slots:

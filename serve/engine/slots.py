@@ -140,12 +140,16 @@ class TableSlots(Slots):
 
 
 def tensor_owners(base: BaseView) -> dict[str, list[tuple[str, str]]]:
-    """Canonical tensor name -> every (module, parameter) that holds it (tied weights have several)."""
+    """Canonical tensor name -> every (module, parameter) that holds it (tied weights have several). Grouped by
+    parameter object, not by storage: a NeuZip base's coded weights are meta placeholders with no storage."""
     owners: dict[int, list[tuple[str, str]]] = {}
+    names: dict[int, list[str]] = {}
     for mname, module in base.modules.items():
         for local, p in module.named_parameters(recurse=False):
-            owners.setdefault(p.data_ptr(), []).append((mname, local))
-    return {n: owners.get(t.data_ptr(), []) for n, t in base.tensors.items()}
+            owners.setdefault(id(p), []).append((mname, local))
+            names.setdefault(id(p), []).append(f"{mname}.{local}")
+    by_name = {n: owners[key] for key, ns in names.items() for n in ns}
+    return {n: by_name.get(n, []) for n in base.tensors}
 
 
 class WeightSlots(TableSlots):

@@ -42,6 +42,8 @@ class BaseEntry(StrictModel):
     fingerprint: Sha256
     """serve.store.tensors.fingerprint of its weights: what FM-Delta files are checked against."""
     files: list[FileEntry]
+    neuzip_bits: Literal[0, 1, 3, 7] | None = None
+    """Served in NeuZip form with this many mantissa bits (its weights stay stored lossless beside it)."""
 
 
 class _OneModel(StrictModel):

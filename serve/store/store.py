@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from serve.errors import ArtifactError, BadRequest, VariantNotFound
@@ -194,19 +194,24 @@ class Store:
                 shutil.rmtree(self.root / section / old.directory, ignore_errors=True)
         return entry
 
-    def add_base(self, name: str, model_dir: str | Path) -> BaseEntry:
-        """Copy a HF model directory (safetensors weights, config, tokenizer) into the store as a base."""
+    def add_base(self, name: str, model_dir: str | Path, derive: Callable[[Path], None] | None = None,
+                 neuzip_bits: int | None = None) -> BaseEntry:
+        """Copy a HF model directory (safetensors weights, config, tokenizer) into the store as a base.
+        derive(staged) may rewrite the copy and add files before it is committed (a NeuZip form:
+        serve/codecs/neuzip_file.py add_base); the entry describes the weights as staged."""
         from serve.store.tensors import SafetensorsSource, fingerprint
 
         model_dir = Path(model_dir)
-        config = read_model_config(model_dir)
-        weights = SafetensorsSource(model_dir)
+        read_model_config(model_dir)
         with self.stage() as staged:
             shutil.copytree(model_dir, staged, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns(".*", "*.gguf", "*.bin", "*.pt", "*.pth"))
-            entry = BaseEntry(name=name, architecture=architecture_of(config, model_dir),
+                            ignore=shutil.ignore_patterns(*NOT_COPIED))
+            if derive is not None:
+                derive(staged)
+            weights = SafetensorsSource(staged)
+            entry = BaseEntry(name=name, architecture=architecture_of(read_model_config(staged), model_dir),
                               params=sum(t.numel() for t in weights.values()),
-                              fingerprint=fingerprint(weights), files=[])
+                              fingerprint=fingerprint(weights), files=[], neuzip_bits=neuzip_bits)
             return self.commit(staged, entry)
 
     def remove(self, name: str) -> None:
@@ -228,6 +233,10 @@ class Store:
             self.manifest = m.model_copy(update=update)
             write_manifest(self.root, self.manifest)
             shutil.rmtree(self.root / section / directory, ignore_errors=True)
+
+
+NOT_COPIED = (".*", "*.gguf", "*.bin", "*.pt", "*.pth")
+"""Files of a model directory never copied into a store: hidden ones and pickled or GGUF weights."""
 
 
 def read_model_config(model_dir: Path) -> dict:

@@ -1,0 +1,124 @@
+"""A base held in NeuZip form: its Linear weights stay coded in memory and are decoded right before use.
+
+The model is built without weights (accelerate's init_empty_weights); raw tensors (embeddings, norms, biases:
+serve/codecs/neuzip_file.py says which) are loaded as they are, and every coded weight stays a meta
+placeholder of the right shape and dtype, so the variant seam (serve/engine/layers.py, slots.py) sees the
+module it always sees. Two hooks per coded module:
+- before its forward: decode the weight into one buffer shared by all modules and put it in place of the
+  placeholder (only if the placeholder is there: a full variant's rows run the module through
+  functional_call with their own tensor, which must not be overwritten);
+- after its forward (last of its hooks, so the variant corrections have run; also when the forward raised):
+  put the placeholder back.
+Resident weights are then the coded streams, the raw tensors and one decoded weight. A decoded-layer budget
+keeps some weights decoded for good, in model order until the budget is spent: every weight runs once per
+forward, so which ones are kept only changes how much decoding is saved, byte for byte.
+"""
+
+from pathlib import Path
+
+import torch
+
+from serve.codecs.neuzip_file import NzpFile, Stream, decode
+
+
+def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -> tuple[torch.nn.Module,
+                                                                                          dict[str, Stream]]:
+    """(the model with coded weights as meta placeholders and everything else loaded on `device`, the coded
+    weights' streams on `device` by parameter name). Every stream is decoded and checked once here."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config, dtype=torch.bfloat16)
+    if (Path(model_dir) / "generation_config.json").exists():  # as from_pretrained reads it (eos tokens)
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    streams, raw = {}, {}
+    for name, r in nzp.records.items():
+        if name not in params:
+            continue  # a tensor the architecture does not hold (an unused pooler, say)
+        if r.codec == "neuzip":
+            streams[name] = nzp.stream(name).to(device)
+        else:
+            raw[name] = nzp.tensor(name).to(device)
+    model.load_state_dict(raw, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # a tied LM head shares the embedding just loaded
+    missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta and n not in streams]
+    if missing:
+        raise ValueError(f"{nzp.path}: no weights for {', '.join(missing[:3])}")
+    for module in model.modules():
+        for k, b in module._buffers.items():
+            if b is not None:
+                module._buffers[k] = b.to(device)
+    return model.eval(), streams
+
+
+class CodedWeights:
+    """The coded weights of one model and the hooks that decode them (see the module's docstring)."""
+
+    def __init__(self, model: torch.nn.Module, streams: dict[str, Stream], decoded_bytes: int = 0):
+        self.streams = streams
+        self.placeholders: dict[str, torch.nn.Parameter] = {}
+        self.kept: dict[str, torch.Tensor] = {}
+        self._installed: dict[str, list[bool]] = {}
+        modules = dict(model.named_modules())
+        device = next(iter(streams.values())).words.device if streams else torch.device("cpu")
+        size = max((s.numel for s in streams.values()), default=0)
+        self.buffer = torch.empty(size, dtype=torch.bfloat16, device=device)
+        budget = decoded_bytes
+        self._handles = []
+        for name, s in streams.items():
+            mname, local = name.rsplit(".", 1)
+            module = modules[mname]
+            if local != "weight":
+                raise ValueError(f"coded tensor '{name}' is no module's weight")
+            nbytes = 2 * s.numel
+            if nbytes <= budget:  # kept decoded: a plain parameter from now on
+                budget -= nbytes
+                self.kept[name] = decode(s)
+                module._parameters["weight"] = torch.nn.Parameter(self.kept[name], requires_grad=False)
+                continue
+            self.placeholders[mname] = module.weight
+            self._installed[mname] = []
+            self._handles.append(module.register_forward_pre_hook(self._decode_hook(mname, s)))
+            self._handles.append(module.register_forward_hook(self._restore_hook(mname), always_call=True))
+
+    @property
+    def coded_bytes(self) -> int:
+        """The streams of the weights decoded on use."""
+        return sum(s.nbytes for n, s in self.streams.items() if n not in self.kept)
+
+    @property
+    def nbytes(self) -> int:
+        """What the coded weights hold beyond the model's parameters: the streams of the weights decoded on use
+        and the buffer they decode into (weights kept decoded are parameters)."""
+        return self.coded_bytes + self.buffer.numel() * self.buffer.element_size()
+
+    def _decode_hook(self, mname: str, stream: Stream):
+        placeholder = self.placeholders[mname]
+        numel = stream.numel
+
+        def before(module: torch.nn.Module, args: tuple) -> None:
+            install = module._parameters["weight"] is placeholder
+            self._installed[mname].append(install)
+            if install:
+                w = decode(stream, self.buffer[:numel].view(stream.shape), check=False)
+                module._parameters["weight"] = torch.nn.Parameter(w, requires_grad=False)
+
+        return before
+
+    def _restore_hook(self, mname: str):
+        placeholder = self.placeholders[mname]
+
+        def after(module: torch.nn.Module, args: tuple, output) -> None:
+            if self._installed[mname].pop():
+                module._parameters["weight"] = placeholder
+
+        return after
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

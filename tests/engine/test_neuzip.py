@@ -1,0 +1,144 @@
+"""A base served in NeuZip form plugs into the same per-row forward: rows of the base, adapters and full
+variants on a lossless NeuZip base give exactly what they give on the uncompressed bf16 base, and a full
+variant of a lossy base still decodes exactly."""
+
+import asyncio
+
+import pytest
+import torch
+
+from serve.codecs.neuzip_file import NEUZIP_FILE, add_base, cast_to_bf16
+from serve.config import ServeConfig
+from serve.engine.batch import BatchPlan
+from serve.engine.engine import Engine
+from serve.engine.types import SamplingParams
+from serve.errors import ArtifactError
+from serve.store.store import Store
+from serve.variants import variant_kind
+from tests.models import write_lora, write_perturbed, write_tiny_bert, write_tiny_causal
+
+CLASSES = ["neg", "pos", "other"]
+LM_BASES = {"lm": None, "lm-nz": 7, "lm-k3": 3}  # name: NeuZip bits (None: uncompressed)
+ENC_BASES = {"enc": None, "enc-nz": 7}
+LM_MODELS = ["", "-lora", "-top", "-all", "-lora", ""]  # suffixes of each base's models, one row each
+PROMPTS = ["the cat sat on", "a big red dog", "one two three four", "the dog ran to", "hello world good day",
+           "sun moon star sky"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One store: a tiny Llama and a tiny BERT (bf16), each stored plain and in NeuZip form, each form with the
+    same LoRA adapter and full variants. -> (store root, the fine-tunes' directories)."""
+    from serve.variants.full import add_full_variant
+
+    tmp = tmp_path_factory.mktemp("neuzip")
+    lm, enc = write_tiny_causal(tmp / "lm"), write_tiny_bert(tmp / "enc")
+    dirs = {"lm": lm, "enc": enc,
+            "lm-top": write_perturbed(lm, tmp / "lm-top", seed=1, scale=0.5, only="layers.1."),
+            "lm-all": write_perturbed(lm, tmp / "lm-all", seed=2, scale=0.5),
+            "enc-clf": write_perturbed(enc, tmp / "enc-clf", seed=3, labels=CLASSES)}
+    for d in dirs.values():
+        cast_to_bf16(d)
+    dirs["lm-lora"] = write_lora(lm, tmp / "lm-lora", seed=4, r=4, targets=["q_proj", "v_proj", "down_proj"])
+    dirs["enc-lora-clf"] = write_lora(enc, tmp / "enc-lora-clf", seed=5, r=4, targets=["query", "value"],
+                                      classes=CLASSES)
+    store = Store(tmp / "store", create=True)
+    for bases, src in ((LM_BASES, lm), (ENC_BASES, enc)):
+        for name, bits in bases.items():
+            if bits is None:
+                store.add_base(name, src)
+            else:
+                add_base(store, name, src, bits)
+    for base in LM_BASES:
+        add_full_variant(store, f"{base}-top", base, dirs["lm-top"])
+        add_full_variant(store, f"{base}-all", base, dirs["lm-all"])
+        variant_kind("lora").add(store, f"{base}-lora", base, dirs["lm-lora"])
+    for base in ENC_BASES:
+        add_full_variant(store, f"{base}-clf", base, dirs["enc-clf"])
+        variant_kind("lora").add(store, f"{base}-lora-clf", base, dirs["enc-lora-clf"])
+    return store.root, dirs
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return Engine(ServeConfig(store=served[0]))
+
+
+def mixed_logits(engine: Engine, base: str) -> torch.Tensor:
+    """Rows of the base, an adapter and two full variants of `base` in one forward: [rows, seq, vocab]."""
+    rt = engine.bases[base]
+    models = [base + s for s in LM_MODELS]
+    ids = torch.tensor([rt.encode_prompt(p) for p in PROMPTS])  # equal lengths: no padding
+
+    async def forward():
+        held = [await engine.cache.acquire(m) if m != base else None for m in models]
+        rows = [rt.attach(h.variant if h else None) for h in held]
+        with torch.no_grad():
+            logits = rt.call(BatchPlan(rows, rt.device), input_ids=ids).logits
+        for r in rows:
+            rt.detach(r)
+        for h in held:
+            if h is not None:
+                engine.cache.release(h)
+        return logits
+
+    return asyncio.run(forward())
+
+
+def test_a_lossless_neuzip_base_gives_the_uncompressed_bases_logits_exactly(engine):
+    assert engine.bases["lm-nz"].coded is not None and engine.bases["lm"].coded is None
+    plain, coded = mixed_logits(engine, "lm"), mixed_logits(engine, "lm-nz")
+    assert torch.equal(plain, coded)
+    assert not torch.equal(plain[0], plain[1])  # the rows' variants really differ
+
+
+def test_a_lossy_base_serves_its_full_variants_exactly(engine):
+    """Every tensor of "-all" is its own (decoded against the stored lossless base): its rows equal the plain
+    base's exactly, while the base's own rows run on the 3-bit weights."""
+    plain, lossy = mixed_logits(engine, "lm"), mixed_logits(engine, "lm-k3")
+    assert torch.equal(plain[3], lossy[3])
+    assert not torch.equal(plain[0], lossy[0])
+
+
+def test_generation_on_a_neuzip_base_equals_the_uncompressed_base(engine):
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def together(base):
+        return await asyncio.gather(*(engine.complete(base + s, params, prompt=p) for s, p in zip(LM_MODELS, PROMPTS)))
+
+    assert [g.token_ids for g in asyncio.run(together("lm-nz"))] == [g.token_ids for g in asyncio.run(together("lm"))]
+
+
+def test_classify_and_embeddings_on_a_neuzip_encoder_equal_the_uncompressed_encoder(engine):
+    texts = ["the cat sat on the mat", "good day", "red moon and blue sky", "what a bad night"]
+
+    async def run(base):
+        probs = await asyncio.gather(*(engine.classify(f"{base}{s}", [t]) for s, t in
+                                       zip(["-clf", "-lora-clf", "-clf", "-lora-clf"], texts)))
+        vecs = await asyncio.gather(*(engine.embed(m, [t]) for m, t in zip([base, f"{base}-clf", base], texts)))
+        return [p.probs for p in probs], [v.vectors for v in vecs]
+
+    assert asyncio.run(run("enc")) == asyncio.run(run("enc-nz"))
+
+
+def test_a_decoded_layer_budget_keeps_weights_decoded_and_changes_no_output(served):
+    eng = Engine(ServeConfig(store=served[0], neuzip_decoded_mib=1), bases=["lm", "lm-nz"])
+    coded = eng.bases["lm-nz"].coded
+    assert coded.kept and set(coded.kept) == set(coded.streams)  # a tiny model fits in 1 MiB
+    assert coded.nbytes == coded.buffer.numel() * 2  # nothing left to decode on use but the buffer
+    assert torch.equal(mixed_logits(eng, "lm-nz"), mixed_logits(eng, "lm"))
+
+
+def test_a_corrupt_neuzip_base_fails_with_one_line_and_other_bases_still_load(served, tmp_path):
+    import shutil
+
+    root = tmp_path / "store"
+    shutil.copytree(served[0], root)
+    nzp = root / "bases" / "lm-nz" / NEUZIP_FILE
+    data = bytearray(nzp.read_bytes())
+    data[-200] ^= 0xFF
+    nzp.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError) as e:
+        Engine(ServeConfig(store=root), bases=["lm-nz"])
+    assert "\n" not in str(e.value) and "lm-nz" in str(e.value)
+    Engine(ServeConfig(store=root), bases=["lm", "enc-nz"])
