@@ -212,6 +212,12 @@ def cmd_bench_emr(args: argparse.Namespace) -> None:
     run_emr_bench(Path(args.out), args.examples, args.rows, args.repeats)
 
 
+def cmd_bench_neuzip(args: argparse.Namespace) -> None:
+    from serve.bench.neuzip import run_neuzip_bench
+
+    run_neuzip_bench(Path(args.out), Path(args.work) if args.work else None)
+
+
 def cmd_bench_mixed(args: argparse.Namespace) -> None:
     from serve.bench.mixed import run_mixed_bench
 
@@ -422,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--examples", type=int, default=500, help="held-out examples per task at most")
     be.add_argument("--rows", type=int, default=16, help="rows of the timed forward (a multiple of 4)")
     be.add_argument("--repeats", type=int, default=5)
+    bn = add(bench, "neuzip", cmd_bench_neuzip, "NeuZip bases against bf16 and int8 on SmolLM2 and MiniLM")
+    bn.add_argument("--out", default="bench-results/neuzip.json")
+    bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "
+                                   "(default: $MANYFOLD_HOME/bench-neuzip)")
     return p
 
 

@@ -1,5 +1,6 @@
 """The demo store: MiniLM and SmolLM2 with their fine-tunes on real packaged data: full fine-tunes stored as
-FM-Delta variants, and SmolLM2 PiSSA adapters trained with PEFT, served converted (rank 2r LoRA).
+FM-Delta variants, and SmolLM2 PiSSA adapters trained with PEFT, served converted (rank 2r LoRA). SmolLM2 is
+also served as a lossless NeuZip base (bf16) with the same adapters and bf16 copies of its full fine-tunes.
 
 Built once into MANYFOLD_HOME/demo-store and reused; a store only counts as built once its manifest lists
 every demo variant, so an interrupted build resumes where it stopped.
@@ -96,6 +97,15 @@ EMR_GROUPS = (
     EmrGroup("minilm-emr", BASE, (("topic", "minilm-topic"), ("sentiment", "minilm-sentiment"), ("spam", "minilm-spam"))),
     EmrGroup("smollm2-emr", LM_BASE, (("fortunes", "smollm2-fortunes"), ("news", "smollm2-news"))),
 )
+
+
+NZ_BASE = "smollm2-nz"
+"""SmolLM2 in NeuZip form (lossless, bf16); its variants are the LM base's, named with this prefix."""
+NZ_BITS = 7
+
+
+def nz_name(variant: str) -> str:
+    return NZ_BASE + variant.removeprefix(LM_BASE)
 
 
 def lm_corpus(name: str) -> list[str]:
@@ -256,7 +266,33 @@ def build_demo_store(root: Path | None = None, tasks: tuple[DemoTask, ...] = TAS
     for group in emr_groups:
         if group.name not in store.manifest.variants and all(v in store.manifest.variants for _, v in group.tasks):
             add_emr_group(store, group, log)
+    if lm_tasks or adapter_tasks:
+        add_neuzip_base(store, [t.variant for t in lm_tasks], [t.variant for t in adapter_tasks], log)
     return store
+
+
+def add_neuzip_base(store: Store, full: list[str], adapters: list[str], log: Callable[[str], None] = print) -> None:
+    """SmolLM2 as a lossless NeuZip base, with bf16 copies of the LM base's full variants (FM-Delta against the
+    bf16 weights) and its adapters as they are."""
+    from serve.codecs.neuzip_file import add_base, cast_to_bf16
+    from serve.variants import variant_kind
+    from serve.variants.full import extract_full_variant
+
+    if NZ_BASE not in store.manifest.bases:
+        log(f"adding base '{NZ_BASE}' (SmolLM2-135M-Instruct in bf16, NeuZip k={NZ_BITS})")
+        _, stats, _ = add_base(store, NZ_BASE, smollm2_dir(), NZ_BITS)
+        log(f"  {stats.codecs['neuzip']} weights coded: {stats.coded_raw_bytes / 1e6:.1f} MB of bf16 -> "
+            f"{stats.coded_ratio:.1%}")
+    for variant in full:
+        if nz_name(variant) not in store.manifest.variants:
+            log(f"adding '{nz_name(variant)}': '{variant}' in bf16")
+            with tempfile.TemporaryDirectory() as tmp:
+                cast_to_bf16(extract_full_variant(store, variant, Path(tmp) / "ft"))
+                add_full_variant(store, nz_name(variant), NZ_BASE, Path(tmp) / "ft")
+    for variant in adapters:
+        if nz_name(variant) not in store.manifest.variants:
+            entry = store.variant(variant)
+            variant_kind(entry.kind).add(store, nz_name(variant), NZ_BASE, store.variant_dir(variant))
 
 
 def add_emr_group(store: Store, group: EmrGroup, log: Callable[[str], None] = print) -> None:

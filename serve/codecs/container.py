@@ -74,5 +74,14 @@ class Mapped:
         self.payload_start = PREFIX.size + header_len + (-(PREFIX.size + header_len) % ALIGN)
         self.payload_size = size - self.payload_start
 
+    def release(self, offset: int, length: int) -> None:
+        """Drop the mapped pages of payload bytes [offset, offset + length) from this process's memory (they are
+        read again from the file if touched): a reader that copies what it keeps does not also hold the file."""
+        if not isinstance(self.map, mmap.mmap) or length <= 0:
+            return
+        start = self.payload_start + offset
+        aligned = start - start % mmap.PAGESIZE
+        self.map.madvise(mmap.MADV_DONTNEED, aligned, start + length - aligned)
+
     def fail(self, what: str) -> ArtifactError:
         return ArtifactError(f"{self.path}: {what}")

@@ -195,6 +195,7 @@ class NzpFile:
 
     def __init__(self, path: str | Path):
         mapped = container.Mapped(path, MAGIC, VERSION, NzpHeader, "a NeuZip file")
+        self._mapped = mapped
         self.path, self._map, self.header = mapped.path, mapped.map, mapped.header
         self._fail, self._payload_start = mapped.fail, mapped.payload_start
         self._check_layout(mapped.payload_size)
@@ -266,6 +267,7 @@ class NzpFile:
         s = Stream(name, tuple(r.shape), self.bits, torch.from_numpy(data[a:b].copy().view(np.int16)),
                    torch.from_numpy(offsets), torch.from_numpy(neuzip.decode_table(np.asarray(r.freqs))),
                    torch.from_numpy(data[b:c].copy()))
+        self._mapped.release(r.offset, r.length)
         self._check(r, decode(s))
         return s
 
@@ -280,6 +282,7 @@ class NzpFile:
             return decode(self.stream(name))
         out = torch.empty(r.shape, dtype=DTYPES[r.dtype])
         as_bytes(out)[:] = self.payload(r)
+        self._mapped.release(r.offset, r.length)
         self._check(r, out)
         return out
 

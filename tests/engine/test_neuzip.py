@@ -9,7 +9,7 @@ import torch
 
 from serve.codecs.neuzip_file import NEUZIP_FILE, add_base, cast_to_bf16
 from serve.config import ServeConfig
-from serve.engine.batch import BatchPlan
+from serve.engine.batch import BASE_ROW, BatchPlan
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.errors import ArtifactError
@@ -142,3 +142,32 @@ def test_a_corrupt_neuzip_base_fails_with_one_line_and_other_bases_still_load(se
         Engine(ServeConfig(store=root), bases=["lm-nz"])
     assert "\n" not in str(e.value) and "lm-nz" in str(e.value)
     Engine(ServeConfig(store=root), bases=["lm", "enc-nz"])
+
+
+@pytest.mark.slow
+def test_real_smollm2_as_a_lossless_neuzip_base_equals_the_bf16_model(tmp_path):
+    """SmolLM2-135M (cast to bf16) served in NeuZip form: logits of a batch and greedy chat tokens equal
+    transformers running the bf16 model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serve.data.models import smollm2_dir
+
+    store = Store(tmp_path / "store", create=True)
+    _, stats, cast = add_base(store, "smollm2-nz", smollm2_dir(), 7)
+    assert cast and stats.coded_ratio < 0.68
+    engine = Engine(ServeConfig(store=store.root))
+    rt = engine.bases["smollm2-nz"]
+    bf16_dir = store.base_dir("smollm2-nz")  # the lossless bf16 weights, kept beside the coded ones
+    ref = AutoModelForCausalLM.from_pretrained(bf16_dir).eval()
+    tok = AutoTokenizer.from_pretrained(bf16_dir)
+    assert ref.dtype == torch.bfloat16
+    ids = tok(["The weather today is", "The sky at night"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(rt.call(BatchPlan([BASE_ROW, BASE_ROW], rt.device), input_ids=ids).logits, ref(input_ids=ids).logits)
+    messages = [{"role": "user", "content": "Tell me something wise."}]
+    gen = asyncio.run(engine.complete("smollm2-nz", SamplingParams(max_tokens=12, temperature=0), messages=messages))
+    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = ref.generate(**enc, max_new_tokens=12, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    eos = ref.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    assert gen.token_ids == out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
