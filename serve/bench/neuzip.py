@@ -1,7 +1,7 @@
 """`manyfold bench neuzip`: a NeuZip base against bf16 and int8 weight-only quantisation (after NeuZip's Table 3).
 
 SmolLM2-135M and all-MiniLM-L6-v2, both cast to bf16, served as: bf16 uncompressed; NeuZip k = 7 (lossless),
-3, 1, 0; int8 weight-only (optimum-quanto, the `bench` extra). Each configuration runs in its own process so
+3, 1, 0; int8 weight-only (torchao, the `bench` extra). Each configuration runs in its own process so
 that its memory is its own: resident weight bytes (counted from the tensors, and measured as the process's RSS
 growth over loading and one pass of the quality measure), peak RSS, quality (SmolLM2: perplexity on held-out BBC articles; MiniLM: cosine of its
 sentence embeddings to the bf16 model's), and throughput at decoded-layer budgets 0 and the default (SmolLM2:
@@ -79,27 +79,32 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
 
 
-def _quanto_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """int8 weight-only quantisation of every Linear but a tied LM head (the embedding it shares stays bf16)."""
-    from optimum.quanto import freeze, qint8, quantize
+def _int8(model: torch.nn.Module) -> torch.nn.Module:
+    """torchao's int8 weight-only quantisation (per-row scales) of every Linear but a tied LM head (the
+    embedding it shares stays bf16)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    quantize(model, weights=qint8, exclude=["lm_head"])
-    freeze(model)
+    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False),
+              filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and fqn != "lm_head")
     return model
 
 
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind t: a quantised weight is a tensor subclass of its data, scales and zero points."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    return [x for n in t.__tensor_flatten__()[0] for x in _leaves(getattr(t, n))]
+
+
 def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct tensor the model holds, quantised ones counted as their data and scales."""
+    """Bytes of every distinct tensor the model holds (parameters and buffers, each storage once)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t.is_meta:
-            continue
-        inner = [getattr(t, a) for a in ("_data", "_scale") if isinstance(getattr(t, a, None), torch.Tensor)]
-        for x in inner or [t]:
-            key = (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes())
-            if key not in seen:
+        for x in _leaves(t):
+            key = (x.untyped_storage().data_ptr(), x.dtype, tuple(x.shape))
+            if not x.is_meta and key not in seen:
                 seen.add(key)
-                total += x.untyped_storage().nbytes()
+                total += x.numel() * x.element_size()
     return total
 
 
@@ -116,7 +121,7 @@ def _load(model: str, config: str, path: Path, decoded_bytes: int) -> tuple[torc
         return rt.model, rt.nbytes, sum(2 * s.numel for s in rt.coded.streams.values())
     m = cls.from_pretrained(path, dtype=torch.bfloat16).eval()
     if config == "int8":
-        m = _quanto_int8(m)
+        m = _int8(m)
     return m, _weight_bytes(m), 0
 
 
@@ -208,7 +213,7 @@ def measure(model: str, config: str, path: str, work: str) -> dict:
     if config.startswith("k"):
         del m
         gc.collect()
-        budgets = {"default": NEUZIP_DECODED_MIB * MIB}
+        budgets = {"default": NEUZIP_DECODED_MIB * MIB} if NEUZIP_DECODED_MIB else {}
         if model == "smollm2" and config == "k7":
             budgets |= {f"{share:.0%}": int(share * coded) for share in SWEEP}
         row["coded_bf16_bytes"] = coded
