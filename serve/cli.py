@@ -154,6 +154,40 @@ def cmd_adapter_train(args: argparse.Namespace) -> None:
     print(f"{result.out_dir}: {args.init} adapter, rank {args.rank}, {args.steps} steps, loss "
           f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f} ({result.train_seconds:.0f} s); "
           f"train_log.json beside it")
+    if args.discriminator:
+        from serve.adapters.data import read_jsonl
+        from serve.adapters.translora import train_discriminator
+
+        name = args.task_name or Path(args.data).stem
+        d = train_discriminator(_base_dir(args), result.out_dir, read_jsonl(args.data), name, seeds=args.seeds,
+                                seed=args.seed)
+        print(f"{result.out_dir}/translora: a discriminator for '{name}' ({d['real']} real inputs against "
+              f"{d['generated']} generated, loss {d['losses'][0]:.3f} -> {d['losses'][-1]:.3f}) and "
+              f"{args.seeds} seed examples")
+
+
+def _print_transfer(report, out: Path) -> None:
+    print(f"{out}: {report.accepted} of {report.attempts} generated inputs accepted"
+          f"{'' if report.filtered else ' (no filter)'}; loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}; "
+          f"{out / 'translora_report.json'}" + (f"; {report.note}" if report.note else ""))
+
+
+def cmd_translora(args: argparse.Namespace) -> None:
+    from serve.adapters.translora import transfer
+
+    with _progress("translora") as tick:
+        report = transfer(args.source_base, args.adapter, args.target_base, Path(args.out), samples=args.samples,
+                          max_attempts=args.max_attempts, use_filter=not args.no_filter, init=args.init,
+                          steps=args.steps, lr=args.lr, seed=args.seed, progress=lambda *a: tick(a))
+    _print_transfer(report, Path(args.out))
+
+
+def cmd_store_translora(args: argparse.Namespace) -> None:
+    from serve.adapters.translora import transfer_store
+
+    for line in transfer_store(_store(args), args.from_base, args.to_base, samples=args.samples,
+                               max_attempts=args.max_attempts, steps=args.steps, lr=args.lr, seed=args.seed):
+        print(line, flush=True)
 
 
 def cmd_adapter_convert(args: argparse.Namespace) -> None:
@@ -345,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                            ("add", cmd_store_add, "add a base model or a variant of any kind"),
                            ("remove", cmd_store_remove, "remove a variant (or a base without variants)"),
                            ("verify", cmd_store_verify, "check every file's checksum and decode full variants"),
-                           ("extract", cmd_store_extract, "write a variant back out as a HF model directory")]:
+                           ("extract", cmd_store_extract, "write a variant back out as a HF model directory"),
+                           ("translora", cmd_store_translora, "move every adapter of one base to another "
+                                                              "(Trans-LoRA; resumable)")]:
         sp = add(st, name, fn, help)
         sp.add_argument("--store", default=default_store, required=default_store is None)
     st.choices["list"].add_argument("--json", action="store_true")
@@ -365,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.choices["verify"].add_argument("name", nargs="?")
     st.choices["extract"].add_argument("--name", required=True, help="a variant, or an EMR task: GROUP/TASK")
     st.choices["extract"].add_argument("--out", required=True)
+    tr = st.choices["translora"]
+    tr.add_argument("--from", dest="from_base", required=True, help="the base whose adapters move")
+    tr.add_argument("--to", dest="to_base", required=True, help="the base they move to")
+    tr.add_argument("--samples", type=int, default=64)
+    tr.add_argument("--max-attempts", type=int, default=None)
+    tr.add_argument("--steps", type=int, default=100)
+    tr.add_argument("--lr", type=float, default=5e-4)
+    tr.add_argument("--seed", type=int, default=0)
 
     ad = sub.add_parser("adapter", help="LoRA / PiSSA adapters with PEFT").add_subparsers(dest="action",
                                                                                           required=True)
@@ -382,10 +426,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target-modules", default="all-linear", help="all-linear, or names joined by commas")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, help="a new directory")
+    t.add_argument("--discriminator", action="store_true",
+                   help="also keep seed examples and train a Trans-LoRA discriminator beside the adapter")
+    t.add_argument("--task-name", help="the task's name in the discriminator's prompt (default: the data file's)")
+    t.add_argument("--seeds", type=int, default=5, help="seed examples kept for a later transfer")
     cv = add(ad, "convert", cmd_adapter_convert, "a trained PiSSA adapter -> a rank-2r LoRA on the original base")
     cv.add_argument("--adapter", required=True, help="the trained (raw) PiSSA adapter directory")
     cv.add_argument("--initial", required=True, help="the untrained PiSSA adapter saved before training")
     cv.add_argument("--out", required=True, help="a new directory")
+
+    tl = add(sub, "translora", cmd_translora, "move an adapter to another base with synthetic data (Trans-LoRA)")
+    tl.add_argument("--source-base", required=True, help="the HF model directory the adapter was trained on")
+    tl.add_argument("--adapter", required=True, help="an adapter trained with --discriminator")
+    tl.add_argument("--target-base", required=True, help="the HF model directory to move it to")
+    tl.add_argument("--out", required=True, help="a new directory")
+    tl.add_argument("--samples", type=int, default=64, help="synthetic inputs to keep")
+    tl.add_argument("--max-attempts", type=int, default=None, help="inputs generated at most (default: 4x samples)")
+    tl.add_argument("--no-filter", action="store_true", help="keep every generated input (the ablation)")
+    tl.add_argument("--init", default="pissa", help="the new adapter's init: pissa, pissa_niter_K or lora")
+    tl.add_argument("--steps", type=int, default=100)
+    tl.add_argument("--lr", type=float, default=5e-4)
+    tl.add_argument("--seed", type=int, default=0)
 
     em = sub.add_parser("emr", help="EMR-Merging groups").add_subparsers(dest="action", required=True)
     mg = add(em, "merge", cmd_emr_merge, "merge full fine-tunes of one base into an EMR bundle")

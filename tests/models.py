@@ -101,3 +101,21 @@ def write_tiny_bert(path: Path, seed: int = 0) -> Path:
                      intermediate_size=64, max_position_embeddings=64, initializer_range=0.2)
     BertModel(cfg).save_pretrained(path)
     return path
+
+
+def write_tiny_gpt2(path: Path, seed: int = 0) -> Path:
+    """A tiny random GPT-2 whose tokenizer numbers the words in another order than write_tiny_causal's: another
+    architecture and another tokenizer, for moving adapters between bases."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    words = WORDS[:4] + WORDS[:3:-1]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(path)
+    cfg = GPT2Config(vocab_size=len(words), n_embd=48, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0, initializer_range=0.5)
+    torch.manual_seed(seed)
+    GPT2LMHeadModel(cfg).save_pretrained(path)
+    return path

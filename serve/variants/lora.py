@@ -36,6 +36,9 @@ LABELS_CONFIG = "config.json"
 """Optional, beside a classifier adapter: a transformers config whose id2label names its classes."""
 HEAD_MODULES = ("classifier", "score")
 _PREFIX = "base_model.model."
+TRANSLORA_DIR = "translora"
+"""Beside an adapter: seed examples and a discriminator for a Trans-LoRA transfer (serve/adapters/translora.py);
+kept with the adapter in the store."""
 _MUTATED_BASE_INITS = ("olora", "corda", "loftq", "lora_ga")
 """init_lora_weights whose adapter is relative to a changed base, not the one it names."""
 _UNSUPPORTED = {  # option: the value that means "not used"
@@ -193,6 +196,9 @@ class LoraVariant(VariantKind):
             for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LABELS_CONFIG):
                 if (path / f).is_file():
                     shutil.copy2(path / f, staged / f)
+            if (path / TRANSLORA_DIR).is_dir():  # what a later transfer to another base needs
+                shutil.copytree(path / TRANSLORA_DIR, staged / TRANSLORA_DIR,
+                                ignore=shutil.ignore_patterns(".*", "*.bin", "*.pt", "*.pth"))
             raw = sum(t.numel() * t.element_size() for a, b, _ in modules.values() for t in (a, b))
             entry = self.entry_type(name=name, base=base, architecture=store.base(base).architecture,
                                     raw_bytes=raw + sum(t.numel() * t.element_size() for t in head.values()),

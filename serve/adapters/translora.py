@@ -1,0 +1,288 @@
+"""Trans-LoRA (METHODS.md section 5): move a task adapter to a new base with synthetic data, none of the task's.
+
+While the task data exists (`adapter train --discriminator`), SEEDS examples are kept beside the adapter and a
+discriminator is trained: a LoRA on the source base that answers " yes" to the task's real inputs and " no" to
+inputs the source base wrote when shown the seeds. To transfer (`manyfold translora`), the target base writes
+candidate inputs from the seeds, the discriminator keeps those it takes for real (at most `max_attempts`
+candidates are written), the source base with its adapter (the teacher) completes them, and a new adapter is
+trained on the target base on those texts: sequence-level distillation, so the two bases may differ in
+architecture and tokenizer.
+
+Choices the paper leaves open:
+- A task's input is a prompt-completion example's prompt; for a plain-text task, the text's first
+  PREFIX_WORDS words (the teacher writes the rest).
+- Candidates: the seeds' inputs, each after a SEP line, then SEP; sampled at temperature 0.9, top-p 0.95,
+  cut at the next SEP; blank or repeated candidates are rejected without asking the discriminator.
+- The discriminator: rank 8 on every linear layer, DISC_STEPS steps on equal numbers of real and generated
+  inputs, prompt "<x>\\nIs the above text from the <name> data set?"; a candidate is kept iff the next-token
+  logit of " yes" beats " no".
+- The teacher decodes greedily, up to 1.5x the longest seed output's tokens; the student is a PiSSA adapter
+  (by default) of the source adapter's rank.
+"""
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
+from serve.adapters.train import train_adapter
+from serve.errors import ArtifactError, ConfigError, ManyfoldError
+from serve.store.manifest import StrictModel
+from serve.store.writer import atomic_dir, atomic_write
+from serve.variants.lora import ADAPTER_CONFIG, TRANSLORA_DIR
+
+SEEDS_FILE = "seeds.jsonl"
+TASK_FILE = "task.json"
+DISC_DIR = "discriminator"
+REPORT_FILE = "translora_report.json"
+SEEDS = 5
+PREFIX_WORDS = 8
+SEP = "###"
+DISC_RANK = 8
+DISC_STEPS = 60
+YES, NO = " yes", " no"
+Progress = Callable[[str, int, int], None]
+"""Called as (phase, done, total)."""
+
+
+class TaskInfo(StrictModel):
+    name: str
+    form: Literal["prompt", "text"]
+    max_output_words: int
+    """The longest seed output, in words: how long the teacher may write."""
+
+
+class TransferFailed(ManyfoldError):
+    code = "transfer_failed"
+    http_status = 422
+
+
+def example_input(e: TrainExample) -> str:
+    return e.prompt if isinstance(e, PromptExample) else " ".join(e.text.split()[:PREFIX_WORDS])
+
+
+def example_output(e: TrainExample) -> str:
+    return e.completion if isinstance(e, PromptExample) else " " + " ".join(e.text.split()[PREFIX_WORDS:])
+
+
+def generation_prompt(seeds: list[str], name: str) -> str:
+    blocks = "".join(f"{SEP}\n{s.strip()}\n" for s in seeds)
+    return f"Examples of inputs from the {name} data set, one after each {SEP} line:\n{blocks}{SEP}\n"
+
+
+def disc_prompt(x: str, name: str) -> str:
+    return f"{x.strip()}\nIs the above text from the {name} data set?"
+
+
+def _load_lm(base_dir: str | Path, adapter_dir: str | Path | None = None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval(), tok
+
+
+@torch.no_grad()
+def _generate(model, tok, prompts: list[str], max_new_tokens: int, sample: bool, seed: int) -> list[str]:
+    torch.manual_seed(seed)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    kwargs = {"do_sample": True, "temperature": 0.9, "top_p": 0.95} if sample else {"do_sample": False}
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kwargs)
+    return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _tokens(tok, texts: list[str]) -> int:
+    return max(len(tok(t)["input_ids"]) for t in texts)
+
+
+def generate_candidates(model, tok, seeds: list[str], name: str, count: int, seed: int,
+                        batch: int = 8) -> list[str]:
+    """`count` candidate inputs written by `model` after the seeds (possibly blank)."""
+    prompt = generation_prompt(seeds, name)
+    max_new = max(8, int(1.5 * _tokens(tok, seeds)))
+    out: list[str] = []
+    while len(out) < count:
+        n = min(batch, count - len(out))
+        texts = _generate(model, tok, [prompt] * n, max_new, sample=True, seed=seed + len(out))
+        out += [t.split(SEP)[0].strip() for t in texts]
+    return out
+
+
+class Discriminator:
+    """The source base with the discriminator's LoRA: whether an input looks like the task's real ones."""
+
+    def __init__(self, source_base: str | Path, disc_dir: str | Path, name: str):
+        self.model, self.tok = _load_lm(source_base, disc_dir)
+        self.name = name
+        self.yes, self.no = (self.tok(w, add_special_tokens=False)["input_ids"][0] for w in (YES, NO))
+
+    @torch.no_grad()
+    def accepts(self, inputs: list[str]) -> list[bool]:
+        enc = self.tok([disc_prompt(x, self.name) for x in inputs], return_tensors="pt", padding=True)
+        logits = self.model(**enc).logits[:, -1]  # left-padded: the last position is every row's next token
+        return (logits[:, self.yes] > logits[:, self.no]).tolist()
+
+
+def read_assets(adapter_dir: str | Path) -> tuple[TaskInfo, list[TrainExample], Path]:
+    """(task, seeds, discriminator directory) kept beside an adapter; ArtifactError naming what is missing."""
+    root = Path(adapter_dir) / TRANSLORA_DIR
+    disc = root / DISC_DIR
+    if not (root / TASK_FILE).is_file() or not (root / SEEDS_FILE).is_file() or not (disc / ADAPTER_CONFIG).is_file():
+        raise ArtifactError(f"{adapter_dir}: no discriminator beside this adapter (train it with "
+                            f"`adapter train --discriminator`)")
+    try:
+        task = TaskInfo.model_validate_json((root / TASK_FILE).read_text())
+        seeds = [parse_example(json.loads(line)) for line in (root / SEEDS_FILE).read_text().splitlines() if line]
+    except ValueError as e:
+        raise ArtifactError(f"{root}: malformed Trans-LoRA assets ({str(e).splitlines()[0]})") from None
+    if not seeds:
+        raise ArtifactError(f"{root / SEEDS_FILE}: no seed examples")
+    return task, seeds, disc
+
+
+def train_discriminator(base_dir: str | Path, adapter_dir: str | Path, examples: list[TrainExample], name: str,
+                        seeds: int = SEEDS, steps: int = DISC_STEPS, seed: int = 0) -> dict:
+    """Write TRANSLORA_DIR beside the adapter (atomically): the first `seeds` examples, the task's form, and a
+    discriminator trained on up to 32 real inputs against as many the base wrote from the seeds."""
+    if len(examples) < seeds + 1:
+        raise ConfigError(f"a discriminator needs more than {seeds} examples; got {len(examples)}")
+    forms = {type(e) for e in examples}
+    if len(forms) != 1:
+        raise ConfigError("a discriminator needs examples of one form (all prompt-completion, or all text)")
+    kept = examples[:seeds]
+    real = [example_input(e) for e in examples[:32]]
+    model, tok = _load_lm(base_dir)
+    fake = generate_candidates(model, tok, [example_input(e) for e in kept], name, len(real), seed)
+    del model
+    data = [PromptExample(prompt=disc_prompt(x, name), completion=answer)
+            for pair in zip(real, fake) for x, answer in zip(pair, (YES, NO)) if x.strip()]
+    task = TaskInfo(name=name, form="prompt" if PromptExample in forms else "text",
+                    max_output_words=max(len(example_output(e).split()) for e in kept))
+    with atomic_dir(Path(adapter_dir) / TRANSLORA_DIR) as stage:
+        result = train_adapter(base_dir, data, stage / DISC_DIR, init="lora", rank=DISC_RANK, steps=steps,
+                               lr=5e-4, batch_size=8, max_length=160, seed=seed, progress=lambda *_: None)
+        (stage / TASK_FILE).write_text(task.model_dump_json(indent=2) + "\n")
+        (stage / SEEDS_FILE).write_text("".join(json.dumps(e.model_dump()) + "\n" for e in kept))
+    return {"real": len(real), "generated": len(fake), "losses": result.losses}
+
+
+@dataclass
+class TransferReport:
+    source_base: str
+    target_base: str
+    task: str
+    samples_wanted: int
+    attempts: int
+    accepted: int
+    rejected: int
+    filtered: bool
+    losses: list[float]
+    seconds: dict[str, float]
+    note: str = ""
+
+
+def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,
+             samples: int = 64, max_attempts: int | None = None, use_filter: bool = True, init: str = "pissa",
+             rank: int | None = None, steps: int = 100, lr: float = 5e-4, seed: int = 0,
+             progress: Progress | None = None) -> TransferReport:
+    """The source adapter's behaviour as a new adapter of the target base, written to out_dir with a report."""
+    task, seeds, disc_dir = read_assets(adapter_dir)
+    max_attempts = max_attempts if max_attempts is not None else 4 * samples
+    if samples < 1 or max_attempts < 1:
+        raise ConfigError(f"samples and max_attempts must be >= 1; got {samples} and {max_attempts}")
+    tick = progress or (lambda *_: None)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    target, ttok = _load_lm(target_base)
+    disc = Discriminator(source_base, disc_dir, task.name) if use_filter else None
+    seed_inputs = [example_input(e) for e in seeds]
+    accepted: list[str] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(accepted) < samples and attempts < max_attempts:
+        n = min(8, max_attempts - attempts)
+        cands = generate_candidates(target, ttok, seed_inputs, task.name, n, seed + attempts)
+        attempts += n
+        fresh = [c for c in cands if c and c not in seen and c not in seed_inputs]
+        seen.update(fresh)
+        keep = disc.accepts(fresh) if disc is not None and fresh else [True] * len(fresh)
+        accepted += [c for c, k in zip(fresh, keep) if k][: samples - len(accepted)]
+        tick("generate", attempts, max_attempts)
+    times["generate_and_filter"] = time.perf_counter() - t0
+    del target, disc
+    if not accepted:
+        raise TransferFailed(f"no generated input passed the discriminator in {attempts} attempts ({samples} "
+                             f"wanted): raise --max-attempts, or transfer without the filter")
+    t0 = time.perf_counter()
+    teacher, tok = _load_lm(source_base, adapter_dir)
+    max_new = max(4, int(1.5 * task.max_output_words * 2))  # about two tokens a word
+    outputs: list[str] = []
+    for i in range(0, len(accepted), 8):
+        outputs += _generate(teacher, tok, accepted[i:i + 8], max_new, sample=False, seed=seed)
+        tick("teach", len(outputs), len(accepted))
+    del teacher
+    times["teacher"] = time.perf_counter() - t0
+    data = [PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
+            for x, y in zip(accepted, outputs) if y.strip()]
+    if rank is None:
+        rank = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
+        rank = rank // 2 if init.startswith("pissa") and rank > 1 else rank  # a converted PiSSA adapter is 2r
+    t0 = time.perf_counter()
+    result = train_adapter(target_base, data, out_dir, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
+                           progress=lambda step, loss: tick("train", step, steps))
+    times["train"] = time.perf_counter() - t0
+    note = "" if len(accepted) == samples else f"only {len(accepted)} of {samples} inputs accepted"
+    report = TransferReport(str(source_base), str(target_base), task.name, samples, attempts, len(accepted),
+                            attempts - len(accepted), use_filter, result.losses, times, note)
+    shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, Path(out_dir) / TRANSLORA_DIR, ignore=shutil.ignore_patterns(DISC_DIR))
+    atomic_write(Path(out_dir) / REPORT_FILE, [json.dumps(asdict(report), indent=2).encode()])
+    return report
+
+
+def transferred_name(name: str, to_base: str) -> str:
+    """The store name of `name` moved to `to_base`."""
+    return f"{name}.{to_base}"
+
+
+def transfer_store(store, from_base: str, to_base: str, **options) -> Iterator[str]:
+    """Move every LoRA / PiSSA adapter of `from_base` to `to_base`, one line of news each. Each result is
+    registered atomically as its own adapter, named by transferred_name; one already there is not redone, so an
+    interrupted run resumes. Adapters without a discriminator are skipped, with the reason."""
+    from serve.variants import variant_kind
+
+    store.base(from_base)
+    store.base(to_base)
+    adapters = sorted(v.name for v in store.manifest.variants.values()
+                      if v.base == from_base and v.kind in ("lora", "pissa"))
+    if not adapters:
+        yield f"'{from_base}' has no adapters"
+    for name in adapters:
+        new = transferred_name(name, to_base)
+        if new in store.manifest.variants:
+            yield f"{name}: done before, as '{new}'"
+            continue
+        try:
+            read_assets(store.variant_dir(name))
+        except ArtifactError:
+            yield f"{name}: skipped: no discriminator beside it (trained without --discriminator)"
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            report = transfer(store.base_dir(from_base), store.variant_dir(name), store.base_dir(to_base),
+                              Path(tmp) / "adapter", **options)
+            kind = "lora" if options.get("init") == "lora" else "pissa"
+            variant_kind(kind).add(store, new, to_base, Path(tmp) / "adapter")
+        yield f"{name}: moved to '{new}' ({report.accepted} of {report.attempts} inputs accepted)"
