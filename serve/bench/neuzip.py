@@ -3,7 +3,7 @@
 SmolLM2-135M and all-MiniLM-L6-v2, both cast to bf16, served as: bf16 uncompressed; NeuZip k = 7 (lossless),
 3, 1, 0; int8 weight-only (torchao, the `bench` extra). Each configuration runs in its own process so
 that its memory is its own: resident weight bytes (counted from the tensors, and measured as the process's RSS
-growth over loading and one pass of the quality measure), peak RSS, quality (SmolLM2: perplexity on held-out BBC articles; MiniLM: cosine of its
+growth over loading and one small forward, numba's compiled code already in the baseline), peak RSS, quality (SmolLM2: perplexity on held-out BBC articles; MiniLM: cosine of its
 sentence embeddings to the bf16 model's), and throughput at decoded-layer budgets 0 and the default (SmolLM2:
 generated tokens/s, 8 rows; MiniLM: tokens encoded/s). Then decode speed on one core and on all, and the sizes
 of two anchors on the same tensors: zstd -19 and the order-0 entropy of the exponents. Prints tables, writes JSON.
@@ -69,6 +69,12 @@ def prepare(work: Path) -> dict[str, dict[str, Path]]:
 
 
 def _rss() -> int:
+    """This process's resident memory, after handing freed heap memory back to the system (glibc keeps what a
+    load's temporaries freed otherwise, which is not memory the model holds)."""
+    import ctypes
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) << 10
@@ -125,6 +131,15 @@ def _load(model: str, config: str, path: Path, decoded_bytes: int) -> tuple[torc
     return m, _weight_bytes(m), 0
 
 
+def _warm_decoders() -> None:
+    """Compile the numba encoder and decoders once, before anything is measured."""
+    from serve.codecs import neuzip
+
+    bits16 = (torch.randn(4096) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    for k in neuzip.BITS:
+        neuzip.decode(neuzip.encode(bits16, k))
+
+
 def _ppl_windows(tok) -> torch.Tensor:
     from serve.data.datasets import bbc_topics
 
@@ -158,7 +173,7 @@ def _embed(m, tok, texts: list[str]) -> torch.Tensor:
     return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1), int(enc["attention_mask"].sum())
 
 
-def _throughput(model: str, m, tok, repeats: int = 3) -> float:
+def _throughput(model: str, m, tok, repeats: int = 5) -> float:
     """SmolLM2: generated tokens/s (GEN_ROWS rows, GEN_TOKENS each, greedy); MiniLM: tokens encoded/s."""
     if model == "smollm2":
         tok.padding_side = "left"
@@ -192,10 +207,15 @@ def measure(model: str, config: str, path: str, work: str) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     data = _ppl_windows(tok) if model == "smollm2" else _enc_texts()
+    _warm_decoders()  # numba's compiled code in the baseline, not in the weights
+    probe = tok(["The weather today is"], return_tensors="pt")
     gc.collect()
     rss0 = _rss()
     m, counted, coded = _load(model, config, Path(path), 0)
-    row = {"model": model, "config": config, "weight_bytes": counted}
+    with torch.no_grad():
+        m(**probe)  # one small forward: mapped weights are paged in, activations stay small
+    gc.collect()
+    row = {"model": model, "config": config, "weight_bytes": counted, "rss_growth_bytes": _rss() - rss0}
     if model == "smollm2":
         row["perplexity"] = _perplexity(m, data)
     else:
@@ -206,8 +226,6 @@ def measure(model: str, config: str, path: str, work: str) -> dict:
         ref = torch.from_numpy(np.load(ref_path))
         cos = (vecs * ref).sum(-1)
         row |= {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
-    gc.collect()
-    row["rss_growth_bytes"] = _rss() - rss0  # after a pass: mapped weights are in memory once touched
     row["throughput_budget0"] = _throughput(model, m, tok)
     row["peak_rss_bytes"] = _peak_rss()
     if config.startswith("k"):
@@ -278,7 +296,7 @@ def anchors(path: Path) -> dict:
     from serve.codecs.entropy import order0_bits
 
     for r in coded:
-        bits16 = f.tensor(r.name).view(torch.int16).numpy().view(np.uint16)
+        bits16 = f.tensor(r.name).view(torch.int16).numpy().view(np.uint16).reshape(-1)
         counts = np.bincount((bits16 >> 7) & 0xFF, minlength=256)
         exps += counts
         order0 += order0_bits(counts) / 8 + r.numel  # per-tensor exponent model, 8 raw bits
@@ -295,6 +313,8 @@ def run_neuzip_bench(out: Path, work: Path | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     print("preparing bf16 and NeuZip copies of the models ...", flush=True)
     dirs = prepare(work)
+    print("decode speed ...", flush=True)  # first, on a quiet process
+    speed = {k: decode_speed(dirs["smollm2"][k]) for k in ("k7", "k3", "k0")}
     rows = []
     for model in MODELS:
         for config in CONFIGS:
@@ -303,7 +323,7 @@ def run_neuzip_bench(out: Path, work: Path | None = None) -> dict:
     report = {"machine": machine(), "torch_threads": torch.get_num_threads(),
               "default_decoded_mib": NEUZIP_DECODED_MIB, "rows": rows,
               "anchors": {m: anchors(dirs[m]["k7"]) for m in MODELS},
-              "decode_gb_per_s": {k: decode_speed(dirs["smollm2"][k]) for k in ("k7", "k3", "k0")},
+              "decode_gb_per_s": speed,
               "gpu": "not measured: no GPU was lent to this run (the Triton kernel is checked under TRITON_INTERPRET=1)"}
     print_report(report)
     out.parent.mkdir(parents=True, exist_ok=True)

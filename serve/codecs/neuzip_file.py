@@ -183,7 +183,8 @@ class Stream:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.offsets, self.sm))
+        """What it holds in memory: its streams and its decode table."""
+        return sum(t.numel() * t.element_size() for t in (self.words, self.offsets, self.table, self.sm))
 
     def to(self, device: torch.device | str) -> "Stream":
         move = {k: getattr(self, k).to(device) for k in ("words", "offsets", "table", "sm")}
