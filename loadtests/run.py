@@ -28,7 +28,7 @@ from loadtests.generator import LoadSpec, run_load
 from loadtests.variants import (BASE, SCENARIOS, build_loadtest_store, mix, mix_text, variant_plan,
                                 variant_task)
 from serve.app import BOARD, build_app
-from serve.bench.fmdelta import machine
+from serve.bench.report import machine
 from serve.config import ServeConfig
 from serve.data.datasets import CLASSIFICATION
 

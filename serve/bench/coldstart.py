@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from serve.bench.fmdelta import machine
+from serve.bench.report import machine
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams

@@ -14,7 +14,6 @@ SMS spam: full fine-tunes of every weight), against the alternatives METHODS.md 
    base rows' own), and where EMR's extra time goes (kernels.emr_delta over every Linear, its unpacking alone).
 """
 
-import json
 import random
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ import torch
 
 from kernels import make_segments
 from kernels.emr_delta import emr_delta_torch, masked
-from serve.bench.fmdelta import machine, median_time
+from serve.bench.report import NO_GPU, finish, machine, median_time
 from serve.codecs import emr
 from serve.data.datasets import CLASSIFICATION
 from serve.demo import EMR_GROUPS, TASKS, build_demo_store, examples_accuracy
@@ -188,12 +187,8 @@ def run_emr_bench(out: Path, examples: int = 500, rows: int = 16, repeats: int =
     report = {"machine": machine(), "torch_threads": torch.get_num_threads(), "group": GROUP.name,
               "tasks": [t for t, _ in GROUP.tasks], "accuracy": acc, "bytes": sizes, "rows": rows, "tokens": SEQ,
               "forward_ms_median": ms, "repeats": repeats,
-              "gpu": "not measured: no GPU was lent to this run (the Triton kernel is checked under TRITON_INTERPRET=1)"}
-    print_report(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
-    return report
+              "gpu": NO_GPU}
+    return finish(report, out, print_report)
 
 
 def print_report(r: dict) -> None:

@@ -10,10 +10,7 @@ decompression speed on one core and on all cores (medians). Prints a table, writ
 import json
 import lzma
 import os
-import platform
-import statistics
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import numpy as np
 import torch
 import zstandard
 
+from serve.bench.report import machine, median_time
 from serve.codecs.entropy import order0_bits
 from serve.codecs.fmdelta_file import FmdFile, compress, match_base_name
 from serve.store.store import Store
@@ -47,18 +45,6 @@ def xor_bytegroup_bytes(base: dict[str, torch.Tensor], fine: dict[str, torch.Ten
             key = (x.shape[1], i)
             planes[key] = planes.get(key, np.zeros(256, np.int64)) + np.bincount(x[:, i], minlength=256)
     return other + sum(order0_bits(c) for c in planes.values()) / 8
-
-
-def median_time(fn, repeats: int, warmup: bool = False) -> float:
-    """Median seconds of `repeats` calls of fn (after one untimed call with warmup)."""
-    if warmup:
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _to_bf16(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,18 +75,6 @@ def bench_pair(label: str, base: dict[str, torch.Tensor], fine: dict[str, torch.
             "order0_bound": stats.order0_bytes / n, "vs_bound": stats.file_bytes / stats.order0_bytes,
             "lzma9": lzma_bytes / n, "zstd19": zstd_bytes / n, "xor_bytegroup": xor_bytegroup_bytes(base, fine) / n,
             "codecs": stats.codecs, **speed}
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}, CPU only"
 
 
 def print_table(rows: list[dict]) -> None:

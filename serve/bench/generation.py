@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from serve.bench.fmdelta import machine
+from serve.bench.report import machine
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams

@@ -14,7 +14,6 @@ Every mixed forward's logits are checked against the one-at-a-time forwards, and
 timed; the change the adapters make to the logits is reported beside them.
 """
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from serve.bench.fmdelta import machine
+from serve.bench.report import finish, machine
 from serve.config import SlotsConfig
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.model import BaseModelRuntime
@@ -191,10 +190,7 @@ def run_mixed_bench(out: Path, rows: tuple[int, ...] = (8, 32), repeats: int = 5
               "targets": {k: list(v) for k, v in TARGETS.items()}, "prompt_tokens": PROMPT_TOKENS,
               "repeats": {"step": repeats, "prefill": PREFILL_REPEATS}, "threads": torch.get_num_threads(),
               "results": results}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print_table(report)
-    return report
+    return finish(report, out, print_table)
 
 
 def print_table(report: dict) -> None:

@@ -14,17 +14,15 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import zstandard
 
-from serve.bench.fmdelta import machine
+from serve.bench.report import NO_GPU, finish, machine, median_time
 from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile, cast_to_bf16, encode_dir
 from serve.config import NEUZIP_DECODED_MIB
 from serve.store.store import NOT_COPIED
@@ -190,12 +188,7 @@ def _throughput(model: str, m, tok, repeats: int = 5) -> float:
 
         def run():
             _embed(m, tok, texts)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return work / statistics.median(times)
+    return work / median_time(run, repeats)
 
 
 def measure(model: str, config: str, path: str, work: str) -> dict:
@@ -273,13 +266,7 @@ def decode_speed(path: Path, repeats: int = 3) -> dict:
         def run():
             for s in streams:
                 neuzip_decode_numba(s.words, s.offsets, s.table, s.sm, s.bits, out[: s.numel], threads=threads)
-        run()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        res[f"{threads}_thread{'s' if threads > 1 else ''}"] = total / statistics.median(times) / 1e9
+        res[f"{threads}_thread{'s' if threads > 1 else ''}"] = total / median_time(run, repeats, warmup=True) / 1e9
     return res
 
 
@@ -324,12 +311,8 @@ def run_neuzip_bench(out: Path, work: Path | None = None) -> dict:
               "default_decoded_mib": NEUZIP_DECODED_MIB, "rows": rows,
               "anchors": {m: anchors(dirs[m]["k7"]) for m in MODELS},
               "decode_gb_per_s": speed,
-              "gpu": "not measured: no GPU was lent to this run (the Triton kernel is checked under TRITON_INTERPRET=1)"}
-    print_report(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
-    return report
+              "gpu": NO_GPU}
+    return finish(report, out, print_report)
 
 
 def print_report(r: dict) -> None:

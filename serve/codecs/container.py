@@ -18,13 +18,17 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ValidationError
+import numpy as np
+import torch
+from pydantic import BaseModel, Field, StringConstraints, ValidationError
 
 from serve.errors import ArtifactError, first_error
+from serve.store.manifest import StrictModel
+from serve.store.tensors import DTYPES, digest_hex
 from serve.store.writer import atomic_write
 
 PREFIX = struct.Struct("<8sIIQ32s")
@@ -32,6 +36,32 @@ ALIGN = 64
 MAX_HEADER_BYTES = 64 << 20
 
 H = TypeVar("H", bound=BaseModel)
+
+NonNeg = Annotated[int, Field(ge=0)]
+Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+"""XXH3-128, hex."""
+
+
+class PayloadTensor(StrictModel):
+    """A tensor's place in the payload and the digests that guard it; each format adds its codec's fields."""
+
+    name: Annotated[str, StringConstraints(min_length=1)]
+    dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+    shape: list[NonNeg]
+    digest: Digest
+    """Of the tensor's bytes as decoding gives them (checked after decoding)."""
+    offset: NonNeg
+    length: NonNeg
+    payload_digest: Digest
+    """Of its payload bytes (checked before decoding)."""
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
 
 
 def write(out: str | Path, magic: bytes, version: int, header: BaseModel, payload: Iterable[bytes | memoryview]) -> int:
@@ -73,6 +103,33 @@ class Mapped:
             raise self.fail(f"malformed header ({str(e).splitlines()[0]})") from e
         self.payload_start = PREFIX.size + header_len + (-(PREFIX.size + header_len) % ALIGN)
         self.payload_size = size - self.payload_start
+
+    def check_spans(self, tensors: Sequence[PayloadTensor], max_tensor_bytes: int) -> None:
+        """Every name once, every size sane, every payload inside the file and none overlapping another."""
+        seen: set[str] = set()
+        spans = []
+        for r in tensors:
+            where = f"tensor '{r.name}'"
+            if r.name in seen:
+                raise self.fail(f"{where} appears twice")
+            seen.add(r.name)
+            if r.nbytes > max_tensor_bytes:
+                raise self.fail(f"{where} claims {r.nbytes} bytes")
+            if r.offset + r.length > self.payload_size:
+                raise self.fail(f"truncated: {where} ends at {r.offset + r.length}, payload has {self.payload_size}")
+            spans.append((r.offset, r.length, r.name))
+        spans.sort()
+        for (o1, l1, n1), (o2, _, n2) in zip(spans, spans[1:]):
+            if o1 + l1 > o2:
+                raise self.fail(f"payloads of '{n1}' and '{n2}' overlap")
+
+    def payload(self, r: PayloadTensor) -> np.ndarray:
+        """A tensor's payload bytes (a view of the map), checked against their digest."""
+        start = self.payload_start + r.offset
+        data = np.frombuffer(self.map, np.uint8, r.length, start) if r.length else np.empty(0, np.uint8)
+        if digest_hex(data) != r.payload_digest:
+            raise self.fail(f"tensor '{r.name}': payload checksum mismatch (file is corrupt)")
+        return data
 
     def release(self, offset: int, length: int) -> None:
         """Drop the mapped pages of payload bytes [offset, offset + length) from this process's memory (they are

@@ -15,9 +15,10 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import xxhash
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import Field, model_validator
 
 from serve.codecs import container, entropy
+from serve.codecs.container import Digest, NonNeg, PayloadTensor
 from serve.codecs.fmdelta import (CHUNK_ELEMS, Chunk, Mapper, alphabet_size, decode_delta, encode_delta,
                                   map_tensors, pool_map)
 from serve.errors import ArtifactError, VariantIncompatible
@@ -29,8 +30,6 @@ MAGIC = b"MFDELTA\0"
 VERSION = 1
 MAX_TENSOR_BYTES = 1 << 40
 
-NonNeg = Annotated[int, Field(ge=0)]
-Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 
 
 class ChunkRecord(StrictModel):
@@ -39,16 +38,9 @@ class ChunkRecord(StrictModel):
     raw_words: NonNeg
 
 
-class TensorRecord(StrictModel):
-    name: Annotated[str, StringConstraints(min_length=1)]
-    dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
-    shape: list[NonNeg]
-    digest: Digest
+class TensorRecord(PayloadTensor):
     codec: Literal["delta", "same", "raw"]
     """delta: coded against base_name; same: identical to base_name; raw: stored standalone."""
-    offset: NonNeg
-    length: NonNeg
-    payload_digest: Digest
     base_name: str | None = None
     base_digest: Digest | None = None
     freqs: list[NonNeg] | None = None
@@ -62,14 +54,6 @@ class TensorRecord(StrictModel):
         if (has_base, has_model) != want or (self.base_name is None) != (self.base_digest is None):
             raise ValueError(f"fields do not match codec '{self.codec}'")
         return self
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
 
 
 class FmdHeader(StrictModel):
@@ -188,34 +172,21 @@ class FmdFile:
 
     def __init__(self, path: str | Path):
         mapped = container.Mapped(path, MAGIC, VERSION, FmdHeader, "an FM-Delta file")
-        self.path, self._map, self.header = mapped.path, mapped.map, mapped.header
-        self._fail, self._payload_start = mapped.fail, mapped.payload_start
-        self._check_layout(self.header, mapped.payload_size)
+        self.path, self.header, self._fail = mapped.path, mapped.header, mapped.fail
+        self.payload = mapped.payload
+        mapped.check_spans(self.header.tensors, MAX_TENSOR_BYTES)
+        self._check_codecs(self.header)
         self.records = {r.name: r for r in self.header.tensors}
 
-    def _check_layout(self, header: FmdHeader, payload_size: int) -> None:
-        seen: set[str] = set()
-        spans = []
+    def _check_codecs(self, header: FmdHeader) -> None:
         for r in header.tensors:
             where = f"tensor '{r.name}'"
-            if r.name in seen:
-                raise self._fail(f"{where} appears twice")
-            seen.add(r.name)
-            if r.nbytes > MAX_TENSOR_BYTES:
-                raise self._fail(f"{where} claims {r.nbytes} bytes")
-            if r.offset + r.length > payload_size:
-                raise self._fail(f"truncated: {where} ends at {r.offset + r.length}, payload has {payload_size}")
-            spans.append((r.offset, r.length, r.name))
             if r.codec == "raw" and r.length != r.nbytes:
                 raise self._fail(f"{where} is raw with {r.length} bytes, expected {r.nbytes}")
             if r.codec == "same" and r.length != 0:
                 raise self._fail(f"{where} equals its base but has a payload")
             if r.codec == "delta":
                 self._check_delta(r, where)
-        spans.sort()
-        for (o1, l1, n1), (o2, _, n2) in zip(spans, spans[1:]):
-            if o1 + l1 > o2:
-                raise self._fail(f"payloads of '{n1}' and '{n2}' overlap")
 
     def _check_delta(self, r: TensorRecord, where: str) -> None:
         if r.dtype not in FLOAT_BITS:
@@ -230,13 +201,6 @@ class FmdFile:
                 raise self._fail(f"{where}: chunk stream longer than its elements allow")
         if 4 * sum(c.words + c.raw_words for c in r.chunks) != r.length:
             raise self._fail(f"{where}: chunk lengths do not add up to the payload length")
-
-    def payload(self, r: TensorRecord) -> np.ndarray:
-        start = self._payload_start + r.offset
-        data = np.frombuffer(self._map, np.uint8, r.length, start) if r.length else np.empty(0, np.uint8)
-        if digest_hex(data) != r.payload_digest:
-            raise self._fail(f"tensor '{r.name}': payload checksum mismatch (file is corrupt)")
-        return data
 
     def check_base(self, r: TensorRecord, base: Mapping[str, torch.Tensor],
                    base_digests: Mapping[str, str] | None = None) -> torch.Tensor:

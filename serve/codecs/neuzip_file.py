@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import numpy as np
 import torch
 import xxhash
-from pydantic import Field, StringConstraints
+from pydantic import Field
 
 from serve.codecs import container, neuzip
+from serve.codecs.container import Digest, NonNeg, PayloadTensor
 from serve.codecs.entropy import order0_bits
 from serve.codecs.fmdelta import pool_map
 from serve.errors import ArtifactError
@@ -44,33 +45,13 @@ MAGIC = b"MFNEUZIP"
 VERSION = 1
 MAX_TENSOR_BYTES = 1 << 40
 
-NonNeg = Annotated[int, Field(ge=0)]
-Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
-
-
-class NzpTensor(StrictModel):
-    name: Annotated[str, StringConstraints(min_length=1)]
-    dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
-    shape: list[NonNeg]
+class NzpTensor(PayloadTensor):
     codec: Literal["neuzip", "raw"]
-    offset: NonNeg
-    length: NonNeg
-    payload_digest: Digest
-    digest: Digest
-    """Of the decoded bytes."""
     source_digest: Digest
     """Of the bytes it was made from (the lossless weights)."""
     lanes: Annotated[int, Field(ge=1)] | None = None
     words: NonNeg | None = None
     freqs: list[NonNeg] | None = None
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
 
 
 class NzpHeader(StrictModel):
@@ -197,37 +178,24 @@ class NzpFile:
     def __init__(self, path: str | Path):
         mapped = container.Mapped(path, MAGIC, VERSION, NzpHeader, "a NeuZip file")
         self._mapped = mapped
-        self.path, self._map, self.header = mapped.path, mapped.map, mapped.header
-        self._fail, self._payload_start = mapped.fail, mapped.payload_start
-        self._check_layout(mapped.payload_size)
+        self.path, self.header, self._fail = mapped.path, mapped.header, mapped.fail
+        self.payload = mapped.payload
+        mapped.check_spans(self.header.tensors, MAX_TENSOR_BYTES)
+        self._check_codecs()
         self.records = {r.name: r for r in self.header.tensors}
 
     @property
     def bits(self) -> int:
         return self.header.bits
 
-    def _check_layout(self, payload_size: int) -> None:
-        seen: set[str] = set()
-        spans = []
+    def _check_codecs(self) -> None:
         for r in self.header.tensors:
             where = f"tensor '{r.name}'"
-            if r.name in seen:
-                raise self._fail(f"{where} appears twice")
-            seen.add(r.name)
-            if r.nbytes > MAX_TENSOR_BYTES:
-                raise self._fail(f"{where} claims {r.nbytes} bytes")
-            if r.offset + r.length > payload_size:
-                raise self._fail(f"truncated: {where} ends at {r.offset + r.length}, payload has {payload_size}")
-            spans.append((r.offset, r.length, r.name))
             if r.codec == "raw":
                 if r.length != r.nbytes or r.lanes is not None or r.freqs is not None or r.words is not None:
                     raise self._fail(f"{where} is raw with {r.length} bytes, expected {r.nbytes}")
             else:
                 self._check_coded(r, where)
-        spans.sort()
-        for (o1, l1, n1), (o2, _, n2) in zip(spans, spans[1:]):
-            if o1 + l1 > o2:
-                raise self._fail(f"payloads of '{n1}' and '{n2}' overlap")
 
     def _check_coded(self, r: NzpTensor, where: str) -> None:
         if r.dtype != "BF16" or r.lanes is None or r.words is None or r.freqs is None:
@@ -246,13 +214,6 @@ class NzpFile:
         a = 4 * (r.lanes + 1)
         b = a + 2 * r.words
         return a, b, b + -(-r.numel * (self.header.bits + 1) // 8)
-
-    def payload(self, r: NzpTensor) -> np.ndarray:
-        start = self._payload_start + r.offset
-        data = np.frombuffer(self._map, np.uint8, r.length, start) if r.length else np.empty(0, np.uint8)
-        if digest_hex(data) != r.payload_digest:
-            raise self._fail(f"tensor '{r.name}': payload checksum mismatch (file is corrupt)")
-        return data
 
     def stream(self, name: str) -> Stream:
         """A coded tensor's streams, copied into memory, checked: its payload digest, its lane offsets, and a

@@ -50,7 +50,7 @@ def test_damage_is_one_line_naming_the_file_and_the_tensor(rng, tmp_path):
     nf.compress(weights(rng), 7, path)
     f = nf.NzpFile(path)
     r = f.records[CODED]
-    _corrupt_at(path, f._payload_start + r.offset + r.length // 2)
+    _corrupt_at(path, f._mapped.payload_start + r.offset + r.length // 2)
     with pytest.raises(ArtifactError, match=f"{path}: tensor '{CODED}': payload checksum mismatch") as e:
         nf.NzpFile(path).stream(CODED)
     assert "\n" not in str(e.value)
