@@ -122,7 +122,7 @@ def _load(model: str, config: str, path: Path, decoded_bytes: int) -> tuple[torc
         from serve.engine.model import BaseModelRuntime
 
         rt = BaseModelRuntime(model, path, decoded_bytes=decoded_bytes)
-        return rt.model, rt.nbytes, sum(2 * s.numel for s in rt.coded.streams.values())
+        return rt.model, rt.nbytes, rt.coded.decoded_size
     m = cls.from_pretrained(path, dtype=torch.bfloat16).eval()
     if config == "int8":
         m = _int8(m)

@@ -15,6 +15,7 @@ else is read.
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -57,7 +58,7 @@ class PayloadTensor(StrictModel):
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # Python ints: a hostile shape cannot wrap around to a small count
 
     @property
     def nbytes(self) -> int:

@@ -12,6 +12,7 @@ vectors (norms, biases: small) and anything holding Inf or NaN.
 """
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -102,6 +103,8 @@ def _encode(name: str, t: torch.Tensor, bits: int, lane: int) -> tuple[dict, lis
     bits16 = data.view(np.uint16)
     enc = neuzip.encode(bits16, bits, lane)
     decoded = neuzip.decode(enc)  # what a reader will get: proves the stream before it is written
+    if bits == 7 and not np.array_equal(decoded, bits16):
+        raise RuntimeError(f"tensor '{name}': the lossless stream does not decode to its source")
     parts = [enc.offsets.astype(np.uint32), enc.words, enc.sm]
     order0 = order0_bits(np.bincount((decoded >> 7) & 0xFF, minlength=neuzip.EXPONENTS)) / 8 + enc.sm.nbytes
     return ({**record, "codec": "neuzip", "digest": digest_hex(decoded.view(np.uint8)), "lanes": enc.lanes,
@@ -160,7 +163,7 @@ class Stream:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -191,6 +194,8 @@ class NzpFile:
     def _check_codecs(self) -> None:
         for r in self.header.tensors:
             where = f"tensor '{r.name}'"
+            if (r.codec == "raw" or self.bits == 7) and r.digest != r.source_digest:
+                raise self._fail(f"{where}: stored losslessly, yet its digest differs from its source's")
             if r.codec == "raw":
                 if r.length != r.nbytes or r.lanes is not None or r.freqs is not None or r.words is not None:
                     raise self._fail(f"{where} is raw with {r.length} bytes, expected {r.nbytes}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from serve.codecs.neuzip_file import NzpFile, Stream, decode
+from serve.errors import ArtifactError
 
 
 def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -> tuple[torch.nn.Module,
@@ -27,6 +28,9 @@ def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -
     weights' streams on `device` by parameter name). Every stream is decoded and checked once here."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, GenerationConfig
+    from transformers.pytorch_utils import Conv1D
+
+    matmuls = (torch.nn.Linear, Conv1D)  # a forward reads their whole weight: only these decode it on use
 
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
@@ -34,20 +38,24 @@ def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -
     if (Path(model_dir) / "generation_config.json").exists():  # as from_pretrained reads it (eos tokens)
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     streams, raw = {}, {}
     for name, r in nzp.records.items():
         if name not in params:
             continue  # a tensor the architecture does not hold (an unused pooler, say)
-        if r.codec == "neuzip":
+        if tuple(r.shape) != tuple(params[name].shape):
+            raise ArtifactError(f"{nzp.path}: tensor '{name}' has shape {list(r.shape)}, the model's config says "
+                                f"{list(params[name].shape)}")
+        if r.codec == "neuzip" and isinstance(modules[name.rsplit(".", 1)[0]], matmuls):
             streams[name] = nzp.stream(name).to(device)
-        else:
+        else:  # raw, or coded but read in part (an embedding table whose name did not say so): held decoded
             raw[name] = nzp.tensor(name).to(device)
     model.load_state_dict(raw, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()  # a tied LM head shares the embedding just loaded
     missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta and n not in streams]
     if missing:
-        raise ValueError(f"{nzp.path}: no weights for {', '.join(missing[:3])}")
+        raise ArtifactError(f"{nzp.path}: no weights for {', '.join(missing[:3])}")
     for module in model.modules():
         for k, b in module._buffers.items():
             if b is not None:
@@ -59,14 +67,14 @@ class CodedWeights:
     """The coded weights of one model and the hooks that decode them (see the module's docstring)."""
 
     def __init__(self, model: torch.nn.Module, streams: dict[str, Stream], decoded_bytes: int = 0):
-        self.streams = streams
-        self.placeholders: dict[str, torch.nn.Parameter] = {}
+        self.streams: dict[str, Stream] = {}
+        """The weights decoded on use: their streams are all that stays resident of them."""
         self.kept: dict[str, torch.Tensor] = {}
+        """The weights decoded for good, within the budget: plain parameters now (their streams are dropped)."""
+        self.placeholders: dict[str, torch.nn.Parameter] = {}
         self._installed: dict[str, list[bool]] = {}
         modules = dict(model.named_modules())
         device = next(iter(streams.values())).words.device if streams else torch.device("cpu")
-        size = max((s.numel for s in streams.values()), default=0)
-        self.buffer = torch.empty(size, dtype=torch.bfloat16, device=device)
         budget = decoded_bytes
         self._handles = []
         for name, s in streams.items():
@@ -75,20 +83,28 @@ class CodedWeights:
             if local != "weight":
                 raise ValueError(f"coded tensor '{name}' is no module's weight")
             nbytes = 2 * s.numel
-            if nbytes <= budget:  # kept decoded: a plain parameter from now on
+            if nbytes <= budget:
                 budget -= nbytes
                 self.kept[name] = decode(s)
                 module._parameters["weight"] = torch.nn.Parameter(self.kept[name], requires_grad=False)
                 continue
+            self.streams[name] = s
             self.placeholders[mname] = module.weight
             self._installed[mname] = []
             self._handles.append(module.register_forward_pre_hook(self._decode_hook(mname, s)))
             self._handles.append(module.register_forward_hook(self._restore_hook(mname), always_call=True))
+        size = max((s.numel for s in self.streams.values()), default=0)
+        self.buffer = torch.empty(size, dtype=torch.bfloat16, device=device)
 
     @property
     def coded_bytes(self) -> int:
         """The streams of the weights decoded on use."""
-        return sum(s.nbytes for n, s in self.streams.items() if n not in self.kept)
+        return sum(s.nbytes for s in self.streams.values())
+
+    @property
+    def decoded_size(self) -> int:
+        """bf16 bytes of every coded weight, decoded on use or kept."""
+        return 2 * (sum(s.numel for s in self.streams.values()) + sum(t.numel() for t in self.kept.values()))
 
     @property
     def nbytes(self) -> int:
@@ -98,11 +114,12 @@ class CodedWeights:
 
     def _decode_hook(self, mname: str, stream: Stream):
         placeholder = self.placeholders[mname]
+        installed = self._installed[mname]
         numel = stream.numel
 
         def before(module: torch.nn.Module, args: tuple) -> None:
             install = module._parameters["weight"] is placeholder
-            self._installed[mname].append(install)
+            installed.append(install)
             if install:
                 w = decode(stream, self.buffer[:numel].view(stream.shape), check=False)
                 module._parameters["weight"] = torch.nn.Parameter(w, requires_grad=False)
@@ -111,9 +128,10 @@ class CodedWeights:
 
     def _restore_hook(self, mname: str):
         placeholder = self.placeholders[mname]
+        installed = self._installed[mname]
 
         def after(module: torch.nn.Module, args: tuple, output) -> None:
-            if self._installed[mname].pop():
+            if installed.pop():
                 module._parameters["weight"] = placeholder
 
         return after

@@ -79,3 +79,29 @@ def test_a_stream_whose_lanes_fail_is_caught_at_decode_with_the_tensor_named(rng
     s.words[5] ^= 0x0F0F
     with pytest.raises(ArtifactError, match=f"tensor '{CODED}': .* lanes do not decode cleanly"):
         nf.decode(s)
+
+
+def _rewritten(path, out, name: str, **changes) -> None:
+    """path's tensors with record `name` changed, under a valid header checksum: what a writer with a bug (or a
+    crafted file) could produce."""
+    from serve.codecs import container
+
+    f = nf.NzpFile(path)
+    tensors = [r.model_copy(update=changes) if r.name == name else r for r in f.header.tensors]
+    end = max(r.offset + r.length for r in f.header.tensors)
+    payload = bytes(f._mapped.map[f._mapped.payload_start: f._mapped.payload_start + end])
+    container.write(out, nf.MAGIC, nf.VERSION, f.header.model_copy(update={"tensors": tensors}), [payload])
+
+
+def test_a_lossless_file_whose_digests_differ_from_their_source_is_refused(rng, tmp_path):
+    nf.compress(weights(rng), 7, tmp_path / "m.nzp")
+    _rewritten(tmp_path / "m.nzp", tmp_path / "bad.nzp", CODED, source_digest="0" * 32)
+    with pytest.raises(ArtifactError, match=f"tensor '{CODED}': stored losslessly, yet its digest differs"):
+        nf.NzpFile(tmp_path / "bad.nzp")
+
+
+def test_a_shape_too_large_to_count_is_refused_not_wrapped(rng, tmp_path):
+    nf.compress(weights(rng), 3, tmp_path / "m.nzp")
+    _rewritten(tmp_path / "m.nzp", tmp_path / "bad.nzp", "steps", shape=[1 << 32, 1 << 32])  # int64 product: 0
+    with pytest.raises(ArtifactError, match="tensor 'steps' claims"):
+        nf.NzpFile(tmp_path / "bad.nzp")

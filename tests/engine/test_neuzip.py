@@ -124,8 +124,8 @@ def test_classify_and_embeddings_on_a_neuzip_encoder_equal_the_uncompressed_enco
 def test_a_decoded_layer_budget_keeps_weights_decoded_and_changes_no_output(served):
     eng = Engine(ServeConfig(store=served[0], neuzip_decoded_mib=1), bases=["lm", "lm-nz"])
     coded = eng.bases["lm-nz"].coded
-    assert coded.kept and set(coded.kept) == set(coded.streams)  # a tiny model fits in 1 MiB
-    assert coded.nbytes == coded.buffer.numel() * 2  # nothing left to decode on use but the buffer
+    assert coded.kept and not coded.streams  # a tiny model fits in 1 MiB
+    assert coded.nbytes == 0  # kept weights hold no stream beside them, and nothing needs the buffer
     assert torch.equal(mixed_logits(eng, "lm-nz"), mixed_logits(eng, "lm"))
 
 
@@ -142,6 +142,72 @@ def test_a_corrupt_neuzip_base_fails_with_one_line_and_other_bases_still_load(se
         Engine(ServeConfig(store=root), bases=["lm-nz"])
     assert "\n" not in str(e.value) and "lm-nz" in str(e.value)
     Engine(ServeConfig(store=root), bases=["lm", "enc-nz"])
+
+
+def _neuzip_copy(src, dst):
+    """A copy of the model directory src with its weights cast to bf16 and, beside them, NEUZIP_FILE (lossless),
+    as a store holds a NeuZip base."""
+    import shutil
+
+    from serve.codecs.neuzip_file import encode_dir
+
+    shutil.copytree(src, dst)
+    encode_dir(dst, 7, keep_weights=True)
+    return dst
+
+
+def test_a_gpt2_whose_embedding_names_say_nothing_loads_and_gives_the_bf16_logits(tmp_path):
+    """GPT-2 calls its tables wte and wpe, so the file codes them like matrices; the loader holds them decoded
+    (a forward reads a few rows) and decodes only Conv1D / Linear weights on use."""
+    from transformers import AutoModelForCausalLM
+
+    from serve.codecs.neuzip_file import NzpFile
+    from serve.engine.neuzip import CodedWeights, load_model
+    from tests.models import write_tiny_gpt2
+
+    nz = _neuzip_copy(write_tiny_gpt2(tmp_path / "gpt2"), tmp_path / "gpt2-nz")
+    nzp = NzpFile(nz / NEUZIP_FILE)
+    assert nzp.records["transformer.wte.weight"].codec == "neuzip"
+    model, streams = load_model(AutoModelForCausalLM, nz, nzp, torch.device("cpu"))
+    coded = CodedWeights(model, streams)
+    assert coded.streams and not any("wte" in n or "wpe" in n for n in coded.streams)
+    ref = AutoModelForCausalLM.from_pretrained(nz).eval()  # the bf16 weights beside the coded ones
+    ids = torch.tensor([[3, 5, 7, 9], [4, 6, 8, 10]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_a_forward_that_raises_puts_every_placeholder_back(tmp_path):
+    from serve.engine.model import BaseModelRuntime
+
+    nz = _neuzip_copy(write_tiny_causal(tmp_path / "lm"), tmp_path / "lm-nz")
+    rt = BaseModelRuntime("lm-nz", nz)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    plan = BatchPlan([BASE_ROW], rt.device)
+    with torch.no_grad():
+        before = rt.call(plan, input_ids=ids).logits
+        mlp = rt.model.model.layers[1].mlp.down_proj
+        handle = mlp.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            rt.call(plan, input_ids=ids)
+        handle.remove()
+        coded = {m: dict(rt.model.named_modules())[m] for m in rt.coded.placeholders}
+        assert all(mod.weight.is_meta for mod in coded.values())
+        assert torch.equal(rt.call(plan, input_ids=ids).logits, before)
+
+
+def test_a_file_whose_shapes_disagree_with_the_config_is_one_line_naming_the_tensor(tmp_path):
+    import json
+
+    from serve.engine.model import BaseModelRuntime
+
+    nz = _neuzip_copy(write_tiny_causal(tmp_path / "lm"), tmp_path / "lm-nz")
+    config = json.loads((nz / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (nz / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match=r"tensor '.*mlp.*' has shape \[") as e:
+        BaseModelRuntime("lm-nz", nz)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
