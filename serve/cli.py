@@ -183,11 +183,16 @@ def cmd_translora(args: argparse.Namespace) -> None:
 
 
 def cmd_store_translora(args: argparse.Namespace) -> None:
-    from serve.adapters.translora import transfer_store
+    from serve.adapters.translora import TransferFailed, transfer_store
 
-    for line in transfer_store(_store(args), args.from_base, args.to_base, samples=args.samples,
-                               max_attempts=args.max_attempts, steps=args.steps, lr=args.lr, seed=args.seed):
+    failed = 0
+    for outcome, line in transfer_store(_store(args), args.from_base, args.to_base, samples=args.samples,
+                                        max_attempts=args.max_attempts, steps=args.steps, lr=args.lr, seed=args.seed):
         print(line, flush=True)
+        failed += outcome == "failed"
+    if failed:
+        raise TransferFailed(f"{failed} adapter{'s' if failed > 1 else ''} could not move (above); the others "
+                             f"did, and a second run retries only what is not done")
 
 
 def cmd_adapter_convert(args: argparse.Namespace) -> None:
@@ -250,6 +255,12 @@ def cmd_bench_neuzip(args: argparse.Namespace) -> None:
     from serve.bench.neuzip import run_neuzip_bench
 
     run_neuzip_bench(Path(args.out), Path(args.work) if args.work else None)
+
+
+def cmd_bench_translora(args: argparse.Namespace) -> None:
+    from serve.bench.translora import run_translora_bench
+
+    run_translora_bench(Path(args.out), Path(args.work) if args.work else None)
 
 
 def cmd_bench_mixed(args: argparse.Namespace) -> None:
@@ -489,6 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--examples", type=int, default=500, help="held-out examples per task at most")
     be.add_argument("--rows", type=int, default=16, help="rows of the timed forward (a multiple of 4)")
     be.add_argument("--repeats", type=int, default=5)
+    bt = add(bench, "translora", cmd_bench_translora, "Trans-LoRA on two real tasks; PiSSA against LoRA")
+    bt.add_argument("--out", default="bench-results/translora.json")
+    bt.add_argument("--work", help="where adapters and the target base are kept (default: "
+                                   "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
     bn = add(bench, "neuzip", cmd_bench_neuzip, "NeuZip bases against bf16 and int8 on SmolLM2 and MiniLM")
     bn.add_argument("--out", default="bench-results/neuzip.json")
     bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "

@@ -32,10 +32,10 @@ from typing import Literal
 import torch
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
-from serve.adapters.train import train_adapter
+from serve.adapters.train import LOG_FILE, train_adapter
 from serve.errors import ArtifactError, ConfigError, ManyfoldError
 from serve.store.manifest import StrictModel
-from serve.store.writer import atomic_dir, atomic_write
+from serve.store.writer import atomic_dir
 from serve.variants.lora import ADAPTER_CONFIG, TRANSLORA_DIR
 
 SEEDS_FILE = "seeds.jsonl"
@@ -57,6 +57,8 @@ class TaskInfo(StrictModel):
     form: Literal["prompt", "text"]
     max_output_words: int
     """The longest seed output, in words: how long the teacher may write."""
+    rank: int | None = None
+    """The adapter's rank as trained (a converted PiSSA adapter stores 2r): the student's rank by default."""
 
 
 class TransferFailed(ManyfoldError):
@@ -122,19 +124,37 @@ def generate_candidates(model, tok, seeds: list[str], name: str, count: int, see
     return out
 
 
+def answer_tokens(tok) -> tuple[int, int]:
+    """The token ids of YES and NO: the discriminator's verdict compares their next-token logits, so each must be
+    one token, and they must differ (a tokenizer that splits off a leading space, as SentencePiece ones may,
+    would compare that piece with itself)."""
+    ids = [tok(w, add_special_tokens=False)["input_ids"] for w in (YES, NO)]
+    if any(len(i) != 1 for i in ids) or ids[0] == ids[1]:
+        raise ConfigError(f"this tokenizer writes {YES!r} and {NO!r} as {ids[0]} and {ids[1]}: a Trans-LoRA "
+                          f"discriminator needs each to be one token of its own")
+    return ids[0][0], ids[1][0]
+
+
 class Discriminator:
     """The source base with the discriminator's LoRA: whether an input looks like the task's real ones."""
 
     def __init__(self, source_base: str | Path, disc_dir: str | Path, name: str):
         self.model, self.tok = _load_lm(source_base, disc_dir)
         self.name = name
-        self.yes, self.no = (self.tok(w, add_special_tokens=False)["input_ids"][0] for w in (YES, NO))
+        self.yes, self.no = answer_tokens(self.tok)
 
     @torch.no_grad()
-    def accepts(self, inputs: list[str]) -> list[bool]:
+    def margins(self, inputs: list[str]) -> torch.Tensor:
+        """The next-token logit of YES minus NO after each input's question: [len(inputs)]."""
         enc = self.tok([disc_prompt(x, self.name) for x in inputs], return_tensors="pt", padding=True)
-        logits = self.model(**enc).logits[:, -1]  # left-padded: the last position is every row's next token
-        return (logits[:, self.yes] > logits[:, self.no]).tolist()
+        # Left-padded: the last position is every row's next token. Positions count from each row's first real
+        # token, so a verdict does not depend on the other inputs of the batch (absolute positions, as GPT-2's).
+        positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(**enc, position_ids=positions).logits[:, -1]
+        return logits[:, self.yes] - logits[:, self.no]
+
+    def accepts(self, inputs: list[str]) -> list[bool]:
+        return (self.margins(inputs) > 0).tolist()
 
 
 def read_assets(adapter_dir: str | Path) -> tuple[TaskInfo, list[TrainExample], Path]:
@@ -166,18 +186,28 @@ def train_discriminator(base_dir: str | Path, adapter_dir: str | Path, examples:
     kept = examples[:seeds]
     real = [example_input(e) for e in examples[:32]]
     model, tok = _load_lm(base_dir)
+    answer_tokens(tok)
     fake = generate_candidates(model, tok, [example_input(e) for e in kept], name, len(real), seed)
     del model
     data = [PromptExample(prompt=disc_prompt(x, name), completion=answer)
             for pair in zip(real, fake) for x, answer in zip(pair, (YES, NO)) if x.strip()]
     task = TaskInfo(name=name, form="prompt" if PromptExample in forms else "text",
-                    max_output_words=max(len(example_output(e).split()) for e in kept))
+                    max_output_words=max(len(example_output(e).split()) for e in kept),
+                    rank=trained_rank(adapter_dir))
     with atomic_dir(Path(adapter_dir) / TRANSLORA_DIR) as stage:
         result = train_adapter(base_dir, data, stage / DISC_DIR, init="lora", rank=DISC_RANK, steps=steps,
                                lr=5e-4, batch_size=8, max_length=160, seed=seed, progress=lambda *_: None)
         (stage / TASK_FILE).write_text(task.model_dump_json(indent=2) + "\n")
         (stage / SEEDS_FILE).write_text("".join(json.dumps(e.model_dump()) + "\n" for e in kept))
     return {"real": len(real), "generated": len(fake), "losses": result.losses}
+
+
+def trained_rank(adapter_dir: str | Path) -> int | None:
+    """The rank an adapter was trained at, from the train_log.json `adapter train` writes beside it."""
+    try:
+        return int(json.loads((Path(adapter_dir) / LOG_FILE).read_text())["rank"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass
@@ -187,46 +217,72 @@ class TransferReport:
     task: str
     samples_wanted: int
     attempts: int
+    """Inputs the target wrote: accepted + rejected + dropped + surplus."""
     accepted: int
+    """Kept and completed by the teacher: the new adapter's training inputs."""
     rejected: int
+    """Refused by the discriminator."""
+    dropped: int
+    """Blank, or a repeat of a seed or of an earlier candidate: never shown to the discriminator."""
+    surplus: int
+    """Passed the filter in a batch that filled the quota."""
     filtered: bool
+    rank: int
     losses: list[float]
     seconds: dict[str, float]
     note: str = ""
+
+
+def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
+                     samples: int, max_attempts: int, seed: int, tick: Progress) -> tuple[list[str], dict[str, int]]:
+    """(inputs the target base wrote after the seeds and the discriminator took, counts of every fate)."""
+    target, tok = _load_lm(target_base)
+    accepted: list[str] = []
+    seen: set[str] = set(seed_inputs)
+    counts = {"attempts": 0, "rejected": 0, "dropped": 0, "surplus": 0}
+    while len(accepted) < samples and counts["attempts"] < max_attempts:
+        n = min(8, max_attempts - counts["attempts"])
+        cands = generate_candidates(target, tok, seed_inputs, name, n, seed + counts["attempts"])
+        counts["attempts"] += n
+        fresh = []
+        for c in cands:
+            if c and c not in seen:
+                seen.add(c)
+                fresh.append(c)
+        counts["dropped"] += len(cands) - len(fresh)
+        keep = disc.accepts(fresh) if disc is not None and fresh else [True] * len(fresh)
+        passed = [c for c, k in zip(fresh, keep) if k]
+        counts["rejected"] += len(fresh) - len(passed)
+        room = samples - len(accepted)
+        accepted += passed[:room]
+        counts["surplus"] += max(0, len(passed) - room)
+        tick("generate", counts["attempts"], max_attempts)
+    return accepted, counts
 
 
 def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,
              samples: int = 64, max_attempts: int | None = None, use_filter: bool = True, init: str = "pissa",
              rank: int | None = None, steps: int = 100, lr: float = 5e-4, seed: int = 0,
              progress: Progress | None = None) -> TransferReport:
-    """The source adapter's behaviour as a new adapter of the target base, written to out_dir with a report."""
+    """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
+    its report and the task's seeds, so that it can move again). rank: the new adapter's; by default the
+    source adapter's as trained."""
     task, seeds, disc_dir = read_assets(adapter_dir)
     max_attempts = max_attempts if max_attempts is not None else 4 * samples
     if samples < 1 or max_attempts < 1:
         raise ConfigError(f"samples and max_attempts must be >= 1; got {samples} and {max_attempts}")
+    rank = rank or task.rank or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
     tick = progress or (lambda *_: None)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    target, ttok = _load_lm(target_base)
     disc = Discriminator(source_base, disc_dir, task.name) if use_filter else None
-    seed_inputs = [example_input(e) for e in seeds]
-    accepted: list[str] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(accepted) < samples and attempts < max_attempts:
-        n = min(8, max_attempts - attempts)
-        cands = generate_candidates(target, ttok, seed_inputs, task.name, n, seed + attempts)
-        attempts += n
-        fresh = [c for c in cands if c and c not in seen and c not in seed_inputs]
-        seen.update(fresh)
-        keep = disc.accepts(fresh) if disc is not None and fresh else [True] * len(fresh)
-        accepted += [c for c, k in zip(fresh, keep) if k][: samples - len(accepted)]
-        tick("generate", attempts, max_attempts)
+    accepted, counts = synthetic_inputs(target_base, disc, [example_input(e) for e in seeds], task.name, samples,
+                                        max_attempts, seed, tick)
+    del disc
     times["generate_and_filter"] = time.perf_counter() - t0
-    del target, disc
     if not accepted:
-        raise TransferFailed(f"no generated input passed the discriminator in {attempts} attempts ({samples} "
-                             f"wanted): raise --max-attempts, or transfer without the filter")
+        raise TransferFailed(f"no generated input passed the discriminator in {counts['attempts']} attempts "
+                             f"({samples} wanted): raise --max-attempts, or transfer without the filter")
     t0 = time.perf_counter()
     teacher, tok = _load_lm(source_base, adapter_dir)
     max_new = max(4, int(1.5 * task.max_output_words * 2))  # about two tokens a word
@@ -238,18 +294,18 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     times["teacher"] = time.perf_counter() - t0
     data = [PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
             for x, y in zip(accepted, outputs) if y.strip()]
-    if rank is None:
-        rank = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
-        rank = rank // 2 if init.startswith("pissa") and rank > 1 else rank  # a converted PiSSA adapter is 2r
-    t0 = time.perf_counter()
-    result = train_adapter(target_base, data, out_dir, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
-                           progress=lambda step, loss: tick("train", step, steps))
-    times["train"] = time.perf_counter() - t0
-    note = "" if len(accepted) == samples else f"only {len(accepted)} of {samples} inputs accepted"
-    report = TransferReport(str(source_base), str(target_base), task.name, samples, attempts, len(accepted),
-                            attempts - len(accepted), use_filter, result.losses, times, note)
-    shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, Path(out_dir) / TRANSLORA_DIR, ignore=shutil.ignore_patterns(DISC_DIR))
-    atomic_write(Path(out_dir) / REPORT_FILE, [json.dumps(asdict(report), indent=2).encode()])
+    with atomic_dir(out_dir) as stage:
+        t0 = time.perf_counter()
+        result = train_adapter(target_base, data, stage, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
+                               progress=lambda step, loss: tick("train", step, steps))
+        times["train"] = time.perf_counter() - t0
+        note = "" if len(accepted) == samples else f"only {len(accepted)} of {samples} inputs accepted"
+        report = TransferReport(str(source_base), str(target_base), task.name, samples, counts["attempts"],
+                                len(accepted), counts["rejected"], counts["dropped"], counts["surplus"], use_filter,
+                                rank, result.losses, times, note)
+        shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, stage / TRANSLORA_DIR,
+                        ignore=shutil.ignore_patterns(DISC_DIR))
+        (stage / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
 
 
@@ -258,10 +314,14 @@ def transferred_name(name: str, to_base: str) -> str:
     return f"{name}.{to_base}"
 
 
-def transfer_store(store, from_base: str, to_base: str, **options) -> Iterator[str]:
-    """Move every LoRA / PiSSA adapter of `from_base` to `to_base`, one line of news each. Each result is
-    registered atomically as its own adapter, named by transferred_name; one already there is not redone, so an
-    interrupted run resumes. Adapters without a discriminator are skipped, with the reason."""
+def transfer_store(store, from_base: str, to_base: str, **options) -> Iterator[tuple[str, str]]:
+    """Move every LoRA / PiSSA adapter of `from_base` to `to_base`: (outcome, one line of news) for each, the
+    outcome "moved", "done" (before), "skipped" (no discriminator beside it) or "failed" (the line says why; the
+    others still move). Each result is registered atomically as its own adapter, named by transferred_name; one
+    already there is not redone, so an interrupted run resumes."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from serve.store.manifest import Name
     from serve.variants import variant_kind
 
     store.base(from_base)
@@ -269,20 +329,29 @@ def transfer_store(store, from_base: str, to_base: str, **options) -> Iterator[s
     adapters = sorted(v.name for v in store.manifest.variants.values()
                       if v.base == from_base and v.kind in ("lora", "pissa"))
     if not adapters:
-        yield f"'{from_base}' has no adapters"
+        yield "skipped", f"'{from_base}' has no adapters"
     for name in adapters:
         new = transferred_name(name, to_base)
         if new in store.manifest.variants:
-            yield f"{name}: done before, as '{new}'"
+            yield "done", f"{name}: done before, as '{new}'"
+            continue
+        try:
+            TypeAdapter(Name).validate_python(new)
+        except ValidationError:
+            yield "failed", f"{name}: failed: '{new}' is no valid variant name (at most 64 letters, digits, . _ -)"
             continue
         try:
             read_assets(store.variant_dir(name))
         except ArtifactError:
-            yield f"{name}: skipped: no discriminator beside it (trained without --discriminator)"
+            yield "skipped", f"{name}: skipped: no discriminator beside it (trained without --discriminator)"
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            report = transfer(store.base_dir(from_base), store.variant_dir(name), store.base_dir(to_base),
-                              Path(tmp) / "adapter", **options)
-            kind = "lora" if options.get("init") == "lora" else "pissa"
-            variant_kind(kind).add(store, new, to_base, Path(tmp) / "adapter")
-        yield f"{name}: moved to '{new}' ({report.accepted} of {report.attempts} inputs accepted)"
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                report = transfer(store.base_dir(from_base), store.variant_dir(name), store.base_dir(to_base),
+                                  Path(tmp) / "adapter", **options)
+                kind = "lora" if options.get("init") == "lora" else "pissa"
+                variant_kind(kind).add(store, new, to_base, Path(tmp) / "adapter")
+        except ManyfoldError as e:
+            yield "failed", f"{name}: failed: {e}"
+            continue
+        yield "moved", f"{name}: moved to '{new}' ({report.accepted} of {report.attempts} inputs accepted)"

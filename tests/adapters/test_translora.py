@@ -3,6 +3,7 @@ beside an adapter, a transfer to another base, the attempt cap, and a store-wide
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ import torch
 from serve.adapters import translora
 from serve.adapters.data import PromptExample
 from serve.adapters.train import train_adapter
+from serve.errors import ConfigError
 from serve.store.store import Store
 from serve.variants import variant_kind
+from serve.variants.lora import TRANSLORA_DIR
 from tests.models import WORDS, write_tiny_causal, write_tiny_gpt2
 
 VOCAB = WORDS[7:]
@@ -54,8 +57,10 @@ def test_transfer_across_architectures_and_tokenizers(bases, source_adapter, tmp
 
     report = translora.transfer(bases[0], source_adapter, bases[1], tmp_path / "moved", samples=4, max_attempts=48,
                                 steps=3)  # the default student: PiSSA
-    assert 1 <= report.accepted <= 4 and report.attempts <= 48
-    assert report.accepted + report.rejected == report.attempts and len(report.losses) == 3
+    assert 1 <= report.accepted <= 4 and report.attempts <= 48 and len(report.losses) == 3
+    assert report.accepted + report.rejected + report.dropped + report.surplus == report.attempts
+    assert report.rank == 4  # the source's rank as trained; its converted PiSSA form stores 2r
+    assert json.loads((tmp_path / "moved" / "adapter_config.json").read_text())["r"] == 8
     written = json.loads((tmp_path / "moved" / translora.REPORT_FILE).read_text())
     assert written["accepted"] == report.accepted and written["task"] == "toy"
     target = AutoModelForCausalLM.from_pretrained(bases[1])
@@ -105,13 +110,94 @@ def test_store_transfer_skips_adapters_without_a_discriminator_and_resumes(bases
     monkeypatch.setattr(translora, "transfer", failing_second)
     lines = []
     with pytest.raises(KeyboardInterrupt):
-        for line in translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2):
+        for _, line in translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2):
             lines.append(line)
     assert lines == ["a: moved to 'a.llama2' (" + lines[0].split(" (", 1)[1]]
     store.reload()
     assert "a.llama2" in store.manifest.variants and "b.llama2" not in store.manifest.variants
-    lines = list(translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2))
+    lines = [line for _, line in translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48,
+                                                          steps=2)]
     assert lines[0] == "a: done before, as 'a.llama2'" and lines[1].startswith("b: moved to 'b.llama2'")
     assert lines[2] == "plain: skipped: no discriminator beside it (trained without --discriminator)"
     assert len(calls) == 3  # a once, b twice (interrupted, then done): nothing finished was redone
     assert store.variant("b.llama2").kind == "pissa" and store.variant("b.llama2").base == "llama2"
+
+
+@pytest.mark.parametrize("case", ["no discriminator", "malformed seeds"])
+def test_the_cli_refuses_an_adapter_it_cannot_move_in_one_line(bases, source_adapter, tmp_path, capsys, case):
+    from serve.cli import main
+
+    adapter = tmp_path / "adapter"
+    if case == "no discriminator":
+        train_adapter(bases[0], toy_task(), adapter, init="lora", rank=4, steps=1, progress=lambda *_: None)
+    else:
+        shutil.copytree(source_adapter, adapter)
+        (adapter / TRANSLORA_DIR / translora.SEEDS_FILE).write_text("{not json\n")
+    code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(adapter),
+                 "--target-base", str(bases[1]), "--out", str(tmp_path / "moved")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("manyfold: error: ") and err.count("\n") == 1
+    assert str(adapter) in err and not (tmp_path / "moved").exists()
+
+
+def test_one_adapter_that_cannot_move_does_not_stop_the_others(bases, source_adapter, tmp_path, monkeypatch):
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("llama", bases[0])
+    store.add_base("llama2", write_tiny_causal(tmp_path / "llama2", seed=7, hidden=48))
+    for name in ("a", "b"):
+        variant_kind("pissa").add(store, name, "llama", source_adapter)
+    real = translora.transfer
+
+    def a_fails(*args, **kwargs):
+        if args[1] == store.variant_dir("a"):
+            raise translora.TransferFailed("no generated input passed the discriminator")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(translora, "transfer", a_fails)
+    out = list(translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2))
+    assert [o for o, _ in out] == ["failed", "moved"]
+    assert out[0][1] == "a: failed: no generated input passed the discriminator"
+    store.reload()
+    assert "a.llama2" not in store.manifest.variants and "b.llama2" in store.manifest.variants
+
+
+def test_a_name_too_long_once_moved_fails_before_any_work(bases, source_adapter, tmp_path, monkeypatch):
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("llama", bases[0])
+    store.add_base("b" * 60, write_tiny_causal(tmp_path / "llama2", seed=7, hidden=48))
+    variant_kind("pissa").add(store, "adapter", "llama", source_adapter)
+    monkeypatch.setattr(translora, "transfer", lambda *a, **k: pytest.fail("transferred"))
+    [(outcome, line)] = translora.transfer_store(store, "llama", "b" * 60)
+    assert outcome == "failed" and "is no valid variant name" in line
+
+
+def test_a_lora_source_moves_at_its_own_rank(bases, tmp_path):
+    src = tmp_path / "lora"
+    train_adapter(bases[0], toy_task(), src, init="lora", rank=4, steps=2, progress=lambda *_: None)
+    translora.train_discriminator(bases[0], src, toy_task(), "toy", steps=2)
+    report = translora.transfer(bases[0], src, bases[1], tmp_path / "moved", samples=2, max_attempts=48, steps=1,
+                                use_filter=False)
+    assert report.rank == 4  # the old rule halved any source for a PiSSA student
+
+
+def test_a_tokenizer_without_single_answer_tokens_is_refused_in_one_line():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "cat": 1}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    with pytest.raises(ConfigError, match="needs each to be one token of its own"):
+        translora.answer_tokens(tok)
+
+
+def test_a_verdict_does_not_depend_on_the_other_inputs_of_its_batch(bases, tmp_path):
+    """GPT-2 has absolute positions: left padding must not shift a short input's positions."""
+    src = tmp_path / "gpt2-adapter"
+    train_adapter(bases[1], toy_task(), src, init="lora", rank=4, steps=1, progress=lambda *_: None)
+    translora.train_discriminator(bases[1], src, toy_task(), "toy", steps=2)
+    disc = translora.Discriminator(bases[1], src / TRANSLORA_DIR / translora.DISC_DIR, "toy")
+    short, long = "the cat", "the cat sat on the mat and the dog ran to the big red house"
+    alone = disc.margins([short])
+    together = disc.margins([short, long])
+    assert torch.allclose(alone[0], together[0], atol=1e-5)
