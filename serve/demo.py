@@ -212,8 +212,11 @@ def train_classifier_epoch(model, tok, examples: list, label_id: dict[str, int],
     return loss.item()
 
 
-def classifier_accuracy(model, tok, data: Dataset, max_len: int, limit: int = 200) -> float:
-    return examples_accuracy(model, tok, data.examples[:limit], max_len)
+def classifier_accuracy(model, tok, data: Dataset, max_len: int, limit: int = 200, seed: int = 0) -> float:
+    """Accuracy on a seeded sample of `limit` examples: some data files are sorted by label (the sentiment
+    test split opens with 500 negatives), so their first examples would measure one class."""
+    examples = data.examples if len(data.examples) <= limit else random.Random(seed).sample(data.examples, limit)
+    return examples_accuracy(model, tok, examples, max_len)
 
 
 @torch.no_grad()
