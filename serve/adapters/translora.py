@@ -11,8 +11,12 @@ architecture and tokenizer.
 Choices the paper leaves open:
 - A task's input is a prompt-completion example's prompt; for a plain-text task, the text's first
   PREFIX_WORDS words (the teacher writes the rest).
-- Candidates: the seeds' inputs, each after a SEP line, then SEP; sampled at temperature 0.9, top-p 0.95,
-  cut at the next SEP; blank or repeated candidates are rejected without asking the discriminator.
+- Candidates: the seeds' inputs often share a frame (a prompt task's fixed words around its varying part, as
+  "Is this message spam? " ... "\nAnswer:"), found as their common prefix and suffix cut at whitespace. The
+  generator is shown only the seeds' varying parts, each after a SEP line, then SEP; it writes one more
+  (temperature 0.9, top-p 0.95, stopped at the next SEP), and the frame is put back around it, so that every
+  candidate is an input the teacher answers as a task input. Blank or repeated candidates are dropped without
+  asking the discriminator.
 - The discriminator: rank 8 on every linear layer, DISC_STEPS steps on equal numbers of real and generated
   inputs, prompt "<x>\\nIs the above text from the <name> data set?"; a candidate is kept iff the next-token
   logit of " yes" beats " no".
@@ -21,6 +25,7 @@ Choices the paper leaves open:
 """
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -74,8 +79,18 @@ def example_output(e: TrainExample) -> str:
     return e.completion if isinstance(e, PromptExample) else " " + " ".join(e.text.split()[PREFIX_WORDS:])
 
 
-def generation_prompt(seeds: list[str], name: str) -> str:
-    blocks = "".join(f"{SEP}\n{s.strip()}\n" for s in seeds)
+def input_frame(inputs: list[str]) -> tuple[str, str]:
+    """(prefix, suffix) that every input has, each cut at whitespace (so "Article: The" shared by chance
+    leaves "Article: "), never overlapping the shortest input."""
+    prefix = os.path.commonprefix(inputs)
+    prefix = prefix[: max((i + 1 for i, c in enumerate(prefix) if c.isspace()), default=0)]
+    suffix = os.path.commonprefix([x[len(prefix):][::-1] for x in inputs])[::-1]
+    suffix = suffix[next((i for i, c in enumerate(suffix) if c.isspace()), len(suffix)):]
+    return prefix, suffix
+
+
+def generation_prompt(parts: list[str], name: str) -> str:
+    blocks = "".join(f"{SEP}\n{s.strip()}\n" for s in parts)
     return f"Examples of inputs from the {name} data set, one after each {SEP} line:\n{blocks}{SEP}\n"
 
 
@@ -98,11 +113,27 @@ def _load_lm(base_dir: str | Path, adapter_dir: str | Path | None = None):
     return model.eval(), tok
 
 
+class _StopAfter:
+    """A transformers stopping criterion: a row is done once its continuation holds `stop` (decoded text, so it
+    works whatever pieces the tokenizer writes it in)."""
+
+    def __init__(self, tok, stop: str, prompt_len: int):
+        self.tok, self.stop, self.prompt_len = tok, stop, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        texts = self.tok.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        return torch.tensor([self.stop in t for t in texts], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
-def _generate(model, tok, prompts: list[str], max_new_tokens: int, sample: bool, seed: int) -> list[str]:
+def _generate(model, tok, prompts: list[str], max_new_tokens: int, sample: bool, seed: int,
+              stop: str | None = None) -> list[str]:
+    """Each prompt's continuation; with `stop`, a row ends once it has written it (the batch, once all have)."""
     torch.manual_seed(seed)
     enc = tok(prompts, return_tensors="pt", padding=True)
     kwargs = {"do_sample": True, "temperature": 0.9, "top_p": 0.95} if sample else {"do_sample": False}
+    if stop is not None:
+        kwargs["stopping_criteria"] = [_StopAfter(tok, stop, enc["input_ids"].shape[1])]
     out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kwargs)
     return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
@@ -113,14 +144,17 @@ def _tokens(tok, texts: list[str]) -> int:
 
 def generate_candidates(model, tok, seeds: list[str], name: str, count: int, seed: int,
                         batch: int = 8) -> list[str]:
-    """`count` candidate inputs written by `model` after the seeds (possibly blank)."""
-    prompt = generation_prompt(seeds, name)
-    max_new = max(8, int(1.5 * _tokens(tok, seeds)))
+    """`count` candidate inputs written by `model` after the seeds, in the seeds' frame ("" where it wrote
+    nothing)."""
+    prefix, suffix = input_frame(seeds)
+    parts = [s[len(prefix): len(s) - len(suffix)] for s in seeds]
+    prompt = generation_prompt(parts, name)
+    max_new = max(8, int(1.5 * _tokens(tok, parts)))
     out: list[str] = []
     while len(out) < count:
         n = min(batch, count - len(out))
-        texts = _generate(model, tok, [prompt] * n, max_new, sample=True, seed=seed + len(out))
-        out += [t.split(SEP)[0].strip() for t in texts]
+        texts = _generate(model, tok, [prompt] * n, max_new, sample=True, seed=seed + len(out), stop=SEP)
+        out += [f"{prefix}{t}{suffix}" if t else "" for t in (t.split(SEP)[0].strip() for t in texts)]
     return out
 
 

@@ -201,3 +201,22 @@ def test_a_verdict_does_not_depend_on_the_other_inputs_of_its_batch(bases, tmp_p
     alone = disc.margins([short])
     together = disc.margins([short, long])
     assert torch.allclose(alone[0], together[0], atol=1e-5)
+
+
+def test_candidates_keep_the_seeds_frame():
+    seeds = ["Is this message spam? Win a prize now\nAnswer:", "Is this message spam? See you at six\nAnswer:",
+             "Is this message spam? Sorry, running late\nAnswer:"]
+    assert translora.input_frame(seeds) == ("Is this message spam? ", "\nAnswer:")
+    shared_by_chance = ["Article: Then the bank rose.\nHeadline:", "Article: The team won.\nHeadline:"]
+    assert translora.input_frame(shared_by_chance) == ("Article: ", "\nHeadline:")
+    assert translora.input_frame(["one two", "three four"]) == ("", "")
+
+
+def test_generated_candidates_come_back_in_the_frame(bases):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bases[0])
+    model = AutoModelForCausalLM.from_pretrained(bases[0]).eval()
+    seeds = [f"{a} {b} {c} yes" for a, b, c in zip(VOCAB[:4], VOCAB[4:8], VOCAB[8:12])]
+    out = translora.generate_candidates(model, tok, seeds, "toy", 5, seed=0)
+    assert len(out) == 5 and all(c == "" or (c.endswith(" yes") and c != " yes") for c in out)
