@@ -80,8 +80,8 @@ def example_output(e: TrainExample) -> str:
 
 
 def input_frame(inputs: list[str]) -> tuple[str, str]:
-    """(prefix, suffix) that every input has, each cut at whitespace (so "Article: The" shared by chance
-    leaves "Article: "), never overlapping the shortest input."""
+    """(prefix, suffix) that every input has, each cut at whitespace so that no part of a word is taken
+    ("Article: The ..." and "Article: Then ..." share "Article: "); the suffix is sought after the prefix."""
     prefix = os.path.commonprefix(inputs)
     prefix = prefix[: max((i + 1 for i, c in enumerate(prefix) if c.isspace()), default=0)]
     suffix = os.path.commonprefix([x[len(prefix):][::-1] for x in inputs])[::-1]
