@@ -98,7 +98,8 @@ def disc_prompt(x: str, name: str) -> str:
     return f"{x.strip()}\nIs the above text from the {name} data set?"
 
 
-def _load_lm(base_dir: str | Path, adapter_dir: str | Path | None = None):
+def load_lm(base_dir: str | Path, adapter_dir: str | Path | None = None):
+    """A causal LM in fp32 (with a PEFT adapter if given) and its tokenizer, padding on the left for batches."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base_dir)
@@ -169,11 +170,19 @@ def answer_tokens(tok) -> tuple[int, int]:
     return ids[0][0], ids[1][0]
 
 
+@torch.no_grad()
+def next_token_logits(model, enc) -> torch.Tensor:
+    """The logits after each row of a left-padded batch: [rows, vocab]. Positions count from each row's first
+    real token, so a row's logits do not depend on the other rows of its batch (absolute positions, as GPT-2's)."""
+    positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return model(**enc, position_ids=positions).logits[:, -1]
+
+
 class Discriminator:
     """The source base with the discriminator's LoRA: whether an input looks like the task's real ones."""
 
     def __init__(self, source_base: str | Path, disc_dir: str | Path, name: str):
-        self.model, self.tok = _load_lm(source_base, disc_dir)
+        self.model, self.tok = load_lm(source_base, disc_dir)
         self.name = name
         self.yes, self.no = answer_tokens(self.tok)
 
@@ -181,10 +190,7 @@ class Discriminator:
     def margins(self, inputs: list[str]) -> torch.Tensor:
         """The next-token logit of YES minus NO after each input's question: [len(inputs)]."""
         enc = self.tok([disc_prompt(x, self.name) for x in inputs], return_tensors="pt", padding=True)
-        # Left-padded: the last position is every row's next token. Positions count from each row's first real
-        # token, so a verdict does not depend on the other inputs of the batch (absolute positions, as GPT-2's).
-        positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(**enc, position_ids=positions).logits[:, -1]
+        logits = next_token_logits(self.model, enc)
         return logits[:, self.yes] - logits[:, self.no]
 
     def accepts(self, inputs: list[str]) -> list[bool]:
@@ -219,7 +225,7 @@ def train_discriminator(base_dir: str | Path, adapter_dir: str | Path, examples:
         raise ConfigError("a discriminator needs examples of one form (all prompt-completion, or all text)")
     kept = examples[:seeds]
     real = [example_input(e) for e in examples[:32]]
-    model, tok = _load_lm(base_dir)
+    model, tok = load_lm(base_dir)
     answer_tokens(tok)
     fake = generate_candidates(model, tok, [example_input(e) for e in kept], name, len(real), seed)
     del model
@@ -270,7 +276,7 @@ class TransferReport:
 def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
                      samples: int, max_attempts: int, seed: int, tick: Progress) -> tuple[list[str], dict[str, int]]:
     """(inputs the target base wrote after the seeds and the discriminator took, counts of every fate)."""
-    target, tok = _load_lm(target_base)
+    target, tok = load_lm(target_base)
     accepted: list[str] = []
     seen: set[str] = set(seed_inputs)
     counts = {"attempts": 0, "rejected": 0, "dropped": 0, "surplus": 0}
@@ -318,7 +324,7 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
         raise TransferFailed(f"no generated input passed the discriminator in {counts['attempts']} attempts "
                              f"({samples} wanted): raise --max-attempts, or transfer without the filter")
     t0 = time.perf_counter()
-    teacher, tok = _load_lm(source_base, adapter_dir)
+    teacher, tok = load_lm(source_base, adapter_dir)
     max_new = max(4, int(1.5 * task.max_output_words * 2))  # about two tokens a word
     outputs: list[str] = []
     for i in range(0, len(accepted), 8):

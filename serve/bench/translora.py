@@ -20,7 +20,8 @@ import torch
 from serve.adapters.data import PromptExample, TrainExample, tokenize_examples
 from serve.adapters.tasks import heldout_examples, task_examples
 from serve.adapters.train import train_adapter
-from serve.adapters.translora import TransferFailed, train_discriminator, transfer
+from serve.adapters.translora import (YES, TransferFailed, answer_tokens, load_lm, next_token_logits,
+                                      train_discriminator, transfer)
 from serve.bench.report import finish, machine
 
 TASKS = ("spam", "headlines")
@@ -42,22 +43,11 @@ def target_base(work: Path) -> Path:
     return out
 
 
-def _model(base: Path, adapter: Path | None):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    return model.eval(), tok
-
-
 @torch.no_grad()
 def evaluate(task: str, base: Path, adapter: Path | None, examples: list[PromptExample]) -> dict[str, float]:
     """Held-out metrics: "loss" (mean loss per completion token, both tasks) and, for spam, "accuracy" (the
     larger next-token logit of " yes" and " no" after the prompt)."""
-    model, tok = _model(base, adapter)
+    model, tok = load_lm(base, adapter)
     total, count = 0.0, 0
     for f in tokenize_examples(tok, examples, 128):
         ids, labels = torch.tensor([f["input_ids"]]), torch.tensor([f["labels"]])
@@ -66,18 +56,13 @@ def evaluate(task: str, base: Path, adapter: Path | None, examples: list[PromptE
         count += n
     out = {"loss": total / count}
     if task == "spam":
-        yes, no = (tok(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no"))
-        tok.padding_side = "left"
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
+        yes, no = answer_tokens(tok)
         correct = 0
         for i in range(0, len(examples), 16):
             chunk = examples[i:i + 16]
-            enc = tok([e.prompt for e in chunk], return_tensors="pt", padding=True)
-            positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # from each row's first real token
-            logits = model(**enc, position_ids=positions).logits[:, -1]
+            logits = next_token_logits(model, tok([e.prompt for e in chunk], return_tensors="pt", padding=True))
             pred = (logits[:, yes] > logits[:, no]).tolist()
-            correct += sum(p == (e.completion == " yes") for p, e in zip(pred, chunk))
+            correct += sum(p == (e.completion == YES) for p, e in zip(pred, chunk))
         out["accuracy"] = correct / len(examples)
     return out
 
