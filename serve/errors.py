@@ -51,6 +51,22 @@ class CapacityExceeded(ManyfoldError):
     http_status = 503
 
 
+class RowFailed(ManyfoldError):
+    """Serving one request's rows raised something unexpected (a device error, a bug): the message names the model
+    and the stage; the traceback is in the replica's log. Only the rows that step touched fail."""
+
+    code = "internal_error"
+    http_status = 500
+
+
+class Unavailable(ManyfoldError):
+    """The model's base is not running (its deployment cannot be scheduled, or is starting)."""
+
+    code = "unavailable"
+    http_status = 503
+    retry_after_s = 5
+
+
 class Overloaded(ManyfoldError):
     """The queue is full; the client should retry after `retry_after_s`."""
 

@@ -1,9 +1,15 @@
 """The variant cache: loaded variants of every kind in two byte-budgeted LRU tiers (device, cpu); disk is the store.
 
-- Exactly one load per cold variant: every request that waits for it awaits the same future.
-- Loading (an FM-Delta decode, an adapter read) runs in a worker thread, off the event loop.
+Each name moves through explicit states: on disk -> loading -> device <-> cpu -> evicted, and a move is one
+operation at a time, kept in `_busy` while it runs (a load, or a tier copy off the event loop):
+- Exactly one load per cold variant: whoever wants it meanwhile waits for that load, then goes back through
+  acquisition (so it never holds an entry that was demoted, dropped or replaced in between).
+- Every entry carries the epoch of its name it was loaded under; dropping or replacing the name starts a new
+  epoch, so a load that finishes for an old one is discarded, never inserted.
 - An entry is held (in_use) from the moment its load finishes or a lookup finds it, before anything may evict
   it, until its rows release it; pinned entries never leave the device tier.
+- Loading (an FM-Delta decode, an adapter read) runs in a worker thread; tier copies that cost anything (a GPU's
+  device <-> host) run on the `copier` executor (the engine's compute thread), never on the event loop.
 - Eviction drops the cache's references at once, so the memory goes back as soon as no batch holds it;
   the buffers a decode wrote go to a BufferPool that the next decode writes into.
 """
@@ -11,11 +17,14 @@
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+
 import torch
 
+from serve.engine import faults
 from serve.engine.buffers import BufferPool
 from serve.engine.stats import SECONDS_BUCKETS, Distribution
 from serve.engine.types import Residency
@@ -33,6 +42,8 @@ class CachedVariant:
     owned: list[torch.Tensor] = field(default_factory=list)
     """The buffers its decode took from the pool (never a base tensor): recycled when it leaves memory."""
     resident: bool = True
+    epoch: int = 0
+    """Its name's epoch when its load began: an entry of an older epoch is never inserted."""
 
     @property
     def name(self) -> str:
@@ -51,20 +62,30 @@ class CacheStats:
     load_seconds: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
 
 
+ACQUIRE_ATTEMPTS = 8
+"""Times one acquisition goes back through the states (its variant evicted, dropped or replaced each time)
+before it gives up with CapacityExceeded."""
+
 Loader = Callable[[str, Alloc], LoadedVariant]
 """loader(name, alloc) -> the variant in memory; its new tensors come from alloc(shape, dtype) (a kind's load)."""
 
 
 class VariantCache:
     def __init__(self, loader: Loader, device_bytes: int, cpu_bytes: int, device: str = "cpu",
-                 pinned: tuple[str, ...] = ()):
+                 pinned: tuple[str, ...] = (), copier: Executor | None = None):
         self._loader = loader
         self.device_bytes = device_bytes
         self.cpu_bytes = cpu_bytes
         self.device = torch.device(device)
         self.pinned = set(pinned)
+        self._copier = copier
+        self.copies_off_loop = self.device.type != "cpu"
+        """Tier copies cost a transfer (a GPU's): they run on the copier. On a CPU engine the tiers are the same
+        memory and a move is bookkeeping."""
         self._tiers: dict[str, OrderedDict[str, CachedVariant]] = {"device": OrderedDict(), "cpu": OrderedDict()}
-        self._loading: dict[str, asyncio.Future] = {}
+        self._busy: dict[str, asyncio.Future] = {}
+        """name -> its load or tier move in flight; resolved (its error set, if it failed) when it ends."""
+        self._epochs: dict[str, int] = {}
         self._decode_gate: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self.buffers = BufferPool()
         self._refilling: asyncio.Future | None = None
@@ -84,6 +105,10 @@ class VariantCache:
     def used_bytes(self, tier: str) -> int:
         return sum(e.nbytes for e in self._tiers[tier].values())
 
+    def entries(self) -> list[tuple[str, CachedVariant]]:
+        """Every entry in memory, device tier first."""
+        return [(n, e) for entries in self._tiers.values() for n, e in entries.items()]
+
     # ---- use
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[CachedVariant]:
@@ -95,49 +120,66 @@ class VariantCache:
             self.release(entry)
 
     def try_acquire(self, name: str) -> CachedVariant | None:
-        """The variant held for the caller if it is in memory now (a hit), else None; no waiting."""
-        device = self._tiers["device"]
+        """The variant held for the caller if it is ready now (a hit), else None; no waiting, no copy."""
+        if name in self._busy:
+            return None
+        device, cpu = self._tiers["device"], self._tiers["cpu"]
         if name in device:
             entry = device[name]
             device.move_to_end(name)
-        elif name in self._tiers["cpu"]:
-            entry = self._tiers["cpu"].pop(name)
+            entry.in_use += 1
+        elif name in cpu and not self.copies_off_loop:
+            entry = cpu.pop(name)
             entry.in_use += 1  # held before _promote's _fit can evict it
-            self._promote(entry)
-            self.stats.hits += 1
-            return entry
+            try:
+                self._promote(entry)
+            except BaseException:
+                self._discard(entry)
+                raise
         else:
             return None
         self.stats.hits += 1
-        entry.in_use += 1
         return entry
 
     async def acquire(self, name: str) -> CachedVariant:
-        """The variant, loaded if need be, held for the caller until release(); at most one load at a time."""
-        entry = self.try_acquire(name)
-        if entry is not None:
-            return entry
-        if name in self._loading:  # someone is loading it: share that load
-            self.stats.hits += 1
-            entry = await asyncio.shield(self._loading[name])
-            if entry.resident:
-                entry.in_use += 1
+        """The variant, loaded or promoted if need be, held for the caller until release()."""
+        for _ in range(ACQUIRE_ATTEMPTS):
+            entry = self.try_acquire(name)
+            if entry is not None:
                 return entry
-            # Evicted between its load and this waiter's turn, its buffers recycled: load it again.
-            return await self.acquire(name)
-        self.stats.misses += 1
+            if name in self._busy:  # a load or move in flight: wait for it, then start over
+                self.stats.hits += 1
+                await asyncio.shield(self._busy[name])  # its error, if it failed, is every waiter's
+                continue
+            if name in self._tiers["cpu"]:
+                self.stats.hits += 1
+                entry = await self._while_busy(name, self._promote_off_loop(name))
+            else:
+                self.stats.misses += 1
+                entry = await self._while_busy(name, self._load(name))
+            if entry is not None:
+                return entry
+        raise CapacityExceeded(f"variant '{name}' was evicted or replaced {ACQUIRE_ATTEMPTS} times before it could "
+                               f"run; retry later")
+
+    async def _while_busy(self, name: str, move: Awaitable[CachedVariant | None]) -> CachedVariant | None:
+        """Run one load or move of `name`; whoever wants it meanwhile waits, then goes back through acquisition."""
         future = asyncio.get_running_loop().create_future()
-        self._loading[name] = future
+        self._busy[name] = future
         try:
-            entry = await self._load(name)  # held (in_use 1) for this caller
-            future.set_result(entry)
-            return entry
+            entry = await move
+        except asyncio.CancelledError:
+            future.set_result(None)  # the next waiter starts over
+            raise
         except BaseException as e:
             future.set_exception(e)
             future.exception()  # mark retrieved: waiters re-raise it, nobody else must
             raise
+        else:
+            future.set_result(None)
+            return entry
         finally:
-            del self._loading[name]
+            del self._busy[name]
 
     def release(self, entry: CachedVariant) -> None:
         entry.in_use -= 1
@@ -154,7 +196,10 @@ class VariantCache:
             self._decode_gate = (loop, asyncio.Semaphore(1))
         return self._decode_gate[1]
 
-    async def _load(self, name: str) -> CachedVariant:
+    async def _load(self, name: str) -> CachedVariant | None:
+        """-> the entry loaded and promoted, held once for the caller; None if its name was dropped or replaced
+        meanwhile (the load is discarded)."""
+        epoch = self._epochs.get(name, 0)
         owned: list[torch.Tensor] = []
 
         def alloc(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -168,15 +213,38 @@ class VariantCache:
             except BaseException:
                 self.buffers.put(owned)
                 raise
-        entry = CachedVariant(variant, variant.nbytes, in_use=1, owned=owned)
+        entry = CachedVariant(variant, variant.nbytes, in_use=1, owned=owned, epoch=epoch)
         self.buffers.max_bytes = max(self.buffers.max_bytes, entry.nbytes)
         if entry.nbytes > self.device_bytes:
-            entry.in_use = 0
-            self._release(entry)
+            self._discard(entry)
             raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
                                    f"{self.device_bytes >> 20} MiB")
         self.stats.load_seconds.observe(time.perf_counter() - t0)
-        return self._promote(entry)
+        return await self._to_device(entry)
+
+    async def _promote_off_loop(self, name: str) -> CachedVariant | None:
+        entry = self._tiers["cpu"].pop(name)
+        entry.in_use += 1  # held before anything can evict it
+        return await self._to_device(entry)
+
+    async def _to_device(self, entry: CachedVariant) -> CachedVariant | None:
+        """A held entry off the tiers -> promoted to the device tier (the copy on the copier when it costs one),
+        or discarded (None) if its name changed meanwhile. If the move raises, the entry is discarded."""
+        try:
+            if self.copies_off_loop:
+                await asyncio.get_running_loop().run_in_executor(self._copier, entry.variant.to, self.device)
+            if self._epochs.get(entry.name, 0) != entry.epoch:  # dropped or replaced while it moved
+                self._discard(entry)
+                return None
+            return self._promote(entry)
+        except BaseException:
+            self._discard(entry)
+            raise
+
+    def _discard(self, entry: CachedVariant) -> None:
+        """A held entry that will not be served (stale, too large, a move that failed): its hold and buffers."""
+        entry.in_use -= 1
+        self._release(entry)
 
     async def settle(self) -> None:
         """Wait for a background top-up of the buffer pool to finish (benchmarks time a quiet machine)."""
@@ -189,6 +257,8 @@ class VariantCache:
             self._refilling = asyncio.get_running_loop().run_in_executor(None, self.buffers.refill)
 
     def _promote(self, entry: CachedVariant) -> CachedVariant:
+        """A held entry, off the tiers, onto the device tier (its copy already made, or free)."""
+        faults.hit("promote", [entry.name])
         entry.variant.to(self.device)
         if self.device.type != "cpu":
             entry.owned = []  # host staging copies: freed, not pooled
@@ -208,8 +278,7 @@ class VariantCache:
                 break
             entry = device.pop(name)
             if entry.nbytes <= self.cpu_bytes:
-                entry.variant.to("cpu")
-                cpu[name] = entry
+                self._demote(name, entry)
             else:
                 self._release(entry)
                 self.stats.evictions += 1
@@ -219,6 +288,29 @@ class VariantCache:
             self._release(cpu.pop(name))
             self.stats.evictions += 1
 
+    def _demote(self, name: str, entry: CachedVariant) -> None:
+        """Device tier -> cpu tier: at once when the copy is free, else on the copier, the name busy meanwhile
+        (whoever wants it waits, then finds it on the cpu tier)."""
+        if not self.copies_off_loop:
+            entry.variant.to("cpu")
+            self._tiers["cpu"][name] = entry
+            return
+        loop = asyncio.get_running_loop()
+        done = self._busy[name] = loop.create_future()
+        entry.in_use += 1  # nothing evicts it mid-copy
+
+        def moved(copy: asyncio.Future) -> None:
+            del self._busy[name]
+            entry.in_use -= 1
+            if copy.exception() is None and self._epochs.get(name, 0) == entry.epoch:
+                self._tiers["cpu"][name] = entry
+            else:
+                self._release(entry)
+            done.set_result(None)
+            self._fit()
+
+        loop.run_in_executor(self._copier, entry.variant.to, "cpu").add_done_callback(moved)
+
     def _release(self, entry: CachedVariant) -> None:
         """entry has left memory: its decode buffers go to the pool now, or when the last holder releases it."""
         entry.resident = False
@@ -227,7 +319,9 @@ class VariantCache:
             entry.owned = []
 
     def drop(self, name: str) -> None:
-        """Forget a variant (removed or replaced in the store); a running batch keeps its own reference."""
+        """Forget a variant (removed or replaced in the store); a running batch keeps its own reference, and a
+        load or move in flight for it is discarded when it ends."""
+        self._epochs[name] = self._epochs.get(name, 0) + 1
         for entries in self._tiers.values():
             if name in entries:
                 self._release(entries.pop(name))

@@ -1,80 +1,35 @@
-"""Engine: the bases of a store in memory, a variant cache, and a batching scheduler. No Ray, no HTTP.
+"""Engine: the bases of a store in memory, a variant cache, and the scheduler that batches their rows. No Ray, no
+HTTP.
 
-Requests become rows in a bounded queue (full -> Overloaded, HTTP 429). The scheduler takes the first waiting
-row and gathers more for up to `batch_wait_timeout_s` or `max_batch_size` rows. A row whose variant is in
-memory is held in the cache and dispatched at once; a cold one is loaded first (one load per variant, in a
-worker thread), so it never holds up the others. Dispatched rows of one base share forwards whatever their
-variants: classify and embed rows of a gather are one forward; generate rows join their base's one running
-DecodeBatch between decode steps, up to `max_batch_size` rows. Every forward runs on one compute thread, so
-the event loop keeps answering, and the base's batches take turns step by step: a long generation does not
-hold up a classification. A row holds its variant in the cache until it is answered.
+Requests are checked and turned into rows here (prompts tokenised on the event loop with its own tokenizer,
+serve/engine/prompts.py), then queued on the scheduler (serve/engine/scheduler.py), which holds each row's variant
+in the cache and runs the forwards (serve/engine/forwards.py) on one compute thread. A change of the store (an
+admin call, another process) drops the changed variants from the cache and, on the compute thread, from their
+slots.
 """
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
 
 from serve.config import ServeConfig
-from serve.engine.cache import CachedVariant, VariantCache
-from serve.engine.generation import DecodeBatch, NewRow
+from serve.engine import faults
+from serve.engine.cache import VariantCache
+from serve.engine.forwards import Forwards
 from serve.engine.model import BaseModelRuntime
-from serve.engine.stats import BATCH_BUCKETS, Distribution
+from serve.engine.rows import Op
+from serve.engine.scheduler import Scheduler
 from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
-from serve.errors import (ArtifactError, BadRequest, CapacityExceeded, Overloaded, VariantIncompatible,
-                          VariantNotFound)
-from serve.store.manifest import MEMBER_SEP
+from serve.errors import ArtifactError, BadRequest, VariantIncompatible, VariantNotFound
 from serve.store.store import Store
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
 from serve.variants.base import LoadedVariant
 
 log = logging.getLogger("manyfold.engine")
-
-Op = Literal["classify", "embed", "generate"]
-
-
-@dataclass(eq=False)
-class Row:
-    op: Op
-    base: str
-    variant: str | None
-    payload: Any
-    future: asyncio.Future
-    stream: asyncio.Queue | None = None
-    """Generation only: the row's text after every step, then None once the future is resolved."""
-    cancelled: bool = False
-    """Its caller has gone: a running generation drops the row at the next step."""
-    held: CachedVariant | None = None
-    """Its variant's store entry in memory, held in the cache from dispatch until the row is answered."""
-    model: str | None = None
-    """The model id it asked for: the entry itself, or one of a group's members ("<group>/<task>")."""
-    enqueued_s: float = field(default_factory=time.perf_counter)
-    generation: Generation | None = None
-    """Streamed generation only: the row's Generation as far as it has gone."""
-
-    def logprobs(self, start: int, stop: int) -> list | None:
-        """Log probabilities of the generated tokens start..stop (appended to on the compute thread: a slice
-        of what is already there is safe to read)."""
-        gen = self.generation
-        return None if gen is None or gen.logprobs is None else gen.logprobs[start:stop]
-
-    @property
-    def loaded(self) -> LoadedVariant | None:
-        return self.held.variant.member(self.model) if self.held is not None else None
-
-
-@dataclass
-class _Generating:
-    """A base's running generation: its DecodeBatch, the rows in it, and rows waiting to join."""
-
-    batch: DecodeBatch
-    pending: list[Row] = field(default_factory=list)
-    running: list[Row] = field(default_factory=list)
 
 
 class Engine:
@@ -85,18 +40,15 @@ class Engine:
         self.store = Store(config.store)
         self.bases: dict[str, BaseModelRuntime] = {}
         self._only = set(bases) if bases is not None else None
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
+        """The one thread that runs forwards and touches slots and families."""
         c = config.cache
         self.cache = VariantCache(self._load_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
-                                  tuple(c.pinned))
+                                  tuple(c.pinned), copier=self._compute)
         for name in self.store.manifest.bases:
             if self._only is None or name in self._only:
                 self._load_base(name)
-        self._queue: asyncio.Queue[Row] | None = None
-        self._worker: asyncio.Task | None = None
-        self._generating: dict[str, _Generating] = {}
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
-        self._accepting = True
-        self.batch_sizes = Distribution(BATCH_BUCKETS)
+        self.scheduler = Scheduler(config.batch, self.cache, Forwards(self.bases), self._compute)
 
     # ---- bases and variants
     def _load_base(self, name: str) -> None:
@@ -122,10 +74,11 @@ class Engine:
 
     def _load_variant(self, name: str, alloc: Alloc) -> LoadedVariant:
         """Runs in a worker thread: a stored variant -> its kind's in-memory form, checked against its slots."""
+        faults.hit("load", [name])
         entry = self.store.variant(name)
         rt = self.bases[entry.base]
         variant = variant_kind(entry.kind).load(self.store, entry, rt.view, alloc)
-        rt.slots(variant.family).check(variant)
+        rt.check(variant)
         return variant
 
     def refresh(self) -> None:
@@ -159,11 +112,11 @@ class Engine:
     async def snapshot(self) -> dict:
         """Counters for metrics: cache events and bytes, queue depth, batch sizes, load times."""
         st = self.cache.stats
-        slots = sum(f.nbytes for rt in self.bases.values() for f in rt.families.values())
+        slots = sum(f.nbytes for rt in self.bases.values() for f in tuple(rt.families.values()))
         return {"cache_hits": st.hits, "cache_misses": st.misses, "cache_evictions": st.evictions,
                 "cache_bytes": {"device": self.cache.used_bytes("device"), "cpu": self.cache.used_bytes("cpu"),
                                 "recycled": self.cache.buffers.free_bytes, "slots": slots},
-                "queue_depth": self.queue_depth, "batch_sizes": self.batch_sizes.to_dict(),
+                "queue_depth": self.scheduler.queue_depth, "batch_sizes": self.scheduler.batch_sizes.to_dict(),
                 "load_seconds": st.load_seconds.to_dict()}
 
     def reload_store(self) -> None:
@@ -220,7 +173,7 @@ class Engine:
         if not labels:
             raise BadRequest(f"model '{model}' is not a classifier")
         if not truncate:
-            self.bases[base].check_inputs_fit(texts)
+            self.bases[base].prompts.check_inputs_fit(texts)
         probs, tokens, truncated = await self._submit("classify", base, variant, texts)
         return Classifications(labels, probs, tokens, truncated)
 
@@ -228,7 +181,7 @@ class Engine:
         """One unit vector per text, and the tokens read; long texts as classify() treats them."""
         base, variant = self.resolve(model)
         if not truncate:
-            self.bases[base].check_inputs_fit(texts)
+            self.bases[base].prompts.check_inputs_fit(texts)
         return await self._submit("embed", base, variant, texts)
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
@@ -242,7 +195,7 @@ class Engine:
         stop string is held back until it cannot (half characters never reach the text: it is decoded
         incrementally)."""
         updates: asyncio.Queue[tuple[str, int] | None] = asyncio.Queue()  # one per decode step: <= max_tokens + 1
-        row = self._enqueue(*self._generation_row(model, params, prompt, messages), stream=updates)
+        row = self.scheduler.submit(*self._generation_row(model, params, prompt, messages), stream=updates)
         held = max((len(s) for s in params.stop), default=1) - 1
         sent = sent_tokens = 0
         with_prompt = params.echo or params.logprobs is not None  # the first piece carries the prompt
@@ -267,222 +220,38 @@ class Engine:
         rt = self.bases[base]
         rt.require_causal()
         if messages is not None:
-            ids = rt.chat_prompt(messages)
+            ids = rt.prompts.chat(messages)
         elif isinstance(prompt, list):
-            ids = rt.check_token_ids(prompt)
+            ids = rt.prompts.check_token_ids(prompt)
         else:
-            ids = rt.encode_prompt(prompt or "")
+            ids = rt.prompts.encode(prompt or "")
         if params.max_tokens is None:
             params = replace(params, max_tokens=max(1, min(self.config.limits.max_tokens, rt.max_length - len(ids))))
-        rt.check_fits(ids, params)
+        rt.prompts.check_fits(ids, params)
         return "generate", base, variant, (ids, params)
 
-    def _enqueue(self, op: Op, base: str, variant: str | None, payload: Any,
-                 stream: asyncio.Queue | None = None) -> Row:
-        if not self._accepting:
-            raise Overloaded("server is shutting down")
-        self._ensure_started()
-        entry = variant.split(MEMBER_SEP, 1)[0] if variant is not None else None  # what the cache holds
-        row = Row(op, base, entry, payload, asyncio.get_running_loop().create_future(), stream, model=variant)
-        try:
-            self._queue.put_nowait(row)
-        except asyncio.QueueFull:
-            raise Overloaded(f"{self._queue.maxsize} requests already waiting; retry later") from None
-        return row
-
-    async def _submit(self, op: Op, base: str, variant: str | None, payload: Any):
-        row = self._enqueue(op, base, variant, payload)
-        try:
-            return await row.future
-        except asyncio.CancelledError:  # the caller has gone (and cancelling it cancelled the future)
-            row.cancelled = True
-            raise
+    async def _submit(self, op: Op, base: str, variant: str | None, payload):
+        return await self.scheduler.result(self.scheduler.submit(op, base, variant, payload))
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize() if self._queue else 0
+        return self.scheduler.queue_depth
 
-    # ---- scheduling
-    def _ensure_started(self) -> None:
-        """The queue and the scheduler live on the event loop that serves requests (one per replica)."""
-        loop = asyncio.get_running_loop()
-        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
-            b = self.config.batch
-            self._queue = asyncio.Queue(maxsize=b.max_queue)
-            self._in_flight = asyncio.Semaphore(b.max_batch_size * b.max_concurrent_groups)
-            self._worker = loop.create_task(self._schedule())
+    @property
+    def batch_sizes(self):
+        """Rows per forward, as a histogram (benchmarks read it)."""
+        return self.scheduler.batch_sizes
 
-    async def _schedule(self) -> None:
-        """Bounded: at most max_batch_size * max_concurrent_groups rows are taken from the queue at once; the
-        rest wait there (and beyond max_queue are refused)."""
-        b = self.config.batch
-        while True:
-            await self._in_flight.acquire()
-            rows = [await self._queue.get()]
-            deadline = time.perf_counter() + b.batch_wait_timeout_s
-            while len(rows) < b.max_batch_size and not self._in_flight.locked():
-                await self._in_flight.acquire()
-                try:
-                    rows.append(await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.perf_counter())))
-                except TimeoutError:
-                    self._in_flight.release()
-                    break
-            ready = []
-            for r in rows:
-                r.held = self.cache.try_acquire(r.variant) if r.variant is not None else None
-                if r.variant is None or r.held is not None:
-                    ready.append(r)
-                else:  # cold: loads in the background, and the rows in memory go on without it
-                    asyncio.get_running_loop().create_task(self._load_then_dispatch(r))
-            self._dispatch(ready)
-
-    async def _load_then_dispatch(self, row: Row) -> None:
-        try:
-            row.held = await self.cache.acquire(row.variant)
-        except Exception as e:  # this row's variant fails alone
-            self._resolve(row, error=e)
-            return
-        self._dispatch([row])
-
-    def _dispatch(self, rows: list[Row]) -> None:
-        """Rows whose variants are held: generate rows join their base's running batch, classify and embed rows
-        of one base become one forward."""
-        loop = asyncio.get_running_loop()
-        groups: dict[tuple[str, str], list[Row]] = {}
-        for r in rows:
-            if r.cancelled:
-                self._resolve(r)
-            elif r.op == "generate":
-                running = self._generating.get(r.base)
-                if running is None:
-                    running = self._generating[r.base] = _Generating(DecodeBatch(self.bases[r.base]))
-                    loop.create_task(self._run_generation(r.base, running))
-                running.pending.append(r)
-            else:
-                groups.setdefault((r.op, r.base), []).append(r)
-        for group in groups.values():
-            loop.create_task(self._run_group(group))
-
-    def _resolve(self, row: Row, result: Any = None, error: BaseException | None = None) -> None:
-        if row.held is not None:
-            self.cache.release(row.held)
-            row.held = None
-        if row.cancelled:
-            row.future.cancel()
-        elif not row.future.done():
-            if error is None:
-                row.future.set_result(result)
-            else:
-                row.future.set_exception(error)
-        if row.stream is not None:
-            row.stream.put_nowait(None)
-        self._queue.task_done()
-        self._in_flight.release()
-
-    async def _run_group(self, rows: list[Row]) -> None:
-        """Classify or embed rows of one base, whatever their variants, in as few forwards as slots allow."""
-        loop = asyncio.get_running_loop()
-        try:
-            results = await loop.run_in_executor(self._compute, self._compute_group, rows)
-            self.batch_sizes.observe(len(rows))
-        except Exception as e:  # every row of the group fails the same way; other groups go on
-            for r in rows:
-                self._resolve(r, error=e)
-        else:
-            for r, res in zip(rows, results):
-                self._resolve(r, res)
-
-    async def _run_generation(self, base: str, group: _Generating) -> None:
-        """The base's running DecodeBatch: admits waiting rows (of any variant), steps, until none are left."""
-        loop = asyncio.get_running_loop()
-        cap = self.config.batch.max_batch_size
-        new: list[Row] = []
-        try:
-            while group.pending or len(group.batch):
-                gone = [r for r in group.running + group.pending if r.cancelled]
-                for row in gone:
-                    self._resolve(row)  # its caller has gone: it leaves the batch at this step
-                group.running = [r for r in group.running if not r.cancelled]
-                pending = [r for r in group.pending if not r.cancelled]
-                room = max(0, cap - len(group.batch))
-                new, group.pending = pending[:room], pending[room:]
-                finished, waiting = await loop.run_in_executor(
-                    self._compute, group.batch.run,
-                    [NewRow(r, r.payload[0], r.payload[1], r.loaded) for r in new], gone)
-                waited = {id(w.tag) for w in waiting}
-                group.running += [r for r in new if id(r) not in waited]
-                group.pending = [w.tag for w in waiting] + group.pending
-                if len(group.batch) or finished:
-                    self.batch_sizes.observe(len(group.batch) + len(finished))
-                for row, gen in group.batch.rows():
-                    if row.stream is not None:
-                        row.stream.put_nowait((gen.text, len(gen.token_ids)))
-                        row.generation = gen
-                for row, gen in finished:
-                    group.running.remove(row)
-                    self._resolve(row, gen)
-        except Exception as e:  # the batch's rows fail together, those it was admitting too; other batches go on
-            await loop.run_in_executor(self._compute, group.batch.close)
-            failed = {id(r): r for r in group.running + new + group.pending if not r.future.done()}
-            for r in failed.values():
-                self._resolve(r, error=e)
-        finally:
-            if self._generating.get(base) is group:
-                del self._generating[base]
-
-    def _compute_group(self, rows: list[Row]) -> list:
-        """On the compute thread: as many rows as get slots go in one forward, then the next, so rows of more
-        adapters than slots still run (in more forwards)."""
-        rt, results = self.bases[rows[0].base], []
-        while len(results) < len(rows):
-            chunk, slots = [], []
-            for r in rows[len(results):]:
-                slot = rt.attach(r.loaded)
-                if slot is None:
-                    break
-                chunk.append(r)
-                slots.append(slot)
-            if not chunk:
-                raise CapacityExceeded(f"every adapter slot of base '{rt.name}' is in use; retry later")
-            try:
-                results += self._forward_rows(rt, chunk, slots)
-            finally:
-                for slot in slots:
-                    rt.detach(slot)
-        return results
-
-    def _forward_rows(self, rt: BaseModelRuntime, rows: list[Row], slots: list) -> list:
-        op = rows[0].op
-        texts = [t for r in rows for t in r.payload]
-        per_text = [s for r, s in zip(rows, slots) for _ in r.payload]
-        if op == "embed":
-            out, tokens = rt.embed(texts, per_text)
-        else:
-            out, tokens = rt.classify(texts, per_text, [r.loaded.head for r in rows for _ in r.payload])
-        at_limit = [i for i, n in enumerate(tokens.tolist()) if n == rt.max_input_tokens]
-        cut = set(i for i, n in zip(at_limit, rt.input_lengths([texts[i] for i in at_limit]))
-                  if n > rt.max_input_tokens)
-        results, at = [], 0
-        for r in rows:
-            span = range(at, at + len(r.payload))
-            read, truncated = int(tokens[at:span.stop].sum()), sum(i in cut for i in span)
-            if op == "embed":
-                results.append(Embeddings(out[at:span.stop].tolist(), read, truncated))
-            else:
-                results.append(([out[i].tolist() for i in span], read, truncated))
-            at = span.stop
-        return results
+    def holds(self) -> dict[str, int]:
+        """Rows holding cache entries and slots now, by name (empty once every row has been answered)."""
+        out = {f"cache:{n}": e.in_use for n, e in self.cache.entries() if e.in_use}
+        for rt in self.bases.values():
+            out.update({f"slots:{rt.name}:{f}": n for f, n in rt.slot_refs().items()})
+        return out
 
     async def drain(self, timeout_s: float = 30.0) -> None:
-        """Stop taking requests and wait for those already queued or running."""
-        self._accepting = False
-        if self._queue is not None:
-            try:
-                await asyncio.wait_for(self._queue.join(), timeout_s)
-            except TimeoutError:
-                pass
-        if self._worker is not None:
-            self._worker.cancel()
+        """Stop taking requests and wait (bounded) for those already queued or running."""
+        await self.scheduler.drain(timeout_s)
         self._compute.shutdown(wait=True)
 
 

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from serve.engine import faults
 from serve.engine.batch import BatchPlan, RowSlot
 from serve.engine.model import BaseModelRuntime
+from serve.engine.rows import Step
 from serve.engine.types import Generation, SamplingParams, TokenLogprob
 from serve.variants.base import LoadedVariant
 
@@ -40,8 +42,13 @@ class _Seq:
     params: SamplingParams
     rng: torch.Generator | None
     tag: Any
-    slot: RowSlot
+    slot: RowSlot | None
+    """None once detached: a slot is given back exactly once, whatever fails."""
+    name: str
+    """The cache entry it runs, or the base's name (what a fault or a log line names)."""
     done: bool = False
+    failed: BaseException | None = None
+    """It failed alone (detokenising): it leaves the batch with this error, the other rows go on."""
     tail: list[int] = field(default_factory=list)
     """The prompt's last CONTEXT tokens: the text is decoded after them, so it reads as a continuation."""
     prefix_offset: int = 0
@@ -50,12 +57,12 @@ class _Seq:
     read_offset: int = 0
 
     @classmethod
-    def start(cls, row: NewRow, slot: RowSlot) -> "_Seq":
+    def start(cls, row: NewRow, slot: RowSlot, name: str) -> "_Seq":
         p = row.params
         gen = Generation(prompt_tokens=len(row.prompt), logprobs=[] if p.logprobs is not None else None)
         rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         tail = row.prompt[-CONTEXT:]
-        return cls(gen, p, rng, row.tag, slot, tail=tail, read_offset=len(tail))
+        return cls(gen, p, rng, row.tag, slot, name, tail=tail, read_offset=len(tail))
 
 
 CONTEXT = 5
@@ -77,6 +84,9 @@ class DecodeBatch:
     def __init__(self, rt: BaseModelRuntime):
         self.rt = rt
         self.seqs: list[_Seq] = []
+        self._admitting: list[_Seq] = []
+        """Rows being prefilled: attached, not yet in seqs (close() releases them too)."""
+        self._failed: list[tuple[Any, BaseException]] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=rt.device)  # [rows, cached length]
         self.last = torch.zeros((0, 1), dtype=torch.long, device=rt.device)  # the token each row feeds next
@@ -90,29 +100,56 @@ class DecodeBatch:
         return [(s.tag, s.gen) for s in self.seqs]
 
     @torch.no_grad()
-    def run(self, new: Sequence[NewRow], abort: Sequence[Any] = ()
-            ) -> tuple[list[tuple[Any, Generation]], list[NewRow]]:
+    def run(self, new: Sequence[NewRow], abort: Sequence[Any] = ()) -> Step:
         """Drop the rows tagged in abort, admit new rows that get a slot, then one decode step for every row;
-        -> ((tag, Generation) of the rows that finished, the new rows left waiting for a free slot)."""
+        -> the tags of the rows that finished (with their Generation), of new rows left waiting for a free
+        slot, and of rows that failed alone. If the prefill or the step raises, the batch is to be closed."""
         if abort:
             for s in self.seqs:
                 s.done = s.done or any(s.tag is t for t in abort)
             self._drop_finished()
-        admitted, waiting = [], []
+        step = Step()
         for row in new:
-            slot = self.rt.attach(row.variant)
-            (waiting if slot is None else admitted).append((row, slot))
-        finished = self._admit(admitted) if admitted else []
+            try:
+                slot = self.rt.attach(row.variant)
+            except Exception as e:  # this row alone
+                step.failed.append((row.tag, e))
+                continue
+            if slot is None:
+                step.waiting.append(row.tag)
+            else:
+                self._admitting.append(_Seq.start(row, slot, self._entry(row.variant)))
+        if self._admitting:
+            step.finished += self._admit([r for r in new if any(s.tag is r.tag for s in self._admitting)])
         if self.seqs:
-            finished += self._step()
-        return finished, [row for row, _ in waiting]
+            step.finished += self._step()
+        step.failed += self._failed
+        self._failed = []
+        return step
+
+    def _entry(self, variant: LoadedVariant | None) -> str:
+        if variant is None:
+            return self.rt.name
+        return variant.parent.name if variant.parent is not None else variant.name
 
     def close(self) -> None:
-        """Release every running row's slot (the batch failed, or is abandoned)."""
-        for s in self.seqs:
-            self.rt.detach(s.slot)
-        self.seqs = []
-        self.cache = None
+        """Give back every row's slot, running or being admitted (the batch failed, or has ended); each is
+        given back even if another's raises, and the first error is raised after."""
+        errors = []
+        for s in self.seqs + self._admitting:
+            try:
+                self._release(s)
+                faults.hit("close", [s.name])
+            except Exception as e:
+                errors.append(e)
+        self.seqs, self._admitting, self.cache = [], [], None
+        if errors:
+            raise errors[0]
+
+    def _release(self, s: _Seq) -> None:
+        slot, s.slot = s.slot, None
+        if slot is not None:
+            self.rt.detach(slot)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                  seqs: list[_Seq], every_position: bool = False) -> torch.Tensor:
@@ -122,34 +159,38 @@ class DecodeBatch:
                            use_cache=True, logits_to_keep=0 if every_position else 1)
         return out.logits.float() if every_position else out.logits[:, -1, :].float()
 
-    def _admit(self, admitted: list[tuple[NewRow, RowSlot]]) -> list[tuple[Any, Generation]]:
+    def _admit(self, admitted: list[NewRow]) -> list[tuple[Any, Generation]]:
+        """Prefill the rows of self._admitting (in the order of `admitted`) and merge them into the batch."""
+        seqs = self._admitting
+        faults.hit("prefill", [s.name for s in seqs])
         dev, n = self.rt.device, len(admitted)
-        longest = max(len(r.prompt) for r, _ in admitted)
+        longest = max(len(r.prompt) for r in admitted)
         ids = torch.full((n, longest), self.rt.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, (r, _) in enumerate(admitted):
+        for i, r in enumerate(admitted):
             ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, longest - len(r.prompt):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        seqs = [_Seq.start(r, slot) for r, slot in admitted]
         cache = DynamicCache()
-        echo = any(r.params.echo and r.params.logprobs is not None for r, _ in admitted)
+        echo = any(r.params.echo and r.params.logprobs is not None for r in admitted)
         logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, seqs, every_position=echo)
         if echo:
-            for s, (r, _), row_logits in zip(seqs, admitted, logits):
+            for s, r, row_logits in zip(seqs, admitted, logits):
                 if r.params.echo and r.params.logprobs is not None:
                     s.gen.prompt_logprobs = self._prompt_logprobs(r.prompt, row_logits[longest - len(r.prompt):],
                                                                   r.params.logprobs)
             logits = logits[:, -1, :]
-        for s, (r, _) in zip(seqs, admitted):
+        for s, r in zip(seqs, admitted):
             if r.params.echo or r.params.logprobs is not None:
                 s.gen.prompt_text = self.rt.tokenizer.decode(r.prompt)
         last = self._choose(seqs, logits)
-        next_pos = torch.tensor([[len(r.prompt)] for r, _ in admitted], dtype=torch.long, device=dev)
+        next_pos = torch.tensor([[len(r.prompt)] for r in admitted], dtype=torch.long, device=dev)
         self._merge(seqs, cache, mask, last, next_pos)
+        self._admitting = []
         return self._drop_finished()
 
     def _step(self) -> list[tuple[Any, Generation]]:
+        faults.hit("decode", [s.name for s in self.seqs])
         ones = torch.ones((len(self.seqs), 1), dtype=torch.long, device=self.rt.device)
         self.mask = torch.cat([self.mask, ones], dim=1)
         logits = self._forward(self.last, self.mask, self.next_pos, self.cache, self.seqs)
@@ -162,10 +203,14 @@ class DecodeBatch:
         chosen = tokens.tolist()
         # Rows that asked for log probabilities get an entry for every token taken, an end-of-text token too
         # (which the text and token_ids leave out, as OpenAI's do); a max_tokens 0 row takes none.
-        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and s.params.max_tokens > 0]
+        asking = [i for i, s in enumerate(seqs)
+                  if s.params.logprobs is not None and s.params.max_tokens > 0 and s.failed is None]
         contexts = {i: (seqs[i].tail + seqs[i].gen.token_ids)[-CONTEXT:] for i in asking}  # before this token
         for s, tok in zip(seqs, chosen):
-            s.done = self._advance(s, tok)
+            try:
+                s.done = self._advance(s, tok)
+            except Exception as e:  # this row's text alone: it leaves with the error, the batch goes on
+                s.failed, s.done = e, True
         for k in sorted({seqs[i].params.logprobs for i in asking}):
             idx = [i for i in asking if seqs[i].params.logprobs == k]
             entries = self._logprobs(logits[idx], [chosen[i] for i in idx], k, [contexts[i] for i in idx])
@@ -209,6 +254,7 @@ class DecodeBatch:
             return True
         gen.token_ids.append(tok)
         before = len(gen.text)
+        faults.hit("detokenize", [s.name])
         self._decode_new(s)
         longest_stop = max((len(x) for x in params.stop), default=0)
         for x in params.stop:
@@ -252,12 +298,13 @@ class DecodeBatch:
         self.seqs = self.seqs + seqs
 
     def _drop_finished(self) -> list[tuple[Any, Generation]]:
-        finished = [(s.tag, s.gen) for s in self.seqs if s.done]
-        if not finished:
-            return finished
+        if not any(s.done for s in self.seqs):
+            return []
+        finished = [(s.tag, s.gen) for s in self.seqs if s.done and s.failed is None]
+        self._failed += [(s.tag, s.failed) for s in self.seqs if s.failed is not None]
         for s in self.seqs:
             if s.done:
-                self.rt.detach(s.slot)
+                self._release(s)
         keep = [i for i, s in enumerate(self.seqs) if not s.done]
         self.seqs = [self.seqs[i] for i in keep]
         if not keep:

@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 
 from serve.config import SlotsConfig
+import serve.engine.emr_slots  # noqa: F401  (registers the "emr" family)
+from serve.engine import faults
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.layers import SlotLayers, leaf_modules
 from serve.engine.neuzip import CodedWeights
 from serve.engine.neuzip import load_model as load_neuzip
 from serve.engine.slots import FAMILIES, Slots, family_class
-from serve.engine.types import SamplingParams
+from serve.engine.prompts import Prompts, token_counts
 from serve.errors import BadRequest
 from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile
 from serve.store.tensors import SafetensorsSource, tensor_digest
@@ -53,17 +55,19 @@ class BaseModelRuntime:
         if not streams:
             self.model.to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        """The compute thread's; the event loop has its own in `prompts` (serve/engine/prompts.py)."""
         if self.causal and self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_length = int(getattr(config, "max_position_embeddings", 512))
         self.max_input_tokens = self.max_length if self.causal else encoder_limit(model_dir, self.max_length)
+        self.prompts = Prompts(name, AutoTokenizer.from_pretrained(model_dir), self.max_length, self.max_input_tokens)
         tensors = {n: t.detach() for n, t in self.model.state_dict().items()}
         if self.device.type != "cpu":
             host = SafetensorsSource(model_dir)  # decoders read the stored base; no second copy stays resident
         self.view = BaseView(name, tensors, host, digests, leaf_modules(self.model))
         self.slots_config = slots
         self.families: dict[str, Slots] = {f: cls(self.view, self.device, slots) for f, cls in FAMILIES.items()
-                                           if f != "emr"}
+                                           if not cls.per_entry}
         self.layers = SlotLayers(self.view.modules, self.families)
         # After the correction hooks: a coded weight goes back to its placeholder once they have run.
         self.coded = CodedWeights(self.model, streams, decoded_bytes) if streams else None
@@ -76,18 +80,25 @@ class BaseModelRuntime:
         params = [p for p in self.model.parameters() if not p.is_meta]  # parameters() yields a tied one once
         return sum(p.numel() * p.element_size() for p in params) + (self.coded.nbytes if self.coded else 0)
 
-    # ---- slots
-    def slots(self, family: str) -> Slots:
-        """A family's slots; a group's own family ("emr:<group>") gets them on first use."""
-        if family not in self.families:
-            self.families[family] = family_class(family)(self.view, self.device, self.slots_config, family=family)
-        return self.families[family]
+    # ---- slots: created, attached, detached and removed on the compute thread only
+    def _new_family(self, family: str) -> Slots:
+        return family_class(family)(self.view, self.device, self.slots_config, family=family)
+
+    def check(self, variant: LoadedVariant) -> None:
+        """Raise VariantIncompatible if the variant can never sit in its family's slots (any thread: it reads
+        the family if there is one, and creates none)."""
+        (self.families.get(variant.family) or self._new_family(variant.family)).check(variant)
 
     def attach(self, variant: LoadedVariant | None) -> RowSlot | None:
-        """A row's place in the next forwards; None when its family has no free slot (the row waits)."""
+        """A row's place in the next forwards; None when its family has no free slot (the row waits). A group's
+        own family ("emr:<group>") gets its slots on first use."""
         if variant is None:
+            faults.hit("attach", [self.name])
             return BASE_ROW
-        slot = self.slots(variant.family).attach(variant)
+        faults.hit("attach", [variant.name, variant.parent.name if variant.parent is not None else None])
+        if variant.family not in self.families:
+            self.families[variant.family] = self._new_family(variant.family)
+        slot = self.families[variant.family].attach(variant)
         return None if slot is None else RowSlot(variant.family, slot)
 
     def detach(self, row: RowSlot) -> None:
@@ -95,8 +106,16 @@ class BaseModelRuntime:
             self.families[row.family].detach(row.slot)
 
     def forget(self, name: str) -> None:
-        for family in self.families.values():
+        """The variant was removed or replaced: no slot serves it again; a group's own family goes once no row
+        uses it."""
+        for family in list(self.families.values()):
             family.forget(name)
+        for key in [k for k, f in self.families.items() if k.partition(":")[2] == name and f.in_use == 0]:
+            del self.families[key]
+
+    def slot_refs(self) -> dict[str, int]:
+        """Rows holding a slot, per family (zero everywhere once every row has left)."""
+        return {f: s.in_use for f, s in self.families.items() if s.in_use}
 
     def call(self, plan: BatchPlan, **kwargs):
         with self.layers.planned(plan):
@@ -104,14 +123,8 @@ class BaseModelRuntime:
 
     # ---- encoders
     def input_lengths(self, texts: list[str]) -> list[int]:
-        """Tokens of each text, special tokens included, before any truncation."""
-        return [len(i) for i in self.tokenizer(texts)["input_ids"]] if texts else []
-
-    def check_inputs_fit(self, texts: list[str]) -> None:
-        for i, n in enumerate(self.input_lengths(texts)):
-            if n > self.max_input_tokens:
-                raise BadRequest(f"input {i}: {n} tokens; model '{self.name}' reads at most {self.max_input_tokens} "
-                                 f"(send truncate: true to cut it)")
+        """Tokens of each text before any truncation (compute thread: its tokenizer)."""
+        return token_counts(self.tokenizer, texts)
 
     @torch.no_grad()
     def _encode(self, texts: list[str], rows: list[RowSlot]) -> tuple[list, list[int]]:
@@ -162,36 +175,6 @@ class BaseModelRuntime:
 
     def require_causal(self) -> None:
         self._need(encoder=False)
-
-    # ---- prompts
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise BadRequest(f"model '{self.name}' has no chat template")
-        from jinja2 import TemplateError
-
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-        except TemplateError as e:  # the template's own check, such as roles it does not take
-            raise BadRequest(f"messages: the chat template of '{self.name}' refuses them: {e}") from None
-        return list(ids)
-
-    def check_token_ids(self, ids: list[int]) -> list[int]:
-        vocab = len(self.tokenizer)
-        for i in ids:
-            if not 0 <= i < vocab:
-                raise BadRequest(f"prompt: token id {i} is outside the vocabulary (0 to {vocab - 1})")
-        return list(ids)
-
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-
-    def check_fits(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise BadRequest("the prompt encodes to no tokens")
-        if len(prompt) + params.max_tokens > self.max_length:
-            raise BadRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                             f"context of {self.max_length} tokens")
 
 
 def encoder_limit(model_dir: str | Path, positions: int) -> int:

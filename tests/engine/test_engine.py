@@ -8,7 +8,7 @@ import torch
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
-from serve.errors import BadRequest, Overloaded, VariantNotFound
+from serve.errors import BadRequest, Overloaded, RowFailed, VariantNotFound
 from tests.conftest import same_bits
 
 
@@ -272,20 +272,20 @@ def test_a_caller_that_leaves_stops_its_row(serving_store):
         deltas = eng.complete_stream("tiny-lm", SamplingParams(max_tokens=200), prompt="a")
         pieces = [await anext(deltas), await anext(deltas)]
         await deltas.aclose()
-        await asyncio.wait_for(eng._queue.join(), 10)  # the row is resolved: it left the batch
+        await asyncio.wait_for(eng.scheduler._queue.join(), 10)  # the row is resolved: it left the batch
         return pieces
 
     async def cancel():
         task = asyncio.ensure_future(eng.complete("tiny-lm", SamplingParams(max_tokens=200), prompt="a"))
         await _wait_for_forwards(eng, 2)
         task.cancel()
-        await asyncio.wait_for(eng._queue.join(), 10)
+        await asyncio.wait_for(eng.scheduler._queue.join(), 10)
 
     pieces = run(leave())
     assert all(p.text and p.final is None for p in pieces)
-    assert not eng._generating and eng.batch_sizes.count < 100
+    assert not eng.scheduler._generating and eng.batch_sizes.count < 100
     run(cancel())
-    assert not eng._generating and eng.batch_sizes.count < 200
+    assert not eng.scheduler._generating and eng.batch_sizes.count < 200
 
 
 @pytest.mark.parametrize("lengths", [[5], [3, 50, 4, 48, 5, 120, 49], [10] * 7, list(range(1, 40))])
@@ -376,4 +376,5 @@ def test_a_decode_step_that_fails_while_admitting_rows_fails_them_too(serving_st
         return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 120)  # a guard against a hang
 
     results = asyncio.run(both())
-    assert calls and all(isinstance(r, RuntimeError) and "decode step failed" in str(r) for r in results)
+    assert calls and all(isinstance(r, RowFailed) and "decode step failed" in str(r) for r in results)
+    assert [str(r).split(":")[0] for r in results] == ["model 'tiny-lm'", "model 'tiny-lm-top'"]

@@ -98,7 +98,7 @@ PROMPTS = ["the cat sat on", "a big red dog", "one two three four", "the dog ran
 def test_mixed_forward_logits_equal_peft_row_by_row(mixed):
     engine, dirs = mixed
     rt = engine.bases["tiny-lm"]
-    ids = torch.tensor([rt.encode_prompt(p) for p in PROMPTS])  # equal lengths: no padding
+    ids = torch.tensor([rt.prompts.encode(p) for p in PROMPTS])  # equal lengths: no padding
 
     async def forward():
         held = [await engine.cache.acquire(m.split("/")[0]) if m != "tiny-lm" else None for m in LM_ROWS]

@@ -68,7 +68,7 @@ def mixed_logits(engine: Engine, base: str) -> torch.Tensor:
     """Rows of the base, an adapter and two full variants of `base` in one forward: [rows, seq, vocab]."""
     rt = engine.bases[base]
     models = [base + s for s in LM_MODELS]
-    ids = torch.tensor([rt.encode_prompt(p) for p in PROMPTS])  # equal lengths: no padding
+    ids = torch.tensor([rt.prompts.encode(p) for p in PROMPTS])  # equal lengths: no padding
 
     async def forward():
         held = [await engine.cache.acquire(m) if m != base else None for m in models]

@@ -1,0 +1,129 @@
+"""EMR-Merging's correction family, "emr:<group>": the tasks of one EMR group sit in slots of their own (see
+serve/engine/slots.py for what a family is, serve/codecs/emr.py for the maths)."""
+
+import torch
+from torch.func import functional_call
+
+from kernels import emr_delta, masked, unpack_bits
+from serve.config import SlotsConfig
+from serve.codecs.emr import reconstruct
+from serve.engine.batch import BatchPlan
+from serve.engine.slots import Slots, register_family, tensor_owners
+from serve.errors import VariantIncompatible
+from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
+
+
+@register_family
+class EmrSlots(Slots):
+    """Family "emr:<group>": the tasks of one EMR group, slot = the task's index in its bundle. Rows of task t add
+    lambda_t x (M_t * tau_uni)^T in every module the group merged (serve/codecs/emr.py):
+    - Linear weights through kernels.emr_delta (masks read packed; tau_uni shared by all the group's rows);
+    - Embedding weights per token: tau_uni's rows for the token ids, under the task's mask rows;
+    - every other merged tensor (norms, biases elsewhere) is small: the task's W_t_hat is formed for the
+      forward and the module run on the task's rows with it, as a full variant's.
+    The slots hold references to one loaded group (the cache's); a group replaced in the store waits until
+    the rows of the old one have left."""
+
+    family = "emr"
+    per_entry = True
+
+    def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig, family: str = "emr"):
+        super().__init__(base, device)
+        self.family = family
+        self._owners = tensor_owners(base)
+        self.group: LoadedVariant | None = None
+        self.refs: dict[int, int] = {}
+        self.merged: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        """module -> [(parameter, tau_uni [shape], masks uint8 [tasks, *shape[:-1], ceil(shape[-1] / 8)])]."""
+        self.scale: torch.Tensor | None = None
+        """[tasks] fp32: each task's lambda."""
+
+    def check(self, variant: LoadedVariant) -> None:
+        for name in variant.tensors:
+            if name.endswith(MASKS_SUFFIX):
+                continue
+            if not self._owners.get(name):
+                raise VariantIncompatible(f"EMR group '{variant.name}': tensor '{name}' is held by no module of "
+                                          f"base '{self.base.name}'")
+
+    @property
+    def in_use(self) -> int:
+        return sum(self.refs.values())
+
+    def attach(self, variant: LoadedVariant) -> int | None:
+        group = variant.parent
+        if group is not self.group:
+            if any(self.refs.values()):
+                return None  # rows of the group's previous bundle still run
+            self._use(group)
+        self.refs[variant.index] = self.refs.get(variant.index, 0) + 1
+        return variant.index
+
+    def detach(self, slot: int) -> None:
+        self.refs[slot] -= 1
+        if not any(self.refs.values()):
+            self._use(None)  # no reference outlives the rows: the cache may free the group
+
+    def forget(self, name: str) -> None:
+        if not any(self.refs.values()):
+            self._use(None)
+
+    def _use(self, group: LoadedVariant | None) -> None:
+        self.group, self.refs, self.merged, self.scale = group, {}, {}, None
+        if group is None:
+            return
+        for name, tau in group.tensors.items():
+            if name.endswith(MASKS_SUFFIX):
+                continue
+            masks = group.tensors[name + MASKS_SUFFIX]
+            for module, local in self._owners[name]:
+                self.merged.setdefault(module, []).append((local, tau, masks))
+        lambdas = [m.scales["rescaler"] for m in sorted(group.members.values(), key=lambda m: m.index)]
+        self.scale = torch.tensor(lambdas, dtype=torch.float32, device=self.device)
+
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        return name in self.merged
+
+    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              plan: BatchPlan) -> torch.Tensor:
+        merged = self.merged[name]
+        if isinstance(module, torch.nn.Embedding):
+            return self._embedding(merged, x, y, plan)
+        if isinstance(module, torch.nn.Linear):
+            return self._linear(merged, x, y, plan)
+        for slot, rows in plan.groups(self.family):  # norms and the like: small, formed per task
+            params = {local: reconstruct(getattr(module, local), tau, _unpacked(masks[slot], tau), self._scale(slot))
+                      for local, tau, masks in merged}
+            y[rows] = functional_call(module, params, (x[rows],))
+        return y
+
+    def _scale(self, slot: int) -> float:
+        return float(self.scale[slot])
+
+    def _linear(self, merged, x: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]
+        y2 = y.view(-1, y.shape[-1])  # [tokens, out]
+        seg = plan.segments(self.family, x2.shape[0])
+        for local, tau, masks in merged:
+            if local == "weight":
+                emr_delta(x2, tau, masks, self.scale, seg, y2)
+            else:  # the bias: one [out] delta per task
+                delta = masked(masks[seg.slots], tau) * self.scale[seg.slots, None]  # [S, out]
+                y2.index_add_(0, seg.order, delta.repeat_interleave(seg.lengths, 0).to(y2.dtype))
+        return y
+
+    def _embedding(self, merged, ids: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        (_, tau, masks), = merged
+        flat = ids.reshape(-1)  # [tokens]
+        y2 = y.view(-1, y.shape[-1])  # [tokens, dim]
+        seg = plan.segments(self.family, flat.numel())
+        task = seg.slots.repeat_interleave(seg.lengths)  # [n] each sorted token's task
+        token = flat[seg.order]  # [n] its id
+        delta = masked(masks[task, token], tau[token]) * self.scale[task, None]  # [n, dim]
+        y2.index_add_(0, seg.order, delta.to(y2.dtype))
+        return y
+
+
+def _unpacked(masks: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """One task's packed mask -> bool of tau's shape."""
+    return unpack_bits(masks, tau.shape[-1] if tau.dim() else 1).reshape(tau.shape)

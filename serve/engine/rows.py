@@ -1,0 +1,105 @@
+"""The scheduler's rows, and the seams it drives: the cache it holds variants in (Holds), the forwards it runs on
+the compute thread (Forwards, GenerationBatch) and what a generation step reports back (Step). Plain Python, no
+torch: serve/engine/forwards.py and cache.py implement the seams.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from serve.engine.types import Generation
+from serve.errors import ManyfoldError, RowFailed
+
+Op = Literal["classify", "embed", "generate"]
+
+
+@dataclass(eq=False)
+class Row:
+    op: Op
+    base: str
+    variant: str | None
+    """The cache entry it runs (a group's name for a group member); None for the base itself."""
+    payload: Any
+    future: asyncio.Future
+    model: str | None = None
+    """The model id it asked for: the entry itself, or one of a group's members ("<group>/<task>")."""
+    stream: asyncio.Queue | None = None
+    """Generation only: the row's (text, tokens) after every step, then None once the future is resolved."""
+    cancelled: bool = False
+    """Its caller has gone: a running generation drops the row at the next step."""
+    held: Any = None
+    """Its variant's cache entry, held from dispatch until the row is resolved."""
+    done: bool = False
+    """Resolved: its hold, queue place and permit are back."""
+    enqueued_s: float = field(default_factory=time.perf_counter)
+    generation: Generation | None = None
+    """Streamed generation only: the row's Generation as far as it has gone."""
+
+    @property
+    def label(self) -> str:
+        """The model the client asked for, as error messages name it."""
+        return self.model or self.base
+
+    @property
+    def loaded(self) -> Any:
+        """The row's variant in memory (a LoadedVariant), or None for the base."""
+        return self.held.variant.member(self.model) if self.held is not None else None
+
+    def logprobs(self, start: int, stop: int) -> list | None:
+        """Log probabilities of the generated tokens start..stop (appended to on the compute thread: a slice of
+        what is already there is safe to read)."""
+        gen = self.generation
+        return None if gen is None or gen.logprobs is None else gen.logprobs[start:stop]
+
+
+class Holds(Protocol):
+    """The variant cache, as the scheduler uses it (serve/engine/cache.py)."""
+
+    def try_acquire(self, name: str) -> Any | None: ...
+
+    async def acquire(self, name: str) -> Any: ...
+
+    def release(self, held: Any) -> None: ...
+
+
+@dataclass
+class Step:
+    """What one generation step did to its rows."""
+
+    finished: list[tuple[Row, Generation]] = field(default_factory=list)
+    waiting: list[Row] = field(default_factory=list)
+    """New rows left for a later step (no free slot)."""
+    failed: list[tuple[Row, BaseException]] = field(default_factory=list)
+    """Rows that failed alone (their attach, their detokenising); the others went on."""
+
+
+class GenerationBatch(Protocol):
+    """A base's running generation (serve/engine/forwards.py); every method runs on the compute thread."""
+
+    def __len__(self) -> int: ...
+
+    def run(self, new: list[Row], gone: list[Row]) -> Step: ...
+
+    def rows(self) -> list[tuple[Row, Generation]]: ...
+
+    def close(self) -> None: ...
+
+
+class Forwards(Protocol):
+    def encode(self, rows: list[Row]) -> list[Any]:
+        """Classify or embed rows of one base (compute thread): a result, or the exception of a row that failed
+        alone, per row."""
+
+    def generation(self, base: str) -> GenerationBatch: ...
+
+
+def row_error(row: Row, stage: str, e: BaseException) -> ManyfoldError:
+    """A ManyfoldError is the row's own answer (a client's mistake, a variant that does not fit, capacity);
+    anything else becomes RowFailed naming the model and the stage."""
+    if isinstance(e, ManyfoldError):
+        return e
+    cause = (str(e).splitlines() or [""])[0][:200]
+    err = RowFailed(f"model '{row.label}': {stage} failed ({type(e).__name__}{': ' + cause if cause else ''})")
+    err.__cause__ = e
+    return err

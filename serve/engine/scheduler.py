@@ -1,0 +1,343 @@
+"""The scheduler: requests become rows in one bounded queue, rows are gathered, their variants held in the cache,
+and dispatched to the forwards. Plain asyncio, no torch: the forwards (serve/engine/forwards.py) run on the one
+compute thread it is given, so the event loop keeps answering.
+
+The scheduler takes the first waiting row and gathers more for up to `batch_wait_timeout_s` or `max_batch_size`
+rows (beyond max_queue, Overloaded: HTTP 429). A row whose variant is on the fast tier is held and dispatched at
+once; any other is acquired in its own task (a load, or a promotion from the cpu tier), so it never holds up
+the rest. Classify and embed rows of one gather and base are one forward; generate rows join their base's one
+running generation between decode steps.
+
+Supervised: whatever raises (an acquisition, an attach, a prefill, a decode step, closing a batch, a forward),
+only the rows that step touched fail, each with RowFailed naming its model and the stage, and the scheduler goes
+on serving the same queue. Every row is resolved exactly once (`_finish`), which releases its cache hold, its
+place in the queue and its permit, whatever happened.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.config import BatchConfig
+from serve.engine.rows import Forwards, GenerationBatch, Holds, Op, Row, Step, row_error
+from serve.engine.stats import BATCH_BUCKETS, Distribution
+from serve.errors import ManyfoldError, Overloaded
+from serve.store.manifest import MEMBER_SEP
+
+log = logging.getLogger("manyfold.engine")
+
+@dataclass
+class _Generating:
+    """A base's running generation: its batch, the rows in it, and rows waiting to join."""
+
+    batch: GenerationBatch
+    pending: list[Row] = field(default_factory=list)
+    running: list[Row] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: BatchConfig, holds: Holds, forwards: Forwards, compute: Executor):
+        self.config = config
+        self.holds = holds
+        self.forwards = forwards
+        self.compute = compute
+        self.accepting = True
+        self.batch_sizes = Distribution(BATCH_BUCKETS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[Row] | None = None
+        self._in_flight: asyncio.Semaphore | None = None
+        self._worker: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._generating: dict[str, _Generating] = {}
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize() if self._queue is not None else 0
+
+    # ---- requests
+    def submit(self, op: Op, base: str, model: str | None, payload: Any, stream: asyncio.Queue | None = None) -> Row:
+        """Queue a row (Overloaded when the queue is full or the server is stopping); await its future."""
+        if not self.accepting:
+            raise Overloaded("server is shutting down")
+        self._start()
+        entry = model.split(MEMBER_SEP, 1)[0] if model is not None else None  # what the cache holds (a group's name)
+        row = Row(op, base, entry, payload, self._loop.create_future(), model=model, stream=stream)
+        try:
+            self._queue.put_nowait(row)
+        except asyncio.QueueFull:
+            raise Overloaded(f"{self._queue.maxsize} requests already waiting; retry later") from None
+        return row
+
+    async def result(self, row: Row) -> Any:
+        try:
+            return await row.future
+        except asyncio.CancelledError:  # the caller has gone (and cancelling it cancelled the future)
+            row.cancelled = True
+            raise
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests and wait (bounded) for those already queued or running."""
+        self.accepting = False
+        if self._queue is not None:
+            try:
+                await asyncio.wait_for(self._queue.join(), timeout_s)
+            except TimeoutError:
+                pass
+        if self._worker is not None:
+            self._worker.cancel()
+
+    # ---- the loop, supervised
+    def _start(self) -> None:
+        """The queue lives on the event loop that serves requests (one per replica; a test's asyncio.run makes
+        another, whose rows the old loop could never serve). A loop that ended is restarted on the same queue."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._worker, self._generating = loop, None, {}
+            self._queue = asyncio.Queue(maxsize=self.config.max_queue)
+            self._in_flight = asyncio.Semaphore(self.config.max_batch_size * self.config.max_concurrent_groups)
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._gather_loop())
+            self._worker.add_done_callback(self._supervise)
+
+    def _supervise(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        log.error("the scheduler loop ended; restarting it on the same queue", exc_info=task.exception())
+        if self.accepting and task.get_loop() is self._loop and not self._loop.is_closed():
+            self._start_again()
+
+    def _start_again(self) -> None:
+        self._worker = self._loop.create_task(self._gather_loop())
+        self._worker.add_done_callback(self._supervise)
+
+    async def _gather_loop(self) -> None:
+        while True:
+            rows = await self._gather()
+            try:
+                self._admit(rows)
+            except Exception as e:
+                log.exception("admitting %d rows failed", len(rows))
+                for r in rows:
+                    self._fail(r, "admission", e)
+
+    async def _gather(self) -> list[Row]:
+        """Bounded: at most max_batch_size * max_concurrent_groups rows are out of the queue at once; the rest
+        wait there (and beyond max_queue are refused). Each row taken holds one permit until it is resolved."""
+        rows: list[Row] = []
+        try:
+            await self._in_flight.acquire()
+            try:
+                rows.append(await self._queue.get())
+            except BaseException:
+                self._in_flight.release()
+                raise
+            deadline = time.perf_counter() + self.config.batch_wait_timeout_s
+            while len(rows) < self.config.max_batch_size and not self._in_flight.locked():
+                await self._in_flight.acquire()
+                try:
+                    rows.append(await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.perf_counter())))
+                except BaseException:
+                    self._in_flight.release()
+                    raise
+        except TimeoutError:
+            pass
+        except BaseException:  # cancelled (drain): the rows taken get an answer too
+            for r in rows:
+                self._finish(r, error=Overloaded("server is shutting down"))
+            raise
+        return rows
+
+    def _spawn(self, coro: Coroutine) -> None:
+        """Every task the scheduler starts is kept (not garbage-collected mid-flight) and its failure logged."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a scheduler task failed", exc_info=task.exception())
+
+    # ---- admission and dispatch
+    def _admit(self, rows: list[Row]) -> None:
+        ready = []
+        for r in rows:
+            if r.variant is None:
+                ready.append(r)
+                continue
+            try:
+                r.held = self.holds.try_acquire(r.variant)
+            except Exception as e:
+                log.exception("acquiring '%s' failed", r.variant)
+                self._fail(r, "acquiring its variant", e)
+                continue
+            if r.held is not None:
+                ready.append(r)
+            else:  # cold, or on the cpu tier: acquired in the background; the rows in memory go on without it
+                self._spawn(self._acquire_then_dispatch(r))
+        self._dispatch(ready)
+
+    async def _acquire_then_dispatch(self, row: Row) -> None:
+        try:
+            row.held = await self.holds.acquire(row.variant)
+        except Exception as e:  # this row's variant fails alone
+            if not isinstance(e, ManyfoldError):
+                log.exception("loading '%s' failed", row.variant)
+            self._fail(row, "loading its variant", e)
+            return
+        finally:
+            if row.held is None and not row.done:  # cancelled mid-load
+                self._finish(row, error=Overloaded("server is shutting down"))
+        self._dispatch([row])
+
+    def _dispatch(self, rows: list[Row]) -> None:
+        """Generate rows join their base's running generation; classify and embed rows of one base become one
+        forward."""
+        groups: dict[tuple[str, str], list[Row]] = {}
+        for r in rows:
+            if r.cancelled:
+                self._finish(r)
+            elif r.op == "generate":
+                self._join_generation(r)
+            else:
+                groups.setdefault((r.op, r.base), []).append(r)
+        for group in groups.values():
+            self._spawn(self._run_group(group))
+
+    def _join_generation(self, row: Row) -> None:
+        running = self._generating.get(row.base)
+        if running is None:
+            try:
+                batch = self.forwards.generation(row.base)
+            except Exception as e:
+                log.exception("starting a generation on base '%s' failed", row.base)
+                self._fail(row, "starting a generation", e)
+                return
+            running = self._generating[row.base] = _Generating(batch)
+            self._spawn(self._run_generation(row.base, running))
+        running.pending.append(row)
+
+    # ---- resolving rows
+    def _finish(self, row: Row, result: Any = None, error: BaseException | None = None) -> None:
+        """Resolve a row once: release its hold, answer its caller, give back its queue place and permit."""
+        if row.done:
+            return
+        row.done = True
+        held, row.held = row.held, None
+        try:
+            if held is not None:
+                self.holds.release(held)
+        except Exception:
+            log.exception("releasing the cache hold of '%s' failed", row.variant)
+        finally:
+            if row.cancelled:
+                row.future.cancel()
+            elif not row.future.done():
+                if error is None:
+                    row.future.set_result(result)
+                else:
+                    row.future.set_exception(error)
+            if row.stream is not None:
+                row.stream.put_nowait(None)
+            self._queue.task_done()
+            self._in_flight.release()
+
+    def _fail(self, row: Row, stage: str, e: BaseException) -> None:
+        self._finish(row, error=row_error(row, stage, e))
+
+    # ---- running rows
+    async def _run_group(self, rows: list[Row]) -> None:
+        """Classify or embed rows of one base, whatever their variants, in one forward (or a few, if slots are
+        short); a row that fails alone fails alone, a forward that fails fails its rows."""
+        try:
+            results = await self._loop.run_in_executor(self.compute, self.forwards.encode, rows)
+            self.batch_sizes.observe(len(rows))
+            for r, res in zip(rows, results):
+                if isinstance(res, BaseException):
+                    self._fail(r, "its forward", res)
+                else:
+                    self._finish(r, res)
+        except Exception as e:
+            if not isinstance(e, ManyfoldError):
+                log.exception("a forward of %d %s rows failed", len(rows), rows[0].op)
+            for r in rows:
+                self._fail(r, "its forward", e)
+        finally:
+            for r in rows:
+                self._finish(r, error=Overloaded("server is shutting down"))  # only rows not answered above
+
+    async def _run_generation(self, base: str, g: _Generating) -> None:
+        """The base's running generation: admits waiting rows (of any variant), steps, until none are left. A
+        step that raises fails the rows in the batch and those it was admitting; rows still waiting to join
+        start a fresh generation."""
+        new: list[Row] = []
+        try:
+            while g.pending or len(g.batch):
+                gone = self._gone(g)
+                new = self._next_rows(g)
+                step = await self._loop.run_in_executor(self.compute, g.batch.run, new, gone)
+                self._after_step(g, new, step)
+                new = []
+            if self._generating.get(base) is g:
+                del self._generating[base]  # rows dispatched from now on start a new batch
+            await self._loop.run_in_executor(self.compute, g.batch.close)
+        except Exception as e:
+            log.exception("a generation step on base '%s' failed", base)
+            await self._abandon(base, g, new, e)
+        finally:
+            if self._generating.get(base) is g:
+                del self._generating[base]
+            for r in g.running + new + g.pending:
+                self._finish(r, error=Overloaded("server is shutting down"))  # only rows not answered above
+
+    def _gone(self, g: _Generating) -> list[Row]:
+        """Rows whose callers have gone: answered now, dropped from the batch at this step."""
+        gone = [r for r in g.running if r.cancelled]
+        for r in gone + [r for r in g.pending if r.cancelled]:
+            self._finish(r)
+        g.running = [r for r in g.running if not r.cancelled]
+        g.pending = [r for r in g.pending if not r.cancelled]
+        return gone
+
+    def _next_rows(self, g: _Generating) -> list[Row]:
+        room = max(0, self.config.max_batch_size - len(g.batch))
+        new, g.pending = g.pending[:room], g.pending[room:]
+        return new
+
+    def _after_step(self, g: _Generating, new: list[Row], step: Step) -> None:
+        for r, e in step.failed:
+            if r in g.running:
+                g.running.remove(r)
+            self._fail(r, "its generation", e)
+        waiting = {id(w) for w in step.waiting}
+        g.running += [r for r in new if id(r) not in waiting and not r.done]
+        g.pending = list(step.waiting) + g.pending
+        if len(g.batch) or step.finished:
+            self.batch_sizes.observe(len(g.batch) + len(step.finished))
+        for row, gen in g.batch.rows():
+            if row.stream is not None:
+                row.stream.put_nowait((gen.text, len(gen.token_ids)))
+                row.generation = gen
+        for row, gen in step.finished:
+            if row in g.running:
+                g.running.remove(row)
+            self._finish(row, gen)
+
+    async def _abandon(self, base: str, g: _Generating, new: list[Row], e: Exception) -> None:
+        """A step raised: the batch's state is not to be trusted. Its rows fail; rows that only waited to join
+        go to a fresh generation."""
+        if self._generating.get(base) is g:
+            del self._generating[base]  # rows dispatched from now on start a new batch
+        try:
+            await self._loop.run_in_executor(self.compute, g.batch.close)
+        except Exception:
+            log.exception("closing the failed generation of base '%s' failed too", base)
+        for r in g.running + new:
+            self._fail(r, "its generation", e)
+        waiting, g.pending = g.pending, []
+        for r in waiting:
+            self._join_generation(r)
