@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from serve.data.datasets import CLASSIFICATION, Dataset, home
+from serve.data.cache import home
+from serve.data.datasets import CLASSIFICATION, Dataset
 
 if TYPE_CHECKING:  # torch, transformers and peft load inside the builders: the plans stay cheap to import
     from serve.store.store import Store

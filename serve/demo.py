@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from serve.data.datasets import CLASSIFICATION, Dataset, home
+from serve.data.cache import home
+from serve.data.datasets import CLASSIFICATION, Dataset
 from serve.data.models import minilm_dir, smollm2_dir
 from serve.store.store import Store
 from serve.variants.full import add_full_variant

@@ -76,56 +76,43 @@ async def _timed(engine: Engine, model: str, causal: bool) -> float:
     return time.perf_counter() - t0
 
 
-def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> list[dict]:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if store_dir is None:
-        from serve.demo import build_demo_store
-
-        store_dir = build_demo_store().root
-    store = Store(store_dir)
-    engine = Engine(ServeConfig(store=store_dir))
-    rows = []
-
-    async def measure(name: str, base: str, causal: bool, ref_dir: Path) -> dict:
-        await _request(engine, base, causal)  # warm the scheduler and the base's code paths
-        engine.cache.drop(name)
-        await _request(engine, name, causal)  # and the codec's JIT cache
-        ref_files = [p for p in ref_dir.iterdir() if p.is_file()]
-        variant_files = [store.root / f.path for f in store.variant(name).files]
-        t: dict[str, list[float]] = {k: [] for k in ("baseline_s", "cold_s", "fresh_s", "baseline_disk_s",
-                                                     "cold_disk_s", "hot_s", "base_s")}
-        for _ in range(repeats):
-            for suffix, evict in (("_s", False), ("_disk_s", True)):
-                if evict:
-                    evict_page_cache(ref_files)
-                await engine.cache.settle()
-                t0 = time.perf_counter()
-                await asyncio.to_thread(_baseline, ref_dir, causal)
-                t["baseline" + suffix].append(time.perf_counter() - t0)
-                engine.cache.drop(name)
-                if evict:
-                    evict_page_cache(variant_files)
-                t["cold" + suffix].append(await _timed(engine, name, causal))
+async def _measure(engine: Engine, store: Store, name: str, base: str, causal: bool, ref_dir: Path,
+                   repeats: int) -> dict:
+    """One variant's medians: baseline and cold with the page cache warm and evicted, fresh, hot and base."""
+    await _request(engine, base, causal)  # warm the scheduler and the base's code paths
+    engine.cache.drop(name)
+    await _request(engine, name, causal)  # and the codec's JIT cache
+    ref_files = [p for p in ref_dir.iterdir() if p.is_file()]
+    variant_files = [store.root / f.path for f in store.variant(name).files]
+    t: dict[str, list[float]] = {k: [] for k in ("baseline_s", "cold_s", "fresh_s", "baseline_disk_s",
+                                                 "cold_disk_s", "hot_s", "base_s")}
+    for _ in range(repeats):
+        for suffix, evict in (("_s", False), ("_disk_s", True)):
+            if evict:
+                evict_page_cache(ref_files)
+            await engine.cache.settle()
+            t0 = time.perf_counter()
+            await asyncio.to_thread(_baseline, ref_dir, causal)
+            t["baseline" + suffix].append(time.perf_counter() - t0)
             engine.cache.drop(name)
-            engine.cache.buffers.clear()
-            t["fresh_s"].append(await _timed(engine, name, causal))
-        for _ in range(max(5, repeats)):
-            t["hot_s"].append(await _timed(engine, name, causal))
-            t["base_s"].append(await _timed(engine, base, causal))
-        med = {k: statistics.median(v) for k, v in t.items()}
-        return {"variant": name, "base": base, **med, "cold_over_baseline": med["cold_s"] / med["baseline_s"],
-                "fresh_over_baseline": med["fresh_s"] / med["baseline_s"],
-                "cold_over_baseline_disk": med["cold_disk_s"] / med["baseline_disk_s"],
-                "hot_over_base": med["hot_s"] / med["base_s"]}
+            if evict:
+                evict_page_cache(variant_files)
+            t["cold" + suffix].append(await _timed(engine, name, causal))
+        engine.cache.drop(name)
+        engine.cache.buffers.clear()
+        t["fresh_s"].append(await _timed(engine, name, causal))
+    for _ in range(max(5, repeats)):
+        t["hot_s"].append(await _timed(engine, name, causal))
+        t["base_s"].append(await _timed(engine, base, causal))
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {"variant": name, "base": base, **med, "cold_over_baseline": med["cold_s"] / med["baseline_s"],
+            "fresh_over_baseline": med["fresh_s"] / med["baseline_s"],
+            "cold_over_baseline_disk": med["cold_disk_s"] / med["baseline_disk_s"],
+            "hot_over_base": med["hot_s"] / med["base_s"]}
 
-    with tempfile.TemporaryDirectory() as tmp:
-        for v in store.manifest.variants.values():
-            causal = v.architecture.endswith("ForCausalLM")
-            ref_dir = extract_full_variant(store, v.name, Path(tmp) / v.name)
-            rows.append(asyncio.run(measure(v.name, v.base, causal, ref_dir)))
+
+def _print_table(rows: list[dict], repeats: int) -> None:
+    """The rows as one table under the machine's name, then what each column means."""
     print(f"machine: {machine()}")
     print(f"{'':<20} {'page cache warm':^46} {'evicted (cold on disk)':^28}")
     print(f"{'variant':<20} {'baseline s':>10} {'cold s':>8} {'ratio':>8} {'fresh s':>8} {'ratio':>8} "
@@ -140,6 +127,27 @@ def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> 
           "reserve made at start); fresh: the same into new memory (pool emptied); hot: resident variant; base: the base "
           f"model itself; request: 1 classification or 8 greedy tokens; medians of {repeats} (cold, fresh, "
           f"baseline) and {max(5, repeats)} (hot, base)")
+
+
+def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> list[dict]:
+    """Measure every variant of the store (the demo store when None), print the table and write it to `out`."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if store_dir is None:
+        from serve.demo import build_demo_store
+
+        store_dir = build_demo_store().root
+    store = Store(store_dir)
+    engine = Engine(ServeConfig(store=store_dir))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in store.manifest.variants.values():
+            causal = v.architecture.endswith("ForCausalLM")
+            ref_dir = extract_full_variant(store, v.name, Path(tmp) / v.name)
+            rows.append(asyncio.run(_measure(engine, store, v.name, v.base, causal, ref_dir, repeats)))
+    _print_table(rows, repeats)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "repeats": repeats, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")

@@ -294,7 +294,7 @@ def anchors(path: Path) -> dict:
 
 
 def run_neuzip_bench(out: Path, work: Path | None = None) -> dict:
-    from serve.data.datasets import home
+    from serve.data.cache import home
 
     work = work or home() / "bench-neuzip"
     work.mkdir(parents=True, exist_ok=True)

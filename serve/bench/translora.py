@@ -165,7 +165,7 @@ def plot(inits: dict, path: Path) -> None:
 
 
 def run_translora_bench(out: Path, work: Path | None = None) -> dict:
-    from serve.data.datasets import home
+    from serve.data.cache import home
     from serve.data.models import smollm2_dir
 
     work = work or home() / "bench-translora"

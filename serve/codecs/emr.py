@@ -30,7 +30,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -157,6 +157,96 @@ def _task_tensors(name: str, path: Path, base: Mapping[str, torch.Tensor]) -> tu
     return names, head
 
 
+def _shared_names(tasks: Mapping[str, str | Path], base: Mapping[str, torch.Tensor]
+                  ) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Checkpoint name -> base name, which every task must share (one architecture), and each task's head."""
+    names, heads = {}, {}
+    for t, p in tasks.items():
+        names[t], heads[t] = _task_tensors(t, Path(p), base)
+    first = next(iter(tasks))
+    for t in tasks:
+        if names[t] != names[first]:
+            raise VariantIncompatible(f"task '{t}' names its tensors unlike task '{first}': merge fine-tunes of "
+                                      f"one architecture")
+    return names[first], heads
+
+
+def _task_vectors(sources: Mapping[str, SafetensorsSource], ckpt: str, w_pre: torch.Tensor) -> torch.Tensor:
+    """tau_t = W_t - W_pre in fp64 for one tensor, every task's stacked: [tasks, ...]."""
+    taus = []
+    for t, source in sources.items():
+        w = source[ckpt]
+        if w.shape != w_pre.shape:
+            raise VariantIncompatible(f"task '{t}': tensor '{ckpt}' is {list(w.shape)}; the base has "
+                                      f"{list(w_pre.shape)}")
+        taus.append(w.double() - w_pre.double())
+    return torch.stack(taus)
+
+
+@dataclass
+class _Merged:
+    """What merging leaves, tensor by tensor: tau_uni and the packed masks; per task, its rescaler's sums and the
+    bits set in its masks."""
+
+    rescaler: Rescaler
+    num: list[float]
+    den: list[float]
+    bits: list[int]
+    tau: dict[str, torch.Tensor] = field(default_factory=dict)
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: int = 0
+
+    def add(self, b: str, w_pre: torch.Tensor, taus: torch.Tensor) -> bool:
+        """Elect and mask base tensor `b` from its task vectors [tasks, ...]; False if no task changed it."""
+        tau_uni = elect(taus)
+        if not tau_uni.any():
+            return False  # no task changed it: no vector, no masks
+        mask = masks_of(taus, tau_uni)  # [tasks, ...]
+        masked = torch.where(mask, tau_uni.abs(), 0.0)  # [tasks, ...] |M_t * tau_uni|
+        for k in range(len(taus)):
+            if self.rescaler == "mean":
+                self.num[k] += float(taus[k].abs().mean())
+                self.den[k] += float(masked[k].mean())
+            else:
+                self.num[k] += float(taus[k].abs().sum())
+                self.den[k] += float(masked[k].sum())
+        self.bits = [n + int(m.sum()) for n, m in zip(self.bits, mask)]
+        self.tau[b] = tau_uni.to(w_pre.dtype)
+        self.masks[b] = pack_bits(mask if w_pre.dim() else mask[:, None])
+        self.params += w_pre.numel()
+        return True
+
+
+def _merge_tensors(base: SafetensorsSource, sources: Mapping[str, SafetensorsSource], names: dict[str, str],
+                   rescaler: Rescaler, progress: Callable[[str], None] | None) -> _Merged:
+    """Every floating base tensor the tasks hold, merged in the base's name order."""
+    n_tasks = len(sources)
+    merged = _Merged(rescaler, [0.0] * n_tasks, [0.0] * n_tasks, [0] * n_tasks)
+    to_ckpt = {b: c for c, b in names.items()}
+    for i, b in enumerate(sorted(base)):
+        w_pre = base[b]
+        if not w_pre.dtype.is_floating_point or b not in to_ckpt:
+            continue
+        if not merged.add(b, w_pre, _task_vectors(sources, to_ckpt[b], w_pre)):
+            continue
+        if progress is not None and (i + 1) % 50 == 0:
+            progress(f"merged {i + 1} of {len(base)} tensors")
+    return merged
+
+
+def _write_parts(staged: Path, merged: _Merged, sources: Mapping[str, SafetensorsSource],
+                 heads: Mapping[str, list[str]], configs: Mapping[str, dict]) -> dict[str, BundleFile]:
+    """Every file of a bundle but bundle.json, written into `staged`; returns their sizes and digests."""
+    save_tensors(staged / TAU_FILE, merged.tau)
+    save_tensors(staged / MASKS_FILE, merged.masks)
+    save_tensors(staged / HEADS_FILE, {f"{t}/{h}": sources[t][h] for t in sources for h in heads[t]})
+    (staged / "configs").mkdir()
+    for t, cfg in configs.items():
+        atomic_write(staged / "configs" / f"{t}.json", [json.dumps(cfg, indent=2).encode()])
+    return {str(p.relative_to(staged)): BundleFile(bytes=p.stat().st_size, sha256=file_sha256(p))
+            for p in sorted(staged.rglob("*")) if p.is_file()}
+
+
 def merge(base_dir: str | Path, tasks: Mapping[str, str | Path], out: str | Path, rescaler: Rescaler = "mean",
           progress: Callable[[str], None] | None = None) -> EmrBundle:
     """Merge the fine-tunes `tasks` (name -> HF model directory) of the base at `base_dir` into a bundle at `out`.
@@ -166,67 +256,17 @@ def merge(base_dir: str | Path, tasks: Mapping[str, str | Path], out: str | Path
     base_dir = Path(base_dir)
     base = SafetensorsSource(base_dir)
     sources = {t: SafetensorsSource(p) for t, p in tasks.items()}
-    names, heads = {}, {}
-    for t, p in tasks.items():
-        names[t], heads[t] = _task_tensors(t, Path(p), base)
-    first = next(iter(tasks))
-    for t in tasks:
-        if names[t] != names[first]:
-            raise VariantIncompatible(f"task '{t}' names its tensors unlike task '{first}': merge fine-tunes of "
-                                      f"one architecture")
-    to_ckpt = {b: c for c, b in names[first].items()}
+    names, heads = _shared_names(tasks, base)
     configs = {t: read_model_config(Path(p)) for t, p in tasks.items()}
-    n_tasks = len(tasks)
-    tau_out, mask_out = {}, {}
-    num, den = [0.0] * n_tasks, [0.0] * n_tasks
-    merged_params, bits = 0, [0] * n_tasks
-    for i, b in enumerate(sorted(base)):
-        w_pre = base[b]
-        if not w_pre.dtype.is_floating_point or b not in to_ckpt:
-            continue
-        taus = []
-        for t in tasks:
-            w = sources[t][to_ckpt[b]]
-            if w.shape != w_pre.shape:
-                raise VariantIncompatible(f"task '{t}': tensor '{to_ckpt[b]}' is {list(w.shape)}; the base has "
-                                          f"{list(w_pre.shape)}")
-            taus.append(w.double() - w_pre.double())
-        taus = torch.stack(taus)  # [tasks, ...]
-        tau_uni = elect(taus)
-        if not tau_uni.any():
-            continue  # no task changed it: no vector, no masks
-        mask = masks_of(taus, tau_uni)  # [tasks, ...]
-        masked = torch.where(mask, tau_uni.abs(), 0.0)  # [tasks, ...] |M_t * tau_uni|
-        for k in range(n_tasks):
-            if rescaler == "mean":
-                num[k] += float(taus[k].abs().mean())
-                den[k] += float(masked[k].mean())
-            else:
-                num[k] += float(taus[k].abs().sum())
-                den[k] += float(masked[k].sum())
-        bits = [n + int(m.sum()) for n, m in zip(bits, mask)]
-        tau_out[b] = tau_uni.to(w_pre.dtype)
-        mask_out[b] = pack_bits(mask if w_pre.dim() else mask[:, None])
-        merged_params += w_pre.numel()
-        if progress is not None and (i + 1) % 50 == 0:
-            progress(f"merged {i + 1} of {len(base)} tensors")
-    lambdas = rescalers(num, den)
-    task_entries = []
-    for k, t in enumerate(tasks):
-        task_entries.append(BundleTask(name=t, rescaler=lambdas[k], mask_bits=bits[k], labels=classifier_labels(
-            configs[t]), architecture=architecture_of(configs[t], Path(tasks[t]))))
+    merged = _merge_tensors(base, sources, names, rescaler, progress)
+    lambdas = rescalers(merged.num, merged.den)
+    task_entries = [BundleTask(name=t, rescaler=lambdas[k], mask_bits=merged.bits[k], labels=classifier_labels(
+        configs[t]), architecture=architecture_of(configs[t], Path(tasks[t]))) for k, t in enumerate(tasks)]
     with atomic_dir(out, replace=True) as staged:
-        save_tensors(staged / TAU_FILE, tau_out)
-        save_tensors(staged / MASKS_FILE, mask_out)
-        save_tensors(staged / HEADS_FILE, {f"{t}/{h}": sources[t][h] for t in tasks for h in heads[t]})
-        (staged / "configs").mkdir()
-        for t, cfg in configs.items():
-            atomic_write(staged / "configs" / f"{t}.json", [json.dumps(cfg, indent=2).encode()])
-        files = {str(p.relative_to(staged)): BundleFile(bytes=p.stat().st_size, sha256=file_sha256(p))
-                 for p in sorted(staged.rglob("*")) if p.is_file()}
+        files = _write_parts(staged, merged, sources, heads, configs)
         manifest = BundleManifest(base_fingerprint=fingerprint(base), base_architecture=architecture_of(
             read_model_config(base_dir), base_dir), base_path=str(base_dir.resolve()), rescaler=rescaler,
-            names=names[first], merged_params=merged_params, tasks=task_entries, files=files)
+            names=names, merged_params=merged.params, tasks=task_entries, files=files)
         atomic_write(staged / BUNDLE_JSON, [manifest.model_dump_json(indent=2).encode() + b"\n"])
     return read_bundle(out)
 

@@ -7,11 +7,11 @@ sampling. Files are read directly; the packages themselves are never imported (s
 import csv
 import hashlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from serve.data.fortunes import fortunes_dir
 from serve.errors import ArtifactError
 
 Split = Literal["train", "test"]
@@ -82,19 +82,6 @@ def sms_spam(split: Split = "train") -> Dataset:
 
 CLASSIFICATION = {"topic": bbc_topics, "sentiment": tweet_sentiment, "spam": sms_spam}
 
-FORTUNES_DIRS = [Path("/usr/share/games/fortunes")]
-
-
-def fortunes_dir() -> Path:
-    """Debian's fortunes: installed system-wide, or unpacked by `python -m serve.data.fortunes --fetch`."""
-    from serve.data.fortunes import unpacked_dir
-
-    for d in [*FORTUNES_DIRS, unpacked_dir()]:
-        if d.is_dir() and any(d.glob("*.dat")):
-            return d
-    raise ArtifactError("Debian fortunes not found (run `make setup` or apt-get install fortunes)")
-
-
 def fortunes(split: Split = "train", categories: list[str] | None = None) -> list[str]:
     """Quotes from Debian's fortune files (plain English for language modelling), one string each."""
     root = fortunes_dir()
@@ -108,8 +95,3 @@ def fortunes(split: Split = "train", categories: list[str] | None = None) -> lis
             if q and split_of(q) == split:
                 quotes.append(q)
     return quotes
-
-
-def home() -> Path:
-    """Manyfold's cache: converted models, the demo store, unpacked Debian data."""
-    return Path(os.environ.get("MANYFOLD_HOME", Path.home() / ".cache" / "manyfold"))

@@ -5,7 +5,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from serve.data.datasets import home, package_dir
+from serve.data.cache import home
+from serve.data.datasets import package_dir
 from serve.errors import ArtifactError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,0 +1,97 @@
+"""`manyfold adapter train | convert` and `manyfold translora`: LoRA and PiSSA adapters, and moving one to
+another base."""
+
+import argparse
+from pathlib import Path
+
+from serve.cli.args import add_command, base_dir
+from serve.cli.console import progress
+
+
+def cmd_adapter_train(args: argparse.Namespace) -> None:
+    from serve.adapters.train import train_adapter
+
+    targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
+    result = train_adapter(base_dir(args), Path(args.data), Path(args.out), init=args.init, rank=args.rank,
+                           alpha=args.alpha, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                           max_length=args.max_length, target_modules=targets, seed=args.seed)
+    print(f"{result.out_dir}: {args.init} adapter, rank {args.rank}, {args.steps} steps, loss "
+          f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f} ({result.train_seconds:.0f} s); "
+          f"train_log.json beside it")
+    if args.discriminator:
+        from serve.adapters.data import read_jsonl
+        from serve.adapters.translora import train_discriminator
+
+        name = args.task_name or Path(args.data).stem
+        d = train_discriminator(base_dir(args), result.out_dir, read_jsonl(args.data), name, seeds=args.seeds,
+                                seed=args.seed)
+        print(f"{result.out_dir}/translora: a discriminator for '{name}' ({d['real']} real inputs against "
+              f"{d['generated']} generated, loss {d['losses'][0]:.3f} -> {d['losses'][-1]:.3f}) and "
+              f"{args.seeds} seed examples")
+
+
+def cmd_adapter_convert(args: argparse.Namespace) -> None:
+    from serve.adapters.convert import convert_pissa
+
+    print(f"{convert_pissa(Path(args.adapter), Path(args.initial), Path(args.out))}: a rank-2r LoRA on the "
+          f"original base")
+
+
+def _print_transfer(report, out: Path) -> None:
+    print(f"{out}: {report.accepted} of {report.attempts} generated inputs accepted"
+          f"{'' if report.filtered else ' (no filter)'}; loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}; "
+          f"{out / 'translora_report.json'}" + (f"; {report.note}" if report.note else ""))
+
+
+def cmd_translora(args: argparse.Namespace) -> None:
+    from serve.adapters.translora import transfer
+
+    with progress("translora") as tick:
+        report = transfer(args.source_base, args.adapter, args.target_base, Path(args.out), samples=args.samples,
+                          max_attempts=args.max_attempts, use_filter=not args.no_filter, init=args.init,
+                          steps=args.steps, lr=args.lr, seed=args.seed, progress=lambda *a: tick(a))
+    _print_transfer(report, Path(args.out))
+
+
+def add_adapter_commands(sub: argparse._SubParsersAction, default_store: str | None) -> None:
+    ad = sub.add_parser("adapter", help="LoRA / PiSSA adapters with PEFT").add_subparsers(dest="action",
+                                                                                          required=True)
+    t = add_command(ad, "train", cmd_adapter_train, "train an adapter (PiSSA by default) and write its servable form")
+    t.add_argument("--base", required=True, help="a HF model directory, or a base's name in --store")
+    t.add_argument("--store", default=default_store)
+    t.add_argument("--data", required=True, help='JSONL: {"prompt", "completion"} or {"text"} per line')
+    t.add_argument("--init", default="pissa", help="pissa, pissa_niter_K (randomised SVD, K iterations) or lora")
+    t.add_argument("--rank", type=int, default=16)
+    t.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank)")
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--lr", type=float, default=2e-4)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--max-length", type=int, default=128)
+    t.add_argument("--target-modules", default="all-linear", help="all-linear, or names joined by commas")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="a new directory")
+    t.add_argument("--discriminator", action="store_true",
+                   help="also keep seed examples and train a Trans-LoRA discriminator beside the adapter")
+    t.add_argument("--task-name", help="the task's name in the discriminator's prompt (default: the data file's)")
+    t.add_argument("--seeds", type=int, default=5, help="seed examples kept for a later transfer")
+    cv = add_command(ad, "convert", cmd_adapter_convert,
+                     "a trained PiSSA adapter -> a rank-2r LoRA on the original base")
+    cv.add_argument("--adapter", required=True, help="the trained (raw) PiSSA adapter directory")
+    cv.add_argument("--initial", required=True, help="the untrained PiSSA adapter saved before training")
+    cv.add_argument("--out", required=True, help="a new directory")
+
+
+def add_translora_command(sub: argparse._SubParsersAction) -> None:
+    tl = add_command(sub, "translora", cmd_translora,
+                     "move an adapter to another base with synthetic data (Trans-LoRA)")
+    tl.add_argument("--source-base", required=True, help="the HF model directory the adapter was trained on")
+    tl.add_argument("--adapter", required=True, help="an adapter trained with --discriminator")
+    tl.add_argument("--target-base", required=True, help="the HF model directory to move it to")
+    tl.add_argument("--out", required=True, help="a new directory")
+    tl.add_argument("--samples", type=int, default=64, help="synthetic inputs to keep")
+    tl.add_argument("--max-attempts", type=int, default=None, help="inputs generated at most (default: 4x samples)")
+    tl.add_argument("--no-filter", action="store_true", help="keep every generated input (the ablation)")
+    tl.add_argument("--init", default="pissa", help="the new adapter's init: pissa, pissa_niter_K or lora")
+    tl.add_argument("--steps", type=int, default=100)
+    tl.add_argument("--lr", type=float, default=5e-4)
+    tl.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,91 @@
+"""`manyfold bench ...`: the benchmarks, each in serve/bench/, writing its JSON under bench-results/."""
+
+import argparse
+from pathlib import Path
+
+from serve.cli.args import add_command
+
+
+def _store_dir(args: argparse.Namespace) -> Path | None:
+    return Path(args.store) if args.store else None
+
+
+def cmd_bench_fmdelta(args: argparse.Namespace) -> None:
+    from serve.bench.fmdelta import run_fmdelta_bench
+
+    run_fmdelta_bench(_store_dir(args), Path(args.out), args.repeats, args.max_mb)
+
+
+def cmd_bench_coldstart(args: argparse.Namespace) -> None:
+    from serve.bench.coldstart import run_coldstart_bench
+
+    run_coldstart_bench(_store_dir(args), Path(args.out), args.repeats)
+
+
+def cmd_bench_generation(args: argparse.Namespace) -> None:
+    from serve.bench.generation import run_generation_bench
+
+    run_generation_bench(_store_dir(args), Path(args.out), args.rate, args.duration, args.max_tokens)
+
+
+def cmd_bench_mixed(args: argparse.Namespace) -> None:
+    from serve.bench.mixed import run_mixed_bench
+
+    run_mixed_bench(Path(args.out), tuple(int(r) for r in args.rows.split(",")), args.repeats)
+
+
+def cmd_bench_emr(args: argparse.Namespace) -> None:
+    from serve.bench.emr import run_emr_bench
+
+    run_emr_bench(Path(args.out), args.examples, args.rows, args.repeats)
+
+
+def cmd_bench_translora(args: argparse.Namespace) -> None:
+    from serve.bench.translora import run_translora_bench
+
+    run_translora_bench(Path(args.out), Path(args.work) if args.work else None)
+
+
+def cmd_bench_neuzip(args: argparse.Namespace) -> None:
+    from serve.bench.neuzip import run_neuzip_bench
+
+    run_neuzip_bench(Path(args.out), Path(args.work) if args.work else None)
+
+
+def add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    b = add_command(bench, "fmdelta", cmd_bench_fmdelta,
+                    "FM-Delta against lzma, zstd and XOR baselines on the demo fine-tunes")
+    b.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
+    b.add_argument("--out", default="bench-results/fmdelta.json")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--max-mb", type=float, default=200.0, help="skip fine-tunes larger than this")
+    cs = add_command(bench, "coldstart", cmd_bench_coldstart,
+                     "a variant's first and later requests against loading it in full")
+    cs.add_argument("--store", help="store with full variants (default: the demo store, built if missing)")
+    cs.add_argument("--out", default="bench-results/coldstart.json")
+    cs.add_argument("--repeats", type=int, default=3)
+    g = add_command(bench, "generation", cmd_bench_generation, "continuous batching against one request at a time")
+    g.add_argument("--store", help="store with SmolLM2 and its variants (default: the demo store)")
+    g.add_argument("--out", default="bench-results/generation.json")
+    g.add_argument("--rate", type=float, default=4.0, help="offered requests per second")
+    g.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per mode")
+    g.add_argument("--max-tokens", type=int, default=24)
+    mx = add_command(bench, "mixed", cmd_bench_mixed, "one forward for rows of many variants against the alternatives")
+    mx.add_argument("--out", default="bench-results/mixed.json")
+    mx.add_argument("--repeats", type=int, default=5)
+    mx.add_argument("--rows", default="8,32", help="batch sizes, joined by commas")
+    be = add_command(bench, "emr", cmd_bench_emr, "EMR-Merging against the individual fine-tunes, task arithmetic, "
+                     "TIES and averaging; its bytes per task; a mixed forward's time")
+    be.add_argument("--out", default="bench-results/emr.json")
+    be.add_argument("--examples", type=int, default=500, help="held-out examples per task at most")
+    be.add_argument("--rows", type=int, default=16, help="rows of the timed forward (a multiple of 4)")
+    be.add_argument("--repeats", type=int, default=5)
+    bt = add_command(bench, "translora", cmd_bench_translora, "Trans-LoRA on two real tasks; PiSSA against LoRA")
+    bt.add_argument("--out", default="bench-results/translora.json")
+    bt.add_argument("--work", help="where adapters and the target base are kept (default: "
+                                   "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
+    bn = add_command(bench, "neuzip", cmd_bench_neuzip, "NeuZip bases against bf16 and int8 on SmolLM2 and MiniLM")
+    bn.add_argument("--out", default="bench-results/neuzip.json")
+    bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "
+                                   "(default: $MANYFOLD_HOME/bench-neuzip)")

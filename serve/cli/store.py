@@ -1,0 +1,137 @@
+"""`manyfold store ...`: list, add, remove, verify and extract what a store holds, and move its adapters."""
+
+import argparse
+import json
+from pathlib import Path
+
+from serve.cli.args import add_command, open_store
+from serve.cli.codecs import neuzip_summary
+from serve.cli.console import human_bytes, progress
+from serve.errors import ConfigError
+
+
+def cmd_store_list(args: argparse.Namespace) -> None:
+    rows = open_store(args).summary()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'name':<24} {'kind':<6} {'base':<10} {'architecture':<34} {'stored':>10} {'raw':>10} {'ratio':>7}")
+    for r in rows:
+        ratio = f"{r['stored_bytes'] / r['raw_bytes']:.1%}" if r["raw_bytes"] else "-"
+        print(f"{r['name']:<24} {r['kind']:<6} {r['base']:<10} {r['architecture']:<34} "
+              f"{human_bytes(r['stored_bytes']):>10} {human_bytes(r['raw_bytes']):>10} {ratio:>7}")
+
+
+def cmd_store_add(args: argparse.Namespace) -> None:
+    store = open_store(args, create=True)
+    if args.kind == "base" and args.neuzip_bits is not None:
+        from serve.codecs.neuzip_file import add_base
+
+        with progress("neuzip") as tick:
+            entry, stats, cast = add_base(store, args.name, args.model, args.neuzip_bits, progress=tick)
+        print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params) in NeuZip form: "
+              f"{neuzip_summary(stats, cast)}")
+        return
+    if args.kind == "base":
+        entry = store.add_base(args.name, args.model)
+        print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params)")
+        return
+    if args.neuzip_bits is not None:
+        raise ConfigError("--neuzip-bits is for --kind base")
+    from serve.config import SlotsConfig
+    from serve.variants import variant_kind
+
+    kind = variant_kind(args.kind)
+    if not args.base:
+        raise ConfigError(f"store add --kind {args.kind} needs --base NAME (a base in the store)")
+    with progress(f"add {args.kind}") as tick:
+        entry = kind.add(store, args.name, args.base, Path(args.model), progress=tick,
+                         slots=SlotsConfig(max_rank=args.max_rank))
+    stored = sum(f.bytes for f in entry.files)
+    print(f"added {entry.kind} variant '{entry.name}' of '{entry.base}': {human_bytes(entry.raw_bytes)} stored as "
+          f"{human_bytes(stored)} ({stored / max(entry.raw_bytes, 1):.1%})")
+
+
+def cmd_store_remove(args: argparse.Namespace) -> None:
+    open_store(args).remove(args.name)
+    print(f"removed '{args.name}'")
+
+
+def cmd_store_verify(args: argparse.Namespace) -> None:
+    from serve.variants import variant_kind
+
+    store = open_store(args)
+    names = [args.name] if args.name else [*store.manifest.bases, *store.manifest.variants]
+    for name in names:
+        if name in store.manifest.bases:
+            store.verify(store.manifest.bases[name])
+        else:
+            entry = store.variant(name)
+            variant_kind(entry.kind).verify(store, entry)
+        print(f"{name}: ok")
+
+
+def cmd_store_extract(args: argparse.Namespace) -> None:
+    from serve.store.manifest import MEMBER_SEP
+    from serve.variants import variant_kind
+
+    store = open_store(args)
+    entry = store.variant(args.name.split(MEMBER_SEP, 1)[0])  # an EMR task's model id names its group first
+    print(variant_kind(entry.kind).extract(store, args.name, Path(args.out)))
+
+
+def cmd_store_translora(args: argparse.Namespace) -> None:
+    from serve.adapters.translora import TransferFailed, transfer_store
+
+    failed = 0
+    for outcome, line in transfer_store(open_store(args), args.from_base, args.to_base, samples=args.samples,
+                                        max_attempts=args.max_attempts, steps=args.steps, lr=args.lr, seed=args.seed):
+        print(line, flush=True)
+        failed += outcome == "failed"
+    if failed:
+        raise TransferFailed(f"{failed} adapter{'s' if failed > 1 else ''} could not move (above); the others "
+                             f"did, and a second run retries only what is not done")
+
+
+COMMANDS = [("list", cmd_store_list, "list bases and variants with their sizes"),
+            ("add", cmd_store_add, "add a base model or a variant of any kind"),
+            ("remove", cmd_store_remove, "remove a variant (or a base without variants)"),
+            ("verify", cmd_store_verify, "check every file's checksum and decode full variants"),
+            ("extract", cmd_store_extract, "write a variant back out as a HF model directory"),
+            ("translora", cmd_store_translora, "move every adapter of one base to another (Trans-LoRA; resumable)")]
+"""Every `store` subcommand, in the order `manyfold store --help` lists them; each takes --store."""
+
+
+def add_store_commands(sub: argparse._SubParsersAction, default_store: str | None) -> None:
+    st = sub.add_parser("store", help="the variant store").add_subparsers(dest="action", required=True)
+    for name, fn, help in COMMANDS:
+        sp = add_command(st, name, fn, help)
+        sp.add_argument("--store", default=default_store, required=default_store is None)
+    st.choices["list"].add_argument("--json", action="store_true")
+    _add_add_arguments(st.choices["add"])
+    st.choices["remove"].add_argument("name")
+    st.choices["verify"].add_argument("name", nargs="?")
+    st.choices["extract"].add_argument("--name", required=True, help="a variant, or an EMR task: GROUP/TASK")
+    st.choices["extract"].add_argument("--out", required=True)
+    tr = st.choices["translora"]
+    tr.add_argument("--from", dest="from_base", required=True, help="the base whose adapters move")
+    tr.add_argument("--to", dest="to_base", required=True, help="the base they move to")
+    tr.add_argument("--samples", type=int, default=64)
+    tr.add_argument("--max-attempts", type=int, default=None)
+    tr.add_argument("--steps", type=int, default=100)
+    tr.add_argument("--lr", type=float, default=5e-4)
+    tr.add_argument("--seed", type=int, default=0)
+
+
+def _add_add_arguments(add: argparse.ArgumentParser) -> None:
+    add.add_argument("--kind", required=True,
+                     help="base, or a variant kind: full, lora, pissa, emr (see serve/variants/)")
+    add.add_argument("--name", required=True)
+    add.add_argument("--model", required=True,
+                     help="a HF model directory (base, full), a PEFT adapter directory (lora, pissa) "
+                          "or an EMR bundle (emr: adding a group again replaces it whole)")
+    add.add_argument("--base", help="for a variant: the store base it was fine-tuned from")
+    add.add_argument("--neuzip-bits", type=int, choices=[0, 1, 3, 7], default=None,
+                     help="for a base: serve it in NeuZip form keeping this many mantissa bits (7: lossless)")
+    add.add_argument("--max-rank", type=int, default=64,
+                     help="adapters: the largest rank the server's slots take (slots.max_rank)")
