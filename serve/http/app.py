@@ -11,17 +11,18 @@ from serve.config import ServeConfig
 from serve.http import admin, completions, encoders, operations
 from serve.http.drain import DrainGate, Gated
 from serve.http.errors import add_error_handlers
-from serve.http.middleware import measure
+from serve.http.middleware import BodyLimit, Measured
 from serve.http.state import HttpState
 
 
 def build_http_app(backend, config: ServeConfig, gate: DrainGate | None = None) -> FastAPI:
     """gate: the ingress's drain gate (a fresh one when None); it counts requests from arrival to their last byte."""
     app = FastAPI(title="Manyfold", version="0.1.0")
-    app.state.http = HttpState(backend, config, gate or DrainGate())
+    state = app.state.http = HttpState(backend, config, gate or DrainGate())
     add_error_handlers(app)
-    app.middleware("http")(measure)
-    app.add_middleware(Gated, gate=app.state.http.gate)  # last added: outermost, around whole responses
+    app.add_middleware(BodyLimit, limits=state.limits)  # inside Measured, so a 413 is measured too
+    app.add_middleware(Measured, metrics=state.metrics)
+    app.add_middleware(Gated, gate=state.gate)  # last added: outermost, around whole responses
     for module in (operations, completions, encoders, admin):
         app.include_router(module.router)
     return app
