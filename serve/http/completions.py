@@ -13,7 +13,7 @@ from serve.http import schemas as S
 from serve.http.auth import allow, tenant
 from serve.http.limits import check_max_tokens, check_texts
 from serve.http.state import State
-from serve.http.streaming import gather_all, stream
+from serve.http.streaming import Choice, gather_all, stream
 from serve.http.usage import count_tokens, usage
 
 router = APIRouter()
@@ -45,7 +45,7 @@ async def completions(body: S.CompletionRequest, request: Request, state: State,
                                 choices=choices, usage=usage(*gens))
 
 
-def _completion_chunks(body: S.CompletionRequest, n_prompts: int):
+def _completion_chunks(body: S.CompletionRequest, n_prompts: int) -> Choice:
     """A streamed completion's choice maker: it keeps each row's character offset for text_offset."""
     offsets = [0] * n_prompts
 

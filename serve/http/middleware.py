@@ -17,8 +17,8 @@ from serve.metrics import Metrics
 class Measured:
     """Gives the request an id (the client's x-request-id, cut to 64 characters, or a fresh one) and a model
     (None until a route names it), observes its status and latency when the response starts, and returns the
-    id in x-request-id. Pure ASGI rather than BaseHTTPMiddleware: a client that leaves before its answer is
-    not an internal error."""
+    id in x-request-id. Pure ASGI rather than BaseHTTPMiddleware, whose call_next turned a handler cut short
+    (a CancelledError when the client left) into "RuntimeError: No response returned.", an internal error."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics

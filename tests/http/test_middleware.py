@@ -40,7 +40,7 @@ def pieces(body: bytes):
 
 
 class Counted:
-    """An async request body of `n` chunks that counts how many the server pulled."""
+    """An async request body, in CHUNK-byte chunks, that counts how many of them the server pulled."""
 
     def __init__(self, body: bytes):
         self.chunks, self.pulled = list(pieces(body)), 0
