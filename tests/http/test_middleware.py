@@ -1,0 +1,98 @@
+"""The size limit at the edge: a body over limits.max_request_bytes is one 413 line, a chunked one (no
+Content-Length) as soon as its bytes pass the limit, so the rest is never read; a body within it is served."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.config import ServeConfig
+from serve.engine.types import Classifications
+from serve.http.app import build_http_app
+
+LIMIT = 1024
+CHUNK = 256
+JSON = {"content-type": "application/json"}
+
+
+class FakeEngine:
+    async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
+        return Classifications(labels=["neg", "pos"], probs=[[0.25, 0.75]] * len(texts), prompt_tokens=len(texts))
+
+
+@pytest.fixture
+def app(tmp_path):
+    config = ServeConfig(store=tmp_path, limits={"max_request_bytes": LIMIT})
+    return build_http_app(FakeEngine(), config)
+
+
+def padded(size: int) -> bytes:
+    """A classify request of exactly `size` bytes."""
+    body = json.dumps({"model": "clf", "input": "good"}).encode()
+    return body + b" " * (size - len(body))
+
+
+def pieces(body: bytes):
+    for i in range(0, len(body), CHUNK):
+        yield body[i:i + CHUNK]
+
+
+class Counted:
+    """An async request body, in CHUNK-byte chunks, that counts how many of them the server pulled."""
+
+    def __init__(self, body: bytes):
+        self.chunks, self.pulled = list(pieces(body)), 0
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            self.pulled += 1
+            yield chunk
+
+
+def post(app, body: Counted, headers: dict) -> httpx.Response:
+    """Over httpx's ASGI transport, which pulls the request body only when the app receives."""
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
+            return await c.post("/v1/classify", content=body, headers={**JSON, **headers})
+
+    return asyncio.run(go())
+
+
+def test_a_chunked_body_over_the_limit_is_one_413_line(app):
+    with TestClient(app) as client:
+        r = client.post("/v1/classify", content=pieces(padded(LIMIT + 1)), headers=JSON)
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413 and r.headers["x-request-id"]
+    assert r.json()["error"] == {"message": f"request body exceeds {LIMIT} bytes", "type": "request_too_large",
+                                 "code": "request_too_large", "param": None}
+
+
+def test_a_chunked_body_within_the_limit_is_served(app):
+    with TestClient(app) as client:
+        r = client.post("/v1/classify", content=pieces(padded(LIMIT)), headers=JSON)
+    assert r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 200 and r.json()["data"][0]["label"] == "pos"
+
+
+def test_a_chunked_body_is_read_no_further_than_the_limit(app):
+    body = Counted(padded(100 * LIMIT))
+    r = post(app, body, {})
+    assert r.status_code == 413 and r.json()["error"]["message"] == f"request body exceeds {LIMIT} bytes"
+    assert body.pulled == LIMIT // CHUNK + 1 < len(body.chunks)  # the chunk that passed the limit was the last
+
+
+def test_a_chunked_body_that_fits_reaches_the_route_whole(app):
+    body = Counted(padded(LIMIT))
+    r = post(app, body, {})
+    assert r.status_code == 200 and r.json()["data"][0]["label"] == "pos"
+    assert body.pulled == len(body.chunks) > 1
+
+
+def test_a_content_length_over_the_limit_is_refused_before_reading_anything(app):
+    body = Counted(padded(100 * LIMIT))
+    r = post(app, body, {"content-length": str(100 * LIMIT)})
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == f"request body of {100 * LIMIT} bytes exceeds {LIMIT}"
+    assert body.pulled == 0
