@@ -1,6 +1,8 @@
 """Chooses, per call, between an op's Triton form and its torch twin; the only place kernels/ imports triton.
 
-"triton" on CUDA tensors or under TRITON_INTERPRET=1, otherwise "torch"; MANYFOLD_KERNELS=torch|triton overrides.
+"triton" on CUDA tensors, otherwise "torch", whatever TRITON_INTERPRET says: a server on CPU never runs an
+emulator. MANYFOLD_KERNELS=torch|triton overrides; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before
+kernels/ is first imported, and is for tests that ask for the interpreter explicitly.
 """
 
 import os
@@ -46,9 +48,7 @@ def select(*tensors: torch.Tensor) -> Backend:
         return forced
     if TRITON_ERROR is not None:
         return "torch"
-    if INTERPRET or any(t.is_cuda for t in tensors):
-        return "triton"
-    return "torch"
+    return "triton" if any(t.is_cuda for t in tensors) else "torch"
 
 
 def dispatch(torch_fn: Callable, triton_fn: Callable, *tensors: torch.Tensor) -> Callable:

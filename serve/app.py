@@ -5,13 +5,15 @@ a ResidencyBoard where the replicas say what they hold.
 with the ServeConfig fields as its arguments.
 """
 
+import math
+import os
 from collections.abc import Callable
 
 import serve.deployments  # noqa: F401  (first: it keeps Ray on loopback before ray is imported)
 from ray import serve
 from ray.serve import Application
 
-from serve.config import ServeConfig, parse_config
+from serve.config import DeploymentConfig, ServeConfig, parse_config
 from serve.deployments.board import ResidencyBoard
 from serve.store.store import Store
 
@@ -22,6 +24,7 @@ heap instead of going back to the OS: a fixed threshold keeps every tensor-sized
 
 
 BOARD = "residency-board"
+APP = "manyfold"
 
 
 def deployment_name(base: str) -> str:
@@ -39,11 +42,14 @@ def _ingress(config: ServeConfig, bases: list[str]):
             self.gate = DrainGate()
 
         def __serve_build_asgi_app__(self):
+            from serve.deployments.health import DeploymentHealth, serve_status
             from serve.deployments.router import Router
             from serve.http.app import build_http_app
 
             handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
-            return build_http_app(Router(config.store, handles, serve.get_deployment_handle(BOARD)), config,
+            app = serve.get_replica_context().app_name
+            health = DeploymentHealth({b: deployment_name(b) for b in bases}, serve_status(app))
+            return build_http_app(Router(config.store, handles, serve.get_deployment_handle(BOARD), health), config,
                                   self.gate)
 
         async def drain(self, timeout_s: float) -> tuple[str, int]:
@@ -65,10 +71,11 @@ def build_app(args: dict | ServeConfig) -> Application:
     config = args if isinstance(args, ServeConfig) else parse_config(dict(args), "serve application args")
     bases = list(Store(config.store).manifest.bases)
     board = serve.deployment(ResidencyBoard, name=BOARD, num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+    shares = cpu_shares(config, bases, *cluster_cpus())
     children = []
     for base in bases:
         d = config.deployments.get(base, config.deployment)
-        actor = {"num_cpus": d.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}}
+        actor = {"num_cpus": shares[base], "runtime_env": {"env_vars": REPLICA_ENV}}
         options = {"name": deployment_name(base), "ray_actor_options": actor,
                    "max_ongoing_requests": d.max_ongoing_requests, "max_queued_requests": d.max_queued_requests,
                    "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s}
@@ -76,8 +83,39 @@ def build_app(args: dict | ServeConfig) -> Application:
             options["autoscaling_config"] = d.autoscaling.model_dump()
         else:
             options["num_replicas"] = d.num_replicas
-        children.append(EngineReplica.options(**options).bind(config.model_dump(mode="json"), base, board))
+        threads = d.torch_threads or max(1, round(shares[base]))
+        children.append(EngineReplica.options(**options).bind(config.model_dump(mode="json"), base, board, threads))
     return _ingress(config, bases).bind(*children)
+
+
+def _replicas(d: DeploymentConfig) -> int:
+    return max(1, d.autoscaling.min_replicas) if d.autoscaling is not None else d.num_replicas
+
+
+def cpu_shares(config: ServeConfig, bases: list[str], cluster: float, largest_node: float) -> dict[str, float]:
+    """CPUs per replica of each base. A base that names num_cpus gets it; the CPUs those leave are shared among
+    the (first) replicas of the bases that say "auto", at most a node's worth each, so that every base is
+    scheduled: three bases on two cores get 0.6667 each, one base gets both."""
+    settings = {b: config.deployments.get(b, config.deployment) for b in bases}
+    fixed = {b: float(d.num_cpus) for b, d in settings.items() if d.num_cpus != "auto"}
+    auto = [b for b in bases if b not in fixed]
+    left = cluster - sum(fixed[b] * _replicas(settings[b]) for b in fixed)
+    replicas = sum(_replicas(settings[b]) for b in auto)
+    share = min(largest_node, max(left, 0.0) / replicas) if replicas else 0.0
+    share = max(math.floor(share * 10_000) / 10_000, 0.0001)  # Ray's resolution; never 0: it would mean "none"
+    return {**fixed, **{b: share for b in auto}}
+
+
+def cluster_cpus() -> tuple[float, float]:
+    """(CPUs of the whole Ray cluster, of its largest node), from Ray when it runs here, else this machine's."""
+    import ray
+
+    if ray.is_initialized():
+        nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+        if nodes and max(nodes) > 0:
+            return sum(nodes), max(nodes)
+    n = float(os.cpu_count() or 1)
+    return n, n
 
 
 def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> None:
@@ -94,16 +132,38 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
     ray.init(include_dashboard=False, logging_level="WARNING", configure_logging=True)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        serve.run(build_app(config), name="manyfold", route_prefix="/", logging_config={"log_level": "WARNING"})
-        ready(f"http://{config.host}:{config.port}")
-        stop.wait()
+        target = serve.RunTarget(target=build_app(config), name=APP, route_prefix="/",
+                                 logging_config={"log_level": "WARNING"})
+        serve.run_many([target], wait_for_applications_running=False)  # a base Ray cannot place must not hang us
+        for line in wait_for_bases(APP, config.start_timeout_s, stop):
+            print(line, flush=True)
+        if not stop.is_set():
+            ready(f"http://{config.host}:{config.port}")
+            stop.wait()
         drain(config)
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def drain(config: ServeConfig, app: str = "manyfold") -> None:
+def wait_for_bases(app: str, timeout_s: float, stop) -> list[str]:
+    """Until every deployment of `app` has a running replica, at most timeout_s (or until stop is set); -> a
+    warning line for each base still not running, whose models then answer 503 naming why."""
+    import time
+
+    from serve.deployments.health import serve_status
+
+    read, deadline, waiting = serve_status(app), time.monotonic() + timeout_s, {}
+    while not stop.is_set():
+        waiting = {name: message for name, (running, message) in read().items() if not running}
+        if (read() and not waiting) or time.monotonic() >= deadline:
+            break
+        stop.wait(0.5)
+    return [f"warning: {name.removeprefix('base-')} is not running after {timeout_s:.0f} s; its models answer 503"
+            + (f" ({message.split('. ')[0]})" if message else "") for name, message in waiting.items()]
+
+
+def drain(config: ServeConfig, app: str = APP) -> None:
     """Before the proxy stops: every ingress replica refuses new requests (503) and finishes those in flight,
     streams to their [DONE], within config.drain_timeout_s. Serve routes a call to any replica, so calls go
     out in rounds until each replica has answered (bounded)."""

@@ -3,7 +3,7 @@
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -70,7 +70,12 @@ class DeploymentConfig(StrictModel):
     num_replicas: Annotated[int, Field(ge=1)] = 1
     autoscaling: AutoscalingConfig | None = None
     """When set, Ray Serve scales replicas between its bounds and num_replicas is ignored."""
-    num_cpus: Annotated[float, Field(gt=0)] = 1.0
+    num_cpus: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
+    """CPUs Ray reserves for each replica. "auto": the node's CPUs left by bases that name a number, shared
+    among the replicas of the bases that say auto, so that every base is scheduled (serve/app.py cpu_shares)."""
+    torch_threads: Annotated[int, Field(ge=1)] | None = None
+    """Threads torch computes with in each replica; None: its CPU share, rounded, at least 1 (Ray itself would
+    leave one thread per replica)."""
     max_ongoing_requests: Annotated[int, Field(ge=1)] = 256
     """Requests one replica takes at once; its engine queues and batches them."""
     max_queued_requests: Annotated[int, Field(ge=1)] = 1024
@@ -106,6 +111,9 @@ class ServeConfig(StrictModel):
     deployments: dict[str, DeploymentConfig] = {}
     """Per-base overrides, by base name."""
     ingress_replicas: Annotated[int, Field(ge=1)] = 1
+    start_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 120.0
+    """`manyfold serve` waits this long for every base to run before it serves; a base still not running then
+    is named, and its models answer 503 until it runs."""
     drain_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
     """On SIGINT/SIGTERM, requests in flight get this long to finish (new ones get 503) before the server stops."""
     ingress_max_ongoing_requests: Annotated[int, Field(ge=1)] = 4096

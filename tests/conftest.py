@@ -3,10 +3,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if not os.path.exists("/dev/nvidiactl"):
-    # Kernels pick Triton's interpreter when kernels/ is first imported, which any engine test may do before
-    # tests/kernels runs; serving itself stays on the torch twins, as it does on a CPU machine.
+    # Triton's interpreter is chosen when kernels/ is first imported, which any engine test may do before
+    # tests/kernels runs; serving itself stays on the torch twins on CPU tensors whatever this says.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("MANYFOLD_KERNELS", "torch")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

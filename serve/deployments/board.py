@@ -5,7 +5,12 @@ replica reports what its cache holds whenever that changes, and at every health 
 the board. A replica that stops reporting (gone without a goodbye) drops off after `stale_after_s`.
 """
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger("ray.serve")
 
 TIER_RANK: dict[str, int] = {"device": 2, "cpu": 1, "disk": 0}
 """The residency tiers of serve.engine.cache, best first (not imported from there: the board's process stays
@@ -40,3 +45,39 @@ class ResidencyBoard:
             for name, tier in held.items():
                 out[name] = best_tier(tier, out.get(name, "disk"))
         return out
+
+
+REPORT_TIMEOUT_S = 2.0
+"""How long one residency report may take before it is given up (one warning line)."""
+
+
+class Reporter:
+    """A replica's side of the board: what its cache holds goes out in the background whenever it changed, one
+    report at a time, each bounded; a board that is slow or away costs a stale /v1/models, never an answer's
+    time or the replica's health check."""
+
+    def __init__(self, send: Callable[[dict[str, str]], Awaitable[None]], timeout_s: float = REPORT_TIMEOUT_S,
+                 before: Callable[[], None] = lambda: None):
+        """send(held): the report itself (the board handle's call); before(): a test's fault hook."""
+        self._send = send
+        self.timeout_s = timeout_s
+        self._before = before
+        self._reported: dict[str, str] | None = None
+        self._task: asyncio.Task | None = None
+        self.failures = 0
+
+    def changed(self, held: dict[str, str]) -> None:
+        """After a request: report `held` in the background if it differs from the last report (never waits)."""
+        if held != self._reported and (self._task is None or self._task.done()):
+            self._task = asyncio.ensure_future(self.report(held))
+
+    async def report(self, held: dict[str, str]) -> None:
+        """One bounded report (the health check awaits this; it never raises)."""
+        try:
+            self._before()
+            await asyncio.wait_for(self._send(dict(held)), self.timeout_s)
+            self._reported = dict(held)
+        except Exception as e:  # noqa: BLE001
+            self.failures += 1
+            why = "timed out" if isinstance(e, TimeoutError) else (str(e).splitlines() or [type(e).__name__])[0]
+            log.warning("residency report failed: %s", why or type(e).__name__)

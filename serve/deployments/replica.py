@@ -5,10 +5,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
+import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve.config import parse_config
+from serve.deployments.board import Reporter
+from serve.engine import faults
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.errors import ManyfoldError
@@ -24,26 +27,18 @@ MAX_MULTIPLEXED_IDS = 64
 
 @serve.deployment
 class EngineReplica:
-    def __init__(self, config: dict, base: str, board: DeploymentHandle):
+    def __init__(self, config: dict, base: str, board: DeploymentHandle, threads: int = 1):
+        """threads: torch's intra-op threads, the replica's CPU share (serve/app.py): Ray would leave it one."""
+        torch.set_num_threads(threads)
         self.engine = Engine(parse_config(config), bases=[base])
         self.board = board
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._reported: dict | None = None
-
-    async def _report(self, force: bool = False) -> None:
-        """Tell the ResidencyBoard what this replica's cache holds, when that changed (or when forced). A
-        board that is away costs a stale /v1/models, never a request or this replica's health."""
-        held = self.engine.cache.resident()
-        if force or held != self._reported:
-            try:
-                await self.board.report.remote(self.replica_id, held)
-                self._reported = held
-            except Exception as e:  # noqa: BLE001
-                log.warning("residency report failed: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        self.reporter = Reporter(lambda held: self.board.report.remote(self.replica_id, held),
+                                 before=lambda: faults.hit("report", [base]))
 
     async def check_health(self) -> None:
-        """Serve calls this every health_check_period_s: the board's heartbeat."""
-        await self._report(force=True)
+        """Serve calls this every health_check_period_s: the board's heartbeat (bounded; never fails the check)."""
+        await self.reporter.report(self.engine.cache.resident())
 
     @serve.multiplexed(max_num_models_per_replica=MAX_MULTIPLEXED_IDS)
     async def _hold(self, model_id: str) -> str:
@@ -59,7 +54,7 @@ class EngineReplica:
         try:
             yield
         finally:
-            await self._report()
+            self.reporter.changed(self.engine.cache.resident())  # in the background: the answer goes now
 
     async def _answer(self, call: Awaitable):
         """A client's error (4xx) comes back as a value: raised here, Ray would log it with a traceback as

@@ -1,30 +1,37 @@
 """Router: the ingress's backend. Sends each request to its base's deployment, with the variant as Ray's
-multiplexed model id so that replicas already holding a full variant get its requests."""
+multiplexed model id so that replicas already holding a full variant get its requests. A base that is not
+running (DeploymentHealth) is refused with 503 within a bound; /v1/models and /metrics never wait on a replica
+beyond a bound: models come from the store, residency from the board."""
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
-from serve.deployments.board import best_tier
+from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, TextDelta
 from serve.errors import ClientGone, ManyfoldError, Overloaded
 from serve.store.store import Store
 
+PEEK_TIMEOUT_S = 2.0
+"""How long /v1/models and /metrics wait for the board or a replica's counters before answering without them."""
+
 
 class Router:
-    def __init__(self, store_root: str | Path, handles: dict[str, DeploymentHandle], board: DeploymentHandle):
+    def __init__(self, store_root: str | Path, handles: dict[str, DeploymentHandle], board: DeploymentHandle,
+                 health: DeploymentHealth):
         self.store = Store(store_root)
         self.handles = handles
         self.board = board
+        self.health = health
 
-    def _handle(self, model: str) -> DeploymentHandle:
+    async def _handle(self, model: str) -> DeploymentHandle:
         self.store.refresh()
         base, variant = self.store.resolve(model)
+        await self.health.require(base, model)
         handle = self.handles[base]
         return handle.options(multiplexed_model_id=variant) if variant else handle
 
@@ -52,19 +59,19 @@ class Router:
         return result
 
     async def classify(self, model: str, texts: list[str], truncate: bool = True):
-        return await self._call(self._handle(model).classify.remote(model, texts, truncate))
+        return await self._call((await self._handle(model)).classify.remote(model, texts, truncate))
 
     async def embed(self, model: str, texts: list[str], truncate: bool = True):
-        return await self._call(self._handle(model).embed.remote(model, texts, truncate))
+        return await self._call((await self._handle(model)).embed.remote(model, texts, truncate))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None):
-        return await self._call(self._handle(model).complete.remote(model, params, prompt=prompt,
-                                                                     messages=messages))
+        handle = await self._handle(model)
+        return await self._call(handle.complete.remote(model, params, prompt=prompt, messages=messages))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                               messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
-        handle = self._handle(model).options(stream=True)
+        handle = (await self._handle(model)).options(stream=True)
         deltas = handle.complete_stream.remote(model, params, prompt=prompt, messages=messages)
         try:
             with self._replica_errors():
@@ -76,15 +83,30 @@ class Router:
             deltas.cancel()  # a no-op once it has ended; else the replica stops generating for a client gone
 
     async def models(self) -> list[ModelInfo]:
-        """Every model; a variant's residency is the best over all replicas of its base (the ResidencyBoard),
-        or the answering replica's own if that is better (it may not have reported yet)."""
-        per_base = await asyncio.gather(*(self._call(h.models.remote()) for h in self.handles.values()))
-        held = await self._call(self.board.residency.remote())
-        return [replace(m, residency=best_tier(m.residency, held.get(m.name, "disk")))
-                for infos in per_base for m in infos]
+        """Every model of the store, at once: a variant's residency is the best over all replicas of its base
+        (the ResidencyBoard, if it answers in time), and a base that is not running says so."""
+        self.store.refresh()
+        states = await self.health.states()
+        try:
+            held = await asyncio.wait_for(self._call(self.board.residency.remote()), PEEK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (a board away costs residency, never the answer)
+            held = {}
+        out = []
+        for base in self.handles:
+            state = states.get(base, BaseState(True))
+            status = "ready" if state.running else "unavailable"
+            out.append(ModelInfo(base, "base", None, "device" if state.running else "disk", None, status))
+            out += [ModelInfo(model, v.kind, base, held.get(v.name, "disk"), labels, status)
+                    for v in self.store.manifest.variants.values() if v.base == base
+                    for model, labels in v.models().items()]
+        return out
 
     async def snapshots(self) -> list[dict]:
-        return list(await asyncio.gather(*(self._call(h.snapshot.remote()) for h in self.handles.values())))
+        """The counters of every running base's replica that answers in time."""
+        states = await self.health.states()
+        calls = [asyncio.wait_for(self._call(h.snapshot.remote()), PEEK_TIMEOUT_S)
+                 for b, h in self.handles.items() if states.get(b, BaseState(True)).running]
+        return [r for r in await asyncio.gather(*calls, return_exceptions=True) if isinstance(r, dict)]
 
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
         """Validated and stored by one of the base's replicas (the ingress runs no model code); the others see

@@ -83,3 +83,5 @@ class ModelInfo:
     base: str | None
     residency: Residency
     labels: list[str] | None
+    status: Literal["ready", "unavailable"] = "ready"
+    """"unavailable": its base has no running replica (its requests get 503 saying why)."""

@@ -39,10 +39,16 @@ def log_refused(request: Request, status: int, message: str) -> None:
             request_id(request))
 
 
+def manyfold_message(request: Request, e: ManyfoldError) -> str:
+    """The error's one line; a server's failure (5xx) also names the request, so an operator finds its log."""
+    return f"{e} (request {request_id(request)})" if e.http_status >= 500 else str(e)
+
+
 async def _manyfold_error(request: Request, e: ManyfoldError) -> JSONResponse:
     headers = {"Retry-After": str(e.retry_after_s)} if hasattr(e, "retry_after_s") else None
+    message = manyfold_message(request, e)
     log_refused(request, e.http_status, str(e))
-    return error_response(e.http_status, e.code, str(e), headers)
+    return error_response(e.http_status, e.code, message, headers)
 
 
 async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -26,6 +26,7 @@ async def prometheus(state: State):
 
 @router.get("/v1/models", response_model=S.ModelList)
 async def models(state: State, t: TenantConfig | None = Depends(tenant)):
-    cards = [S.ModelCard(id=m.name, kind=m.kind, parent=m.base, residency=m.residency, labels=m.labels)
+    cards = [S.ModelCard(id=m.name, kind=m.kind, parent=m.base, residency=m.residency, labels=m.labels,
+                         status=m.status)
              for m in await state.backend.models() if t is None or "*" in t.models or m.name in t.models]
     return S.ModelList(data=cards)

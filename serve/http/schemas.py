@@ -278,6 +278,8 @@ class ModelCard(BaseModel):
     parent: str | None
     residency: Literal["device", "cpu", "disk"]
     labels: list[str] | None = None
+    status: Literal["ready", "unavailable"] = "ready"
+    """"unavailable": its base has no running replica now (requests to it get 503 with the reason)."""
 
 
 class ModelList(BaseModel):

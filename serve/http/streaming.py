@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from serve.engine.types import TextDelta
 from serve.errors import ManyfoldError
 from serve.http import schemas as S
-from serve.http.errors import internal_error, log_refused, request_id
+from serve.http.errors import internal_error, log_refused, manyfold_message, request_id
 from serve.http.usage import count_tokens, usage
 from serve.metrics import Metrics
 
@@ -63,7 +63,7 @@ async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts:
         yield SSE_DONE
     except ManyfoldError as e:
         log_refused(request, e.http_status, f"in a stream: {e}")
-        yield sse(S.ErrorBody(error=S.ErrorDetail(message=str(e), type=e.code, code=e.code)))
+        yield sse(S.ErrorBody(error=S.ErrorDetail(message=manyfold_message(request, e), type=e.code, code=e.code)))
         yield SSE_DONE
     except Exception:
         yield sse(S.ErrorBody(error=internal_error(request_id(request))))

@@ -22,3 +22,45 @@ def test_a_replica_that_stops_reporting_drops_off():
     time.sleep(0.1)
     board.report("alive", {"b": "cpu"})
     assert board.residency() == {"b": "cpu"}
+
+
+def test_reports_go_out_in_the_background_and_a_board_that_hangs_costs_one_warning(caplog):
+    import asyncio
+
+    from serve.deployments.board import Reporter
+
+    sent, hang = [], asyncio.Event()
+
+    async def send(held):
+        sent.append(held)
+        if len(sent) == 1:
+            await hang.wait()  # the first report never comes back
+
+    async def go():
+        reporter = Reporter(send, timeout_s=0.05)
+        reporter.changed({"a": "device"})  # returns at once: an answer never waits for the board
+        assert sent == [] and not reporter._task.done()
+        await reporter._task  # bounded by the timeout
+        reporter.changed({"a": "device", "b": "cpu"})
+        await reporter._task
+        reporter.changed({"a": "device", "b": "cpu"})  # unchanged since the last report: nothing sent
+        return reporter
+
+    reporter = asyncio.run(go())
+    assert reporter.failures == 1 and sent == [{"a": "device"}, {"a": "device", "b": "cpu"}]
+    assert [r.getMessage() for r in caplog.records] == ["residency report failed: timed out"]
+
+
+def test_a_report_that_raises_never_reaches_the_request():
+    import asyncio
+
+    from serve.deployments.board import Reporter
+    from serve.engine import faults
+
+    async def send(held):
+        raise AssertionError("the fault comes first")
+
+    reporter = Reporter(send, before=lambda: faults.hit("report", ["lm"]))
+    with faults.injected("report", "lm"):
+        asyncio.run(reporter.report({"x": "device"}))  # no exception escapes
+    assert reporter.failures == 1 and faults.hits["report"] >= 1

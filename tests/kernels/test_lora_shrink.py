@@ -83,9 +83,16 @@ def test_select_runs_the_twin_for_cpu_tensors_without_interpreter(monkeypatch):
     assert select(torch.zeros(1)) == "torch"
 
 
-def test_select_runs_triton_under_interpreter(monkeypatch):
+def test_select_runs_the_twin_for_cpu_tensors_even_under_the_interpreter(monkeypatch):
+    """TRITON_INTERPRET=1 in a server's environment must not turn it into an emulator."""
     monkeypatch.setattr(kernels._backend, "INTERPRET", True)
     monkeypatch.delenv("MANYFOLD_KERNELS", raising=False)
+    assert select(torch.zeros(1)) == "torch"
+
+
+def test_a_test_asks_for_the_interpreter_explicitly(monkeypatch):
+    monkeypatch.setattr(kernels._backend, "INTERPRET", True)
+    monkeypatch.setenv("MANYFOLD_KERNELS", "triton")
     assert select(torch.zeros(1)) == "triton"
 
 

@@ -1,0 +1,99 @@
+"""Which bases have a running replica, as Ray Serve's controller reports it. The ingress asks before it routes a
+request, so that a base Ray cannot schedule (or that is restarting) answers 503 with the reason within a bound,
+never a request that waits for ever, and /v1/models can say which bases are not running.
+
+Plain asyncio over a `read` function (serve_status reads Ray Serve's; tests give their own).
+"""
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from serve.errors import Unavailable
+
+log = logging.getLogger("ray.serve")
+
+Read = Callable[[], dict[str, tuple[int, str]]]
+"""-> deployment name: (replicas running, the controller's message about it)."""
+
+
+@dataclass(frozen=True)
+class BaseState:
+    running: bool
+    reason: str = ""
+    """Why it is not running, one line."""
+
+
+def serve_status(app: str) -> Read:
+    def read() -> dict[str, tuple[int, str]]:
+        from ray import serve
+
+        status = serve.status().applications.get(app)
+        if status is None:
+            return {}
+        return {name: (int(d.replica_states.get("RUNNING", 0)), d.message) for name, d in status.deployments.items()}
+
+    return read
+
+
+class DeploymentHealth:
+    def __init__(self, deployments: dict[str, str], read: Read, refresh_s: float = 2.0, wait_s: float = 10.0,
+                 read_timeout_s: float = 5.0):
+        """deployments: base -> its deployment's name. A base not running is waited for up to wait_s (a replica
+        restarting comes back) before its requests are refused."""
+        self.deployments = deployments
+        self._read = read
+        self.refresh_s = refresh_s
+        self.wait_s = wait_s
+        self.read_timeout_s = read_timeout_s
+        self._states: dict[str, BaseState] = {}
+        self._read_at = -float("inf")
+        self._reading: asyncio.Task | None = None
+
+    async def states(self) -> dict[str, BaseState]:
+        """Every base's state, read again when older than refresh_s (one read at a time, bounded; a read that
+        fails or times out keeps what was known, and a base never read counts as running)."""
+        if time.monotonic() - self._read_at >= self.refresh_s:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(self._reading)
+        return {b: self._states.get(b, BaseState(True)) for b in self.deployments}
+
+    async def _refresh(self) -> None:
+        try:
+            raw = await asyncio.wait_for(asyncio.to_thread(self._read), self.read_timeout_s)
+        except Exception as e:  # noqa: BLE001  (the controller may be busy or restarting)
+            log.warning("deployment status unavailable: %s", (str(e).splitlines() or [type(e).__name__])[0])
+            self._read_at = time.monotonic()
+            return
+        self._states = {base: _state(base, *raw[name]) for base, name in self.deployments.items() if name in raw}
+        self._read_at = time.monotonic()
+
+    async def require(self, base: str, model: str) -> None:
+        """Return once `base` runs; Unavailable naming why if it does not within wait_s."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            state = (await self.states()).get(base, BaseState(True))
+            if state.running:
+                return
+            if time.monotonic() >= deadline:
+                raise Unavailable(f"model '{model}' is unavailable: {state.reason}")
+            await asyncio.sleep(min(self.refresh_s, max(0.0, deadline - time.monotonic())))
+
+
+_UNPLACEABLE = re.compile(r"Resources required for each replica: (\{.*?\}), total resources available: (\{.*?\})")
+
+
+def _state(base: str, running: int, message: str) -> BaseState:
+    if running > 0:
+        return BaseState(True)
+    why = f"base '{base}' has no running replica"
+    placed = _UNPLACEABLE.search(message)
+    if placed:  # Ray's own words, after 30 s of trying
+        return BaseState(False, f"{why}: Ray cannot place it (each replica needs {placed[1]}; the cluster has "
+                                f"{placed[2]} available)")
+    first = message.split(". ")[0].strip().rstrip(".")
+    return BaseState(False, why + (f" ({first})" if first else ""))

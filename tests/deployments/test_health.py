@@ -1,0 +1,68 @@
+"""Deployment health as the ingress sees it: a base with no running replica is refused with 503 naming why,
+within a bound; a controller that does not answer costs nothing but freshness."""
+
+import asyncio
+
+import pytest
+
+from serve.deployments.health import DeploymentHealth
+from serve.errors import Unavailable
+
+PENDING = ("Deployment 'base-nz' in application 'manyfold' has 1 replicas that have taken more than 30s to be "
+           "scheduled. This may be due to waiting for the cluster to auto-scale or for a runtime environment to be "
+           "installed. Resources required for each replica: {\"CPU\": 64.0}, total resources available: "
+           "{\"CPU\": 1.9998}. Use `ray status` for more details.")
+
+
+def test_a_base_that_never_runs_is_refused_naming_why():
+    reads = []
+
+    def read():
+        reads.append(1)
+        return {"base-lm": (1, ""), "base-nz": (0, PENDING)}
+
+    health = DeploymentHealth({"lm": "base-lm", "nz": "base-nz"}, read, refresh_s=0.0, wait_s=0.0)
+
+    async def go():
+        await health.require("lm", "lm-lora")  # running: through at once
+        with pytest.raises(Unavailable) as e:
+            await health.require("nz", "nz-lora")
+        return e.value, await health.states()
+
+    err, states = asyncio.run(go())
+    assert str(err) == ("model 'nz-lora' is unavailable: base 'nz' has no running replica: Ray cannot place it (each "
+                        "replica needs {\"CPU\": 64.0}; the cluster has {\"CPU\": 1.9998} available)")
+    assert err.http_status == 503 and states["lm"].running and not states["nz"].running and reads
+
+
+def test_a_base_still_starting_says_so():
+    health = DeploymentHealth({"lm": "base-lm"}, lambda: {"base-lm": (0, "Deploying. Replicas starting.")},
+                              wait_s=0.0)
+    with pytest.raises(Unavailable, match=r"^model 'lm' is unavailable: base 'lm' has no running replica \(Deploying\)$"):
+        asyncio.run(health.require("lm", "lm"))
+
+
+def test_a_restarting_base_is_waited_for_until_it_runs():
+    replies = iter([{"base-lm": (0, "")}, {"base-lm": (0, "")}, {"base-lm": (1, "")}])
+    health = DeploymentHealth({"lm": "base-lm"}, lambda: next(replies), refresh_s=0.0, wait_s=3600)
+    asyncio.run(health.require("lm", "lm"))  # returns once the third read says it runs
+    with pytest.raises(StopIteration):
+        next(replies)
+
+
+def test_a_controller_that_fails_keeps_what_was_known():
+    calls = iter([{"base-lm": (0, "starting")}, RuntimeError("controller away")])
+
+    def read():
+        reply = next(calls)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    health = DeploymentHealth({"lm": "base-lm", "new": "base-new"}, read, refresh_s=0.0)
+
+    async def go():
+        return await health.states(), await health.states()
+
+    first, second = asyncio.run(go())
+    assert first == second and not first["lm"].running and first["new"].running  # never read: counted running

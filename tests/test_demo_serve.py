@@ -1,0 +1,131 @@
+"""The demo's serving path as a new user meets it (`manyfold demo` builds its store, then serves it as `manyfold
+serve --store` does), on a small demo store with the real demo's three bases (MiniLM, SmolLM2, SmolLM2 in
+NeuZip form): with default settings every base is scheduled on this machine's cores and every model /v1/models
+lists answers a request. A base Ray cannot place answers 503 naming why while the others serve. Ctrl-C leaves
+no process behind, a pending replica or not."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve.demo import AdapterTask, DemoTask, LmTask, build_demo_store
+from tests.test_server import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("demo") / "store"
+    build_demo_store(root, tasks=(DemoTask("minilm-spam", "spam", 32, 32),),
+                     lm_tasks=(LmTask("smollm2-fortunes", "fortunes", steps=1, top_layers=1, max_len=32),),
+                     adapter_tasks=(AdapterTask("smollm2-spam-pissa", "spam", 8, steps=1, max_length=32),),
+                     emr_groups=(), log=lambda m: None)
+    return root
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below pid, from /proc (Ray's raylet, GCS, workers and replicas)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - out
+        out |= frontier
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _request(http: httpx.Client, card: dict) -> httpx.Response:
+    if card["labels"]:
+        return http.post("/v1/classify", json={"model": card["id"], "input": "WINNER! claim your prize now"})
+    if card["parent"] in ("minilm", "enc") or card["id"] in ("minilm", "enc"):
+        return http.post("/v1/embeddings", json={"model": card["id"], "input": "hello"})
+    return http.post("/v1/completions", json={"model": card["id"], "max_tokens": 2, "prompt": "Hello"})
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[tuple[str, list[str], set[int]]]:
+    """`manyfold serve ARGS` until it says it serves -> (its URL, its log so far and to come, the Ray processes
+    under it); on leaving, Ctrl-C and wait for it to exit, then check that none of those processes is left."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", *args, "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    log: list[str] = []
+    ray_processes: set[int] = set()
+    try:
+        for line in server.stdout:
+            log.append(line)
+            if line.startswith("serving "):
+                break
+        assert server.poll() is None, "".join(log)
+        threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+        ray_processes = _descendants(server.pid)
+        assert ray_processes, "no Ray processes under the server"
+        yield f"http://127.0.0.1:{port}", log, ray_processes
+    finally:
+        ray_processes |= _descendants(server.pid)  # replicas started since
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise
+    left = sorted(p for p in ray_processes | _descendants(server.pid) if _alive(p))
+    assert not left, f"processes left behind after Ctrl-C: {left}"
+
+
+def test_the_demo_serves_every_model_it_lists_with_default_settings(demo_store):
+    with serving("--store", str(demo_store)) as (url, log, _), httpx.Client(base_url=url, timeout=300) as http:
+        cards = http.get("/v1/models").json()["data"]
+        assert {c["id"] for c in cards if c["kind"] == "base"} == {"minilm", "smollm2", "smollm2-nz"}
+        assert all(c["status"] == "ready" for c in cards), cards  # every base scheduled on this machine
+        answers = {c["id"]: _request(http, c).status_code for c in cards}
+        assert answers == {m: 200 for m in answers}, "".join(log[-40:])
+
+
+def test_a_base_ray_cannot_place_answers_503_and_the_rest_serve(tmp_path):
+    from serve.store.store import Store
+    from tests.models import write_tiny_bert, write_tiny_causal
+
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("lm", write_tiny_causal(tmp_path / "lm"))
+    store.add_base("big", write_tiny_causal(tmp_path / "big", seed=1))
+    store.add_base("enc", write_tiny_bert(tmp_path / "enc"))
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"store": str(store.root), "deployments": {"big": {"num_cpus": 64}},
+                                  "start_timeout_s": 0}))
+    with serving("--config", str(config)) as (url, log, _), httpx.Client(base_url=url, timeout=300) as http:
+        assert any(line.startswith("warning: big is not running") for line in log), log
+        for _ in range(3000):  # served at once (start_timeout_s 0): until the other two have started
+            cards = {c["id"]: c["status"] for c in http.get("/v1/models").json()["data"]}
+            if cards["lm"] == cards["enc"] == "ready":
+                break
+        for card in [c for c in http.get("/v1/models").json()["data"] if c["id"] != "big"]:
+            assert _request(http, card).status_code == 200  # the bases Ray could place serve
+        refused = _request(http, {"id": "big", "labels": None, "parent": None})
+    assert cards == {"lm": "ready", "enc": "ready", "big": "unavailable"}
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert refused.json()["error"]["message"].startswith("model 'big' is unavailable: base 'big' has no running "
+                                                         "replica")
