@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, TextDelta
-from serve.errors import ClientGone, ManyfoldError, Overloaded
+from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable
 from serve.store.store import Store
 
 PEEK_TIMEOUT_S = 2.0
@@ -50,6 +51,8 @@ class Router:
             if isinstance(cause, ManyfoldError):
                 raise cause from None
             raise type(e)(str(e).splitlines()[0]) from None
+        except RayActorError as e:  # the replica died mid-request (killed, out of memory): Serve starts another
+            raise Unavailable("the model's replica stopped while answering; retry") from e
 
     async def _call(self, response):
         with self._replica_errors():
