@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtests.smoke import request_for, smoke
 from serve.demo import AdapterTask, DemoTask, LmTask, build_demo_store
 from tests.test_server import free_port
 
@@ -56,14 +57,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _request(http: httpx.Client, card: dict) -> httpx.Response:
-    if card["labels"]:
-        return http.post("/v1/classify", json={"model": card["id"], "input": "WINNER! claim your prize now"})
-    if card["parent"] in ("minilm", "enc") or card["id"] in ("minilm", "enc"):
-        return http.post("/v1/embeddings", json={"model": card["id"], "input": "hello"})
-    return http.post("/v1/completions", json={"model": card["id"], "max_tokens": 2, "prompt": "Hello"})
-
-
 @contextmanager
 def serving(*args: str) -> Iterator[tuple[str, list[str], set[int]]]:
     """`manyfold serve ARGS` until it says it serves -> (its URL, its log so far and to come, the Ray processes
@@ -101,8 +94,8 @@ def test_the_demo_serves_every_model_it_lists_with_default_settings(demo_store):
         cards = http.get("/v1/models").json()["data"]
         assert {c["id"] for c in cards if c["kind"] == "base"} == {"minilm", "smollm2", "smollm2-nz"}
         assert all(c["status"] == "ready" for c in cards), cards  # every base scheduled on this machine
-        answers = {c["id"]: _request(http, c).status_code for c in cards}
-        assert answers == {m: 200 for m in answers}, "".join(log[-40:])
+        _, answers = smoke(url)
+        assert {m: status for m, status, _ in answers} == {c["id"]: 200 for c in cards}, "".join(log[-40:])
 
 
 def test_a_base_ray_cannot_place_answers_503_and_the_rest_serve(tmp_path):
@@ -123,8 +116,9 @@ def test_a_base_ray_cannot_place_answers_503_and_the_rest_serve(tmp_path):
             if cards["lm"] == cards["enc"] == "ready":
                 break
         for card in [c for c in http.get("/v1/models").json()["data"] if c["id"] != "big"]:
-            assert _request(http, card).status_code == 200  # the bases Ray could place serve
-        refused = _request(http, {"id": "big", "labels": None, "parent": None})
+            card["encoder"] = card["id"] == "enc"
+            assert request_for(http, card).status_code == 200  # the bases Ray could place serve
+        refused = request_for(http, {"id": "big", "labels": None})
     assert cards == {"lm": "ready", "enc": "ready", "big": "unavailable"}
     assert refused.status_code == 503 and refused.headers["retry-after"]
     assert refused.json()["error"]["message"].startswith("model 'big' is unavailable: base 'big' has no running "
