@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,3 +43,53 @@ def finish(report: dict, out: Path, print_report: Callable[[dict], None]) -> dic
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return report
+
+
+def process_tree_rss(root_pid: int) -> dict[int, tuple[str, int]]:
+    """pid -> (command line, RSS bytes) of every process below root_pid, read from /proc: a server that starts
+    its workers as children (Ray's GCS, raylet, workers, Serve replicas) is measured without psutil."""
+    parents, cmds = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmds[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                pass
+    below, frontier = set(), {root_pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - below
+        below |= frontier
+    out = {}
+    for pid in below:
+        try:  # statm's second field: resident pages
+            out[pid] = (cmds[pid], int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, IndexError, ValueError, KeyError):
+            pass  # gone since
+    return out
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The value below which a share p of `values` lies (nearest rank); nan for none."""
+    v = sorted(values)
+    return v[min(len(v) - 1, int(p * len(v)))] if v else float("nan")
+
+
+class Sampler:
+    """Calls fn every every_s seconds in a daemon thread, from its creation until stop() (which takes one last
+    sample), keeping {"t_s": seconds since creation, **fn()}: a quantity over the time a benchmark runs."""
+
+    def __init__(self, fn: Callable[[], dict], every_s: float):
+        self.fn, self.every_s, self.samples = fn, every_s, []
+        self.t0, self._stop = time.perf_counter(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s if self.samples else 0.0):
+            self.samples.append({"t_s": time.perf_counter() - self.t0, **self.fn()})
+        self.samples.append({"t_s": time.perf_counter() - self.t0, **self.fn()})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -52,6 +52,14 @@ def cmd_bench_neuzip(args: argparse.Namespace) -> None:
     run_neuzip_bench(Path(args.out), Path(args.work) if args.work else None)
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> None:
+    from serve.bench.soak import SoakSpec, run_soak_bench
+
+    spec = SoakSpec(duration_s=args.duration_s, load=args.load, churn_s=args.churn_s, warmup_s=args.warmup_s,
+                    probe_s=args.probe_s, probe_concurrency=args.probe_concurrency, timeout_s=args.timeout_s)
+    run_soak_bench(_store_dir(args), Path(args.out), spec)
+
+
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
     b = add_command(bench, "fmdelta", cmd_bench_fmdelta,
@@ -89,3 +97,15 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bn.add_argument("--out", default="bench-results/neuzip.json")
     bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "
                                    "(default: $MANYFOLD_HOME/bench-neuzip)")
+    so = add_command(bench, "soak", cmd_bench_soak, "a long mixed-kind run at a share of saturation with variants "
+                     "added and removed over the admin API: errors, hung requests, latency, RSS over time")
+    so.add_argument("--store", help="where the soak's small store is built once and reused "
+                                    "(default: $MANYFOLD_HOME/soak-store)")
+    so.add_argument("--out", default="bench-results/soak.json", help="the JSON; the PNG goes beside it")
+    so.add_argument("--duration-s", type=float, default=600.0, help="seconds of open-loop arrivals")
+    so.add_argument("--load", type=float, default=0.8, help="offered rate as a share of the saturation rate")
+    so.add_argument("--churn-s", type=float, default=60.0, help="seconds between variant adds (and removes)")
+    so.add_argument("--warmup-s", type=float, default=60.0, help="RSS is compared from the first sample past this")
+    so.add_argument("--probe-s", type=float, default=30.0, help="seconds of the closed-loop saturation probe")
+    so.add_argument("--probe-concurrency", type=int, default=16, help="requests in flight during the probe")
+    so.add_argument("--timeout-s", type=float, default=120.0, help="a request unanswered this long counts as hung")
