@@ -4,7 +4,9 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, StringConstraints, ValidationError,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 
 from serve.errors import ArtifactError, first_error
 from serve.store.writer import atomic_write
@@ -46,16 +48,21 @@ class BaseEntry(StrictModel):
     """Served in NeuZip form with this many mantissa bits (its weights stay stored lossless beside it)."""
 
 
-class _OneModel(StrictModel):
-    """An entry that serves one model, under its own name."""
+class VariantEntryBase(StrictModel):
+    """What every variant kind's entry holds. A kind's entry class narrows `kind` to its own Literal, adds its
+    fields and is registered (register_entry): the manifest reads each entry with the class its kind registered."""
 
+    kind: str
     name: Name
-    labels: list[str] | None = None
-    """Class labels, for classifier variants."""
+    base: Name
+    architecture: str
+    raw_bytes: int
+    """Size of the fine-tune's tensors (or files) uncompressed."""
+    files: list[FileEntry]
 
     def models(self) -> dict[str, list[str] | None]:
         """Model id -> class labels, for every model the entry serves."""
-        return {self.name: self.labels}
+        return {self.name: None}
 
     @property
     def directory(self) -> str:
@@ -63,30 +70,31 @@ class _OneModel(StrictModel):
         return self.name
 
 
-class FullVariantEntry(_OneModel):
+class _Labelled(VariantEntryBase):
+    """An entry that serves one model, under its own name, a classifier if it has labels."""
+
+    labels: list[str] | None = None
+    """Class labels, for classifier variants."""
+
+    def models(self) -> dict[str, list[str] | None]:
+        return {self.name: self.labels}
+
+
+class FullVariantEntry(_Labelled):
     """A full fine-tune stored as an FM-Delta file against its parent base."""
 
     kind: Literal["full"] = "full"
-    base: Name
-    architecture: str
-    raw_bytes: int
-    """Size of the fine-tune's tensors uncompressed."""
-    files: list[FileEntry]
 
 
-class _AdapterEntry(_OneModel):
+class _AdapterEntry(_Labelled):
     """A PEFT LoRA-form adapter (adapter_config.json + adapter_model.safetensors) of its parent base; `labels`
-    for a classifier adapter (its head saved through PEFT's modules_to_save)."""
+    for a classifier adapter (its head saved through PEFT's modules_to_save). `architecture` is the parent
+    base's (an adapter has none of its own)."""
 
-    base: Name
-    architecture: str
-    """The parent base's architecture (an adapter has none of its own)."""
-    raw_bytes: int
     rank: Annotated[int, Field(ge=1)]
     """The largest rank over its modules, as served (a converted PiSSA adapter's 2r)."""
     target_modules: list[str]
     """Base module names it corrects."""
-    files: list[FileEntry]
 
 
 class LoraVariantEntry(_AdapterEntry):
@@ -104,21 +112,15 @@ class EmrTaskEntry(StrictModel):
     labels: list[str] | None = None
 
 
-class EmrVariantEntry(StrictModel):
-    """An EMR-Merging group (serve/codecs/emr.py): one bundle, one model per task, "<group>/<task>"."""
+class EmrVariantEntry(VariantEntryBase):
+    """An EMR-Merging group (serve/codecs/emr.py): one bundle, one model per task, "<group>/<task>". Its
+    `architecture` is the tasks' (the first task's, as the bundle records it); `raw_bytes` the bundle's files."""
 
     kind: Literal["emr"] = "emr"
-    name: Name
-    base: Name
-    architecture: str
-    """The tasks' architecture (the first task's, as the bundle records it)."""
-    raw_bytes: int
-    """Size of the bundle's files."""
     bundle: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")]
     """Its directory under variants/: each bundle added gets a new one, so replacing a group (a task added,
     re-merged) swaps the manifest entry from one whole directory to another."""
     tasks: list[EmrTaskEntry]
-    files: list[FileEntry]
 
     def models(self) -> dict[str, list[str] | None]:
         return {f"{self.name}{MEMBER_SEP}{t.name}": t.labels for t in self.tasks}
@@ -128,16 +130,61 @@ class EmrVariantEntry(StrictModel):
         return self.bundle
 
 
-VariantEntry = Annotated[FullVariantEntry | LoraVariantEntry | PissaVariantEntry | EmrVariantEntry,
-                         Field(discriminator="kind")]
-"""Every variant kind's manifest entry, tagged by `kind`; serve.variants registers how each is served."""
+VariantEntry = VariantEntryBase
+"""Any kind's entry (as type hints say it)."""
+
+ENTRY_TYPES: dict[str, type[VariantEntryBase]] = {}
+"""kind -> its entry class: what the manifest reads a variant entry with."""
+
+
+def register_entry(cls: type[VariantEntryBase]) -> type[VariantEntryBase]:
+    """Make a kind's entry readable in every manifest (its `kind` field's default names the kind)."""
+    kind = cls.model_fields["kind"].default
+    if not isinstance(kind, str) or kind == "base":
+        raise ValueError(f"{cls.__name__}: `kind` must default to the kind's name")
+    if kind in ENTRY_TYPES and ENTRY_TYPES[kind] is not cls:
+        raise ValueError(f"variant kind '{kind}' has an entry class already ({ENTRY_TYPES[kind].__name__})")
+    ENTRY_TYPES[kind] = cls
+    return cls
+
+
+def unregister_entry(kind: str) -> None:
+    ENTRY_TYPES.pop(kind, None)
+
+
+# The built-in kinds' entries live here, not in their kind modules (serve/variants/), because every process that
+# reads a store must know them, the HTTP ingress too, which imports no torch; a new kind registers its own.
+for _cls in (FullVariantEntry, LoraVariantEntry, PissaVariantEntry, EmrVariantEntry):
+    register_entry(_cls)
+
+
+def _entry(name: str, data: object) -> VariantEntryBase:
+    if isinstance(data, VariantEntryBase):
+        return data
+    kind = data.get("kind") if isinstance(data, dict) else None
+    cls = ENTRY_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        known = ", ".join(sorted(ENTRY_TYPES))
+        raise PydanticCustomError("unknown_kind", "variant '{name}' is of kind {kind}, which no module here has "
+                                  "registered (known: {known})", {"name": name, "kind": repr(kind), "known": known})
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise PydanticCustomError("invalid_entry", "variant '{name}': {problem}",
+                                  {"name": name, "problem": first_error(e)}) from None
 
 
 class StoreManifest(StrictModel):
     format: Literal["manyfold.store"] = "manyfold.store"
     version: Literal[1] = VERSION
     bases: dict[Name, BaseEntry] = {}
-    variants: dict[Name, VariantEntry] = {}
+    variants: dict[Name, SerializeAsAny[VariantEntryBase]] = {}
+    """Each read with the entry class its kind registered."""
+
+    @field_validator("variants", mode="before")
+    @classmethod
+    def _each_by_its_kind(cls, value: object) -> object:
+        return {name: _entry(name, e) for name, e in value.items()} if isinstance(value, dict) else value
 
 
 def read_manifest(root: Path) -> StoreManifest:
