@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from loadtests.smoke import request_for, smoke
+from serve.bench.report import descendants
 from serve.demo import AdapterTask, DemoTask, LmTask, build_demo_store
 from tests.test_server import free_port
 
@@ -32,22 +33,6 @@ def demo_store(tmp_path_factory) -> Path:
                      adapter_tasks=(AdapterTask("smollm2-spam-pissa", "spam", 8, steps=1, max_length=32),),
                      emr_groups=(), log=lambda m: None)
     return root
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every process below pid, from /proc (Ray's raylet, GCS, workers and replicas)."""
-    parents = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - out
-        out |= frontier
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -74,18 +59,18 @@ def serving(*args: str) -> Iterator[tuple[str, list[str], set[int]]]:
                 break
         assert server.poll() is None, "".join(log)
         threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
-        ray_processes = _descendants(server.pid)
+        ray_processes = descendants(server.pid)
         assert ray_processes, "no Ray processes under the server"
         yield f"http://127.0.0.1:{port}", log, ray_processes
     finally:
-        ray_processes |= _descendants(server.pid)  # replicas started since
+        ray_processes |= descendants(server.pid)  # replicas started since
         server.send_signal(signal.SIGINT)
         try:
             server.wait(timeout=180)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             raise
-    left = sorted(p for p in ray_processes | _descendants(server.pid) if _alive(p))
+    left = sorted(p for p in ray_processes | descendants(server.pid) if _alive(p))
     assert not left, f"processes left behind after Ctrl-C: {left}"
 
 

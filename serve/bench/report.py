@@ -45,26 +45,31 @@ def finish(report: dict, out: Path, print_report: Callable[[dict], None]) -> dic
     return report
 
 
-def process_tree_rss(root_pid: int) -> dict[int, tuple[str, int]]:
-    """pid -> (command line, RSS bytes) of every process below root_pid, read from /proc: a server that starts
-    its workers as children (Ray's GCS, raylet, workers, Serve replicas) is measured without psutil."""
-    parents, cmds = {}, {}
+def descendants(root_pid: int) -> set[int]:
+    """Every process below root_pid, read from /proc (a server's Ray GCS, raylet, workers, Serve replicas)."""
+    parents = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmds[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except (OSError, IndexError, ValueError):
                 pass
     below, frontier = set(), {root_pid}
     while frontier:
         frontier = {p for p, parent in parents.items() if parent in frontier} - below
         below |= frontier
+    return below
+
+
+def process_tree_rss(root_pid: int) -> dict[int, tuple[str, int]]:
+    """pid -> (command line, RSS bytes) of every process below root_pid, read from /proc: a server that starts
+    its workers as children is measured without psutil."""
     out = {}
-    for pid in below:
+    for pid in descendants(root_pid):
         try:  # statm's second field: resident pages
-            out[pid] = (cmds[pid], int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-        except (OSError, IndexError, ValueError, KeyError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            out[pid] = (cmd, int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, IndexError, ValueError):
             pass  # gone since
     return out
 

@@ -1,11 +1,15 @@
-"""device: cuda — the engine's base, slots, plans and heads live on the GPU and the LoRA ops run through Triton;
-a batch mixing every kind answers as the CPU engine does. Tiny models only (run with the device tool)."""
+"""device: cuda — the engine's base, slots, plans and heads live on the GPU and the LoRA and EMR ops run through
+Triton; a batch mixing every kind answers as the CPU engine does, and a NeuZip base decodes on the GPU to exactly
+the bf16 base's answers. Tiny models only (run with the device tool; tests/engine/test_faults.py runs its fault
+matrix on CUDA there too)."""
 
 import asyncio
 
 import pytest
 import torch
 
+from serve.codecs import emr
+from serve.codecs.neuzip_file import add_base, cast_to_bf16
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
@@ -38,6 +42,18 @@ def store_root(tmp_path_factory):
     add["full"].add(store, "bert-clf", "bert", write_perturbed(bert, root / "bert-clf", seed=4, labels=LABELS))
     add["lora"].add(store, "bert-lora", "bert", write_lora(bert, root / "bert-lora", seed=5, r=4,
                                                              targets=["query", "value"], classes=LABELS))
+    for group, src, tasks in (("lm-emr", lm, {"t1": {}, "t2": {"only": "layers.1."}}),
+                              ("bert-emr", bert, {"a": {"labels": LABELS}, "b": {"labels": LABELS}})):
+        fts = {t: write_perturbed(src, root / f"{group}-{t}", seed=10 + i, scale=0.5, **o)
+               for i, (t, o) in enumerate(tasks.items())}
+        variant_kind("emr").add(store, group, group.split("-")[0], emr.merge(src, fts, root / group).path)
+    bf16 = write_tiny_causal(root / "lm-bf16")
+    cast_to_bf16(bf16)
+    store.add_base("lm-bf16", bf16)
+    add_base(store, "lm-nz", bf16, 7)
+    for base in ("lm-bf16", "lm-nz"):
+        add["lora"].add(store, f"{base}-lora", base, write_lora(bf16, root / f"{base}-lora", seed=6, r=4,
+                                                                 targets=["q_proj", "down_proj"]))
     return store.root
 
 
@@ -63,3 +79,37 @@ def test_cuda_engine_serves_mixed_batches_as_the_cpu_engine(store_root):
     stacks = gpu.bases["lm"].families["lora"].a
     assert stacks and all(t.is_cuda for t in stacks.values())  # the adapters sat in device slots
     assert len({tuple(t) for t in tokens_cpu}) >= 5  # the variants really differ
+
+
+def test_cuda_emr_groups_in_a_mixed_batch_answer_as_the_cpu_engine(store_root):
+    cpu, gpu = Engine(ServeConfig(store=store_root)), Engine(ServeConfig(store=store_root, device="cuda"))
+    rows = [("lm-emr/t1", "the cat sat"), ("lm", "a big red dog"), ("lm-emr/t2", "one two three"),
+            ("lm-lora", "hello world good"), ("lm-emr/t1", "sun moon star")]
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def serve(eng):
+        gens = await asyncio.gather(*(eng.complete(m, params, prompt=p) for m, p in rows))
+        clf = await asyncio.gather(*(eng.classify(m, ["the cat sat on the mat"])
+                                     for m in ("bert-emr/a", "bert-clf", "bert-emr/b")))
+        return [g.token_ids for g in gens], clf
+
+    tokens_gpu, clf_gpu = asyncio.run(serve(gpu))
+    tokens_cpu, clf_cpu = asyncio.run(serve(cpu))
+    assert tokens_gpu == tokens_cpu
+    for a, b in zip(clf_gpu, clf_cpu):
+        torch.testing.assert_close(torch.tensor(a.probs), torch.tensor(b.probs), atol=1e-4, rtol=1e-4)
+    assert gpu.holds() == {}
+
+
+def test_a_neuzip_base_on_cuda_answers_as_its_bf16_base(store_root):
+    gpu = Engine(ServeConfig(store=store_root, device="cuda"))
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = ["the cat sat", "a big red dog", "one two three"]
+
+    async def serve(base):
+        models = [base, f"{base}-lora", base]
+        return [g.token_ids for g in await asyncio.gather(*(gpu.complete(m, params, prompt=p)
+                                                            for m, p in zip(models, prompts)))]
+
+    assert asyncio.run(serve("lm-nz")) == asyncio.run(serve("lm-bf16"))
+    assert gpu.bases["lm-nz"].coded is not None and gpu.holds() == {}

@@ -11,6 +11,7 @@ import asyncio
 from contextlib import ExitStack
 
 import pytest
+import torch
 
 from serve.codecs import emr
 from serve.codecs.neuzip_file import add_base, cast_to_bf16
@@ -42,7 +43,7 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def store_root(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     lm, enc = write_tiny_causal(tmp / "lm"), write_tiny_bert(tmp / "enc")
     store = Store(tmp / "store", create=True)
@@ -64,7 +65,15 @@ def engine(tmp_path_factory):
         fts = {t: write_perturbed(src, tmp / f"{group}-{t}", seed=10 + i, scale=0.5, **o)
                for i, (t, o) in enumerate(tasks.items())}
         variant_kind("emr").add(store, group, group.split("-")[0], emr.merge(src, fts, tmp / group).path)
-    eng = Engine(ServeConfig(store=store.root))
+    return store.root
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine(store_root, request):
+    """The matrix on this machine's CPU, and on CUDA where there is one (Triton kernels, tier copies)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = Engine(ServeConfig(store=store_root, device=request.param))
     for rt in eng.bases.values():
         rt.eos_ids = set()  # every generation runs all its steps, so each stage meets every row
     return eng

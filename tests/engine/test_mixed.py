@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
-from serve.engine.batch import BatchPlan
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.variants import variant_kind
 from serve.codecs import emr
+from tests.forwards import forward_rows
 from tests.models import write_lora, write_perturbed
 
 LM_ADAPTERS = {  # name: (kind, r, targets, options)
@@ -99,20 +99,7 @@ def test_mixed_forward_logits_equal_peft_row_by_row(mixed):
     engine, dirs = mixed
     rt = engine.bases["tiny-lm"]
     ids = torch.tensor([rt.prompts.encode(p) for p in PROMPTS])  # equal lengths: no padding
-
-    async def forward():
-        held = [await engine.cache.acquire(m.split("/")[0]) if m != "tiny-lm" else None for m in LM_ROWS]
-        slots = [rt.attach(h.variant.member(m) if h else None) for h, m in zip(held, LM_ROWS)]
-        with torch.no_grad():
-            logits = rt.call(BatchPlan(slots, rt.device), input_ids=ids).logits  # [rows, seq, vocab]
-        for s in slots:
-            rt.detach(s)
-        for h in held:
-            if h is not None:
-                engine.cache.release(h)
-        return logits
-
-    logits = asyncio.run(forward())
+    logits = forward_rows(engine, "tiny-lm", LM_ROWS, ids)  # [rows, seq, vocab]
     for i, model in enumerate(LM_ROWS):
         base_dir, adapter = reference_dir(dirs, model)
         with torch.no_grad():

@@ -15,6 +15,7 @@ from serve.engine.types import SamplingParams
 from serve.errors import ArtifactError
 from serve.store.store import Store
 from serve.variants import variant_kind
+from tests.forwards import forward_rows
 from tests.models import write_lora, write_perturbed, write_tiny_bert, write_tiny_causal
 
 CLASSES = ["neg", "pos", "other"]
@@ -69,20 +70,7 @@ def mixed_logits(engine: Engine, base: str) -> torch.Tensor:
     rt = engine.bases[base]
     models = [base + s for s in LM_MODELS]
     ids = torch.tensor([rt.prompts.encode(p) for p in PROMPTS])  # equal lengths: no padding
-
-    async def forward():
-        held = [await engine.cache.acquire(m) if m != base else None for m in models]
-        rows = [rt.attach(h.variant if h else None) for h in held]
-        with torch.no_grad():
-            logits = rt.call(BatchPlan(rows, rt.device), input_ids=ids).logits
-        for r in rows:
-            rt.detach(r)
-        for h in held:
-            if h is not None:
-                engine.cache.release(h)
-        return logits
-
-    return asyncio.run(forward())
+    return forward_rows(engine, base, models, ids)
 
 
 def test_a_lossless_neuzip_base_gives_the_uncompressed_bases_logits_exactly(engine):

@@ -2,7 +2,6 @@
 and its correction family, is stored, read back from disk, loaded through the variant cache, and served in one
 forward beside rows of the base, a full variant and a LoRA adapter, and over HTTP: no other file knows of it."""
 
-import asyncio
 import shutil
 from pathlib import Path
 from typing import Literal
@@ -24,6 +23,7 @@ from serve.store.tensors import Alloc, SafetensorsSource
 from serve.variants import VARIANT_KINDS, variant_kind
 from serve.variants.base import BaseView, LoadedVariant, Progress, VariantKind, register_variant
 from serve.variants.full import add_full_variant
+from tests.forwards import forward_rows
 from tests.models import write_lora, write_perturbed, write_tiny_causal
 
 BIAS_FILE = "bias.safetensors"
@@ -143,20 +143,7 @@ def test_a_kind_defined_in_one_file_serves_in_a_mixed_forward(store):
     rt = engine.bases["lm"]
     rows = ["lm", "lm-bias", "lm-full", "lm-lora", "lm-bias"]
     ids = torch.tensor([rt.prompts.encode("the cat sat on the mat")] * len(rows))
-
-    async def forward():
-        held = [await engine.cache.acquire(m) if m != "lm" else None for m in rows]
-        slots = [rt.attach(h.variant if h else None) for h in held]
-        with torch.no_grad():
-            logits = rt.call(BatchPlan(slots, rt.device), input_ids=ids).logits  # [rows, seq, vocab]
-        for s in slots:
-            rt.detach(s)
-        for h in held:
-            if h is not None:
-                engine.cache.release(h)
-        return logits
-
-    logits = asyncio.run(forward())
+    logits = forward_rows(engine, "lm", rows, ids)  # [rows, seq, vocab]
     expected = {"lm": reference_logits(refs["lm"], ids[:1]),
                 "lm-bias": reference_logits(refs["lm"], ids[:1], refs["bias"]),
                 "lm-full": reference_logits(refs["lm-full"], ids[:1])}
