@@ -121,7 +121,7 @@ class VariantCache:
 
     def try_acquire(self, name: str) -> CachedVariant | None:
         """The variant held for the caller if it is ready now (a hit), else None; no waiting, no copy."""
-        if name in self._busy:
+        if self._move_of(name) is not None:
             return None
         device, cpu = self._tiers["device"], self._tiers["cpu"]
         if name in device:
@@ -147,9 +147,10 @@ class VariantCache:
             entry = self.try_acquire(name)
             if entry is not None:
                 return entry
-            if name in self._busy:  # a load or move in flight: wait for it, then start over
+            move = self._move_of(name)
+            if move is not None:  # a load or move in flight: wait for it, then start over
                 self.stats.hits += 1
-                await asyncio.shield(self._busy[name])  # its error, if it failed, is every waiter's
+                await asyncio.shield(move)  # its error, if it failed, is every waiter's
                 continue
             if name in self._tiers["cpu"]:
                 self.stats.hits += 1
@@ -161,6 +162,15 @@ class VariantCache:
                 return entry
         raise CapacityExceeded(f"variant '{name}' was evicted or replaced {ACQUIRE_ATTEMPTS} times before it could "
                                f"run; retry later")
+
+    def _move_of(self, name: str) -> asyncio.Future | None:
+        """The load or move of `name` in flight on this event loop. One begun on a loop that has ended (a test's
+        asyncio.run) can never finish: it is forgotten, and its entry with it."""
+        move = self._busy.get(name)
+        if move is not None and move.get_loop() is not asyncio.get_running_loop():
+            del self._busy[name]
+            return None
+        return move
 
     async def _while_busy(self, name: str, move: Awaitable[CachedVariant | None]) -> CachedVariant | None:
         """Run one load or move of `name`; whoever wants it meanwhile waits, then goes back through acquisition."""
@@ -179,7 +189,8 @@ class VariantCache:
             future.set_result(None)
             return entry
         finally:
-            del self._busy[name]
+            if self._busy.get(name) is future:
+                del self._busy[name]
 
     def release(self, entry: CachedVariant) -> None:
         entry.in_use -= 1
@@ -247,7 +258,13 @@ class VariantCache:
         self._release(entry)
 
     async def settle(self) -> None:
-        """Wait for a background top-up of the buffer pool to finish (benchmarks time a quiet machine)."""
+        """Wait for the tier moves in flight and a background top-up of the buffer pool to finish (benchmarks
+        time a quiet machine; a test ends its event loop with nothing in flight)."""
+        for _ in range(ACQUIRE_ATTEMPTS):  # a finished demotion may start another (its _fit)
+            moves = [m for name in list(self._busy) if (m := self._move_of(name)) is not None]
+            if not moves:
+                break
+            await asyncio.gather(*(asyncio.shield(m) for m in moves), return_exceptions=True)
         if self._refilling is not None and self._refilling.get_loop() is asyncio.get_running_loop():
             await self._refilling
 
@@ -300,7 +317,8 @@ class VariantCache:
         entry.in_use += 1  # nothing evicts it mid-copy
 
         def moved(copy: asyncio.Future) -> None:
-            del self._busy[name]
+            if self._busy.get(name) is done:
+                del self._busy[name]
             entry.in_use -= 1
             if copy.exception() is None and self._epochs.get(name, 0) == entry.epoch:
                 self._tiers["cpu"][name] = entry

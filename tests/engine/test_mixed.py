@@ -189,10 +189,12 @@ def test_mixed_embeddings_rows_equal_peft(mixed):
         torch.testing.assert_close(torch.tensor(emb.vectors[0]), ref, atol=1e-4, rtol=1e-4, msg=model)
 
 
-def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed):
-    """Room for one variant in the cache and two adapter slots, rows of eight models at once: variants load,
-    get evicted and load again while others run, adapters queue for slots; every answer equals the answer
-    the model gives alone."""
+@pytest.mark.parametrize("cpu_tier", [False, True], ids=["device-tier-only", "cpu-tier-copies-off-the-loop"])
+def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed, cpu_tier):
+    """Room for one variant on the device tier and two adapter slots, rows of eight models at once: variants
+    load, get evicted (or demoted to a cpu tier and promoted back, with the copies on the compute thread as on a
+    GPU) and load again while others run, adapters queue for slots; every answer equals the answer the model
+    gives alone, and no hold is left."""
     engine, _ = mixed
     models = ["lm-lora4", "tiny-lm-top", "lm-emr/t1", "lm-lora8", "tiny-lm", "lm-pissa", "tiny-lm-all", "lm-emr/t2",
               "lm-lora4", "lm-pissa"]
@@ -201,14 +203,21 @@ def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed):
     config = engine.config.model_copy(update={"slots": engine.config.slots.model_copy(update={"max_adapters": 2})})
     eng = Engine(config)
     eng.cache.device_bytes = max(asyncio.run(_nbytes(eng, m.split("/")[0])) for m in set(models) - {"tiny-lm"})
-    eng.cache.cpu_bytes = 0
+    eng.cache.cpu_bytes = 3 * eng.cache.device_bytes if cpu_tier else 0
+    eng.cache.copies_off_loop = cpu_tier  # a CPU engine's copies are free; this takes the GPU's path
 
     async def churn():
-        return await asyncio.gather(*(eng.complete(m, params, prompt="one two three") for m in models * 2))
+        gens = await asyncio.gather(*(eng.complete(m, params, prompt="one two three") for m in models * 2))
+        await eng.cache.settle()  # demotions still copying finish on this loop
+        return gens
 
     for _ in range(2):
         assert [g.token_ids for g in asyncio.run(churn())] == [alone[m] for m in models * 2]
-    assert eng.cache.stats.evictions > 0
+    if cpu_tier:
+        assert "cpu" in eng.cache.resident().values()  # demoted, not dropped
+    else:
+        assert eng.cache.stats.evictions > 0
+    assert eng.holds() == {}
 
 
 async def _nbytes(eng, name: str) -> int:
