@@ -234,10 +234,6 @@ class Engine:
         return await self.scheduler.result(self.scheduler.submit(op, base, variant, payload))
 
     @property
-    def queue_depth(self) -> int:
-        return self.scheduler.queue_depth
-
-    @property
     def batch_sizes(self):
         """Rows per forward, as a histogram (benchmarks read it)."""
         return self.scheduler.batch_sizes

@@ -4,7 +4,6 @@ torch: serve/engine/forwards.py and cache.py implement the seams.
 """
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -32,7 +31,6 @@ class Row:
     """Its variant's cache entry, held from dispatch until the row is resolved."""
     done: bool = False
     """Resolved: its hold, queue place and permit are back."""
-    enqueued_s: float = field(default_factory=time.perf_counter)
     generation: Generation | None = None
     """Streamed generation only: the row's Generation as far as it has gone."""
 

@@ -146,8 +146,7 @@ class Scheduler:
         except TimeoutError:
             pass
         except BaseException:  # cancelled (drain): the rows taken get an answer too
-            for r in rows:
-                self._finish(r, error=Overloaded("server is shutting down"))
+            self._shut_out(rows)
             raise
         return rows
 
@@ -190,8 +189,8 @@ class Scheduler:
             self._fail(row, "loading its variant", e)
             return
         finally:
-            if row.held is None and not row.done:  # cancelled mid-load
-                self._finish(row, error=Overloaded("server is shutting down"))
+            if row.held is None:  # cancelled mid-load
+                self._shut_out([row])
         self._dispatch([row])
 
     def _dispatch(self, rows: list[Row]) -> None:
@@ -249,6 +248,11 @@ class Scheduler:
     def _fail(self, row: Row, stage: str, e: BaseException) -> None:
         self._finish(row, error=row_error(row, stage, e))
 
+    def _shut_out(self, rows: list[Row]) -> None:
+        """On the way out of a task that was cancelled (a drain): every row it had not answered gets an answer."""
+        for r in rows:
+            self._finish(r, error=Overloaded("server is shutting down"))  # a no-op for rows already answered
+
     # ---- running rows
     async def _run_group(self, rows: list[Row]) -> None:
         """Classify or embed rows of one base, whatever their variants, in one forward (or a few, if slots are
@@ -267,8 +271,7 @@ class Scheduler:
             for r in rows:
                 self._fail(r, "its forward", e)
         finally:
-            for r in rows:
-                self._finish(r, error=Overloaded("server is shutting down"))  # only rows not answered above
+            self._shut_out(rows)
 
     async def _run_generation(self, base: str, g: _Generating) -> None:
         """The base's running generation: admits waiting rows (of any variant), steps, until none are left. A
@@ -282,17 +285,19 @@ class Scheduler:
                 step = await self._loop.run_in_executor(self.compute, g.batch.run, new, gone)
                 self._after_step(g, new, step)
                 new = []
-            if self._generating.get(base) is g:
-                del self._generating[base]  # rows dispatched from now on start a new batch
+            self._retire(base, g)
             await self._loop.run_in_executor(self.compute, g.batch.close)
         except Exception as e:
             log.exception("a generation step on base '%s' failed", base)
             await self._abandon(base, g, new, e)
         finally:
-            if self._generating.get(base) is g:
-                del self._generating[base]
-            for r in g.running + new + g.pending:
-                self._finish(r, error=Overloaded("server is shutting down"))  # only rows not answered above
+            self._retire(base, g)
+            self._shut_out(g.running + new + g.pending)
+
+    def _retire(self, base: str, g: _Generating) -> None:
+        """g stops taking rows: those dispatched from now on start a new batch."""
+        if self._generating.get(base) is g:
+            del self._generating[base]
 
     def _gone(self, g: _Generating) -> list[Row]:
         """Rows whose callers have gone: answered now, dropped from the batch at this step."""
@@ -330,8 +335,7 @@ class Scheduler:
     async def _abandon(self, base: str, g: _Generating, new: list[Row], e: Exception) -> None:
         """A step raised: the batch's state is not to be trusted. Its rows fail; rows that only waited to join
         go to a fresh generation."""
-        if self._generating.get(base) is g:
-            del self._generating[base]  # rows dispatched from now on start a new batch
+        self._retire(base, g)
         try:
             await self._loop.run_in_executor(self.compute, g.batch.close)
         except Exception:
