@@ -108,7 +108,7 @@ class DecodeBatch:
             for s in self.seqs:
                 s.done = s.done or any(s.tag is t for t in abort)
             self._drop_finished()
-        step = Step()
+        step, admitted = Step(), []
         for row in new:
             try:
                 slot = self.rt.attach(row.variant)
@@ -118,19 +118,16 @@ class DecodeBatch:
             if slot is None:
                 step.waiting.append(row.tag)
             else:
-                self._admitting.append(_Seq.start(row, slot, self._entry(row.variant)))
-        if self._admitting:
-            step.finished += self._admit([r for r in new if any(s.tag is r.tag for s in self._admitting)])
+                name = row.variant.entry if row.variant is not None else self.rt.name
+                self._admitting.append(_Seq.start(row, slot, name))
+                admitted.append(row)
+        if admitted:
+            step.finished += self._admit(admitted)
         if self.seqs:
             step.finished += self._step()
         step.failed += self._failed
         self._failed = []
         return step
-
-    def _entry(self, variant: LoadedVariant | None) -> str:
-        if variant is None:
-            return self.rt.name
-        return variant.parent.name if variant.parent is not None else variant.name
 
     def close(self) -> None:
         """Give back every row's slot, running or being admitted (the batch failed, or has ended); each is

@@ -95,7 +95,7 @@ class BaseModelRuntime:
         if variant is None:
             faults.hit("attach", [self.name])
             return BASE_ROW
-        faults.hit("attach", [variant.name, variant.parent.name if variant.parent is not None else None])
+        faults.hit("attach", [variant.name, variant.entry])
         if variant.family not in self.families:
             self.families[variant.family] = self._new_family(variant.family)
         slot = self.families[variant.family].attach(variant)

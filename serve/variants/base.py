@@ -76,6 +76,11 @@ class LoadedVariant:
             m.to(device)
         return self
 
+    @property
+    def entry(self) -> str:
+        """The cache entry that holds it: its own name, or its group's for a member."""
+        return self.parent.name if self.parent is not None else self.name
+
     def member(self, model: str) -> "LoadedVariant":
         """The row's variant for model id `model`: the variant itself, or one of its members."""
         return self if model == self.name else self.members[model]
