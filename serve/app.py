@@ -155,8 +155,9 @@ def wait_for_bases(app: str, timeout_s: float, stop) -> list[str]:
 
     read, deadline, waiting = serve_status(app), time.monotonic() + timeout_s, {}
     while not stop.is_set():
-        waiting = {name: message for name, (running, message) in read().items() if not running}
-        if (read() and not waiting) or time.monotonic() >= deadline:
+        status = read()
+        waiting = {name: message for name, (running, message) in status.items() if not running}
+        if (status and not waiting) or time.monotonic() >= deadline:
             break
         stop.wait(0.5)
     return [f"warning: {name.removeprefix('base-')} is not running after {timeout_s:.0f} s; its models answer 503"

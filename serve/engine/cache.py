@@ -244,13 +244,17 @@ class VariantCache:
         try:
             if self.copies_off_loop:
                 await asyncio.get_running_loop().run_in_executor(self._copier, entry.variant.to, self.device)
-            if self._epochs.get(entry.name, 0) != entry.epoch:  # dropped or replaced while it moved
+            if not self._current(entry):  # dropped or replaced while it moved
                 self._discard(entry)
                 return None
             return self._promote(entry)
         except BaseException:
             self._discard(entry)
             raise
+
+    def _current(self, entry: CachedVariant) -> bool:
+        """Whether its name has not been dropped or replaced since its load began."""
+        return self._epochs.get(entry.name, 0) == entry.epoch
 
     def _discard(self, entry: CachedVariant) -> None:
         """A held entry that will not be served (stale, too large, a move that failed): its hold and buffers."""
@@ -320,7 +324,7 @@ class VariantCache:
             if self._busy.get(name) is done:
                 del self._busy[name]
             entry.in_use -= 1
-            if copy.exception() is None and self._epochs.get(name, 0) == entry.epoch:
+            if copy.exception() is None and self._current(entry):
                 self._tiers["cpu"][name] = entry
             else:
                 self._release(entry)
