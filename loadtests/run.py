@@ -1,6 +1,7 @@
 """Manyfold against two baselines under the same Zipf load at the same memory budget; JSON + PNG + table.
 
     python -m loadtests.run [--scenario full|top2|mixed] [--variants N] [--rate R] [--duration 30] [--budget-models 4] [--repeats 3]
+    python -m loadtests.run --scenario tenants [--tenants 5,100,1000,2000] [--systems manyfold,peft,multiplex] ...
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
@@ -14,6 +15,7 @@ import json
 import platform
 import re
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -124,12 +126,20 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[dict] | dict:
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--scenario")
+    if pre.parse_known_args(argv)[0].scenario == "tenants":  # LoRA tenants on SmolLM2: loadtests/tenants.py
+        from loadtests.tenants import main as tenants_main
+
+        return tenants_main(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", type=int, default=None, help="default: 20, or 52 for mixed")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="full",
                    help="variants train every weight (full), only the top two layers and the head (top2), or "
-                        "mixed: 3/4 LoRA adapters, 1/4 top2 full fine-tunes")
+                        "mixed: 3/4 LoRA adapters, 1/4 top2 full fine-tunes; tenants: LoRA tenants of SmolLM2 "
+                        "(its own options: --scenario tenants --help)")
     p.add_argument("--rate", type=float, default=None, help="offered requests per second (default: 8, or "
                    f"{SCENARIOS['mixed'].rate_rps:g} for mixed)")
     p.add_argument("--max-chars", type=int, default=None, help="each input is the start of a test text, at most "

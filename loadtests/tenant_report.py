@@ -1,0 +1,139 @@
+"""The tenants scenario's reading and writing: Manyfold's engine-time counters and their split, the time
+estimate printed before a run, the table and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+ENGINE_SECONDS = re.compile(r'^manyfold_engine_seconds_total\{([^}]*)\} (\S+)$', re.M)
+PARTS = ("forward", "lora", "staging", "scheduling")
+STAGING_IN_FORWARD = False
+"""Whether part="staging" (writing adapters into the pool) is counted inside part="forward". As specified when
+this was written it is not (attach runs before the forward); check serve/metrics.py before reading the split."""
+WINDOW_OVERHEAD_S = {"manyfold": 25.0, "peft": 15.0, "multiplex": 15.0}
+"""Start, warm-up request and teardown of one system around each window (measured on the 2-core machine)."""
+TRAIN_S = 45.0
+"""One trained source adapter (24 steps of batch 4 x 64 tokens on SmolLM2, two cores)."""
+STORE_S_PER_ADAPTER = {"S1": 0.1, "S2": 0.35}
+"""Deriving, writing and registering one tenant's adapter, plus about 5 s a store for copying the base."""
+
+
+def engine_seconds(url: str) -> dict[str, float] | None:
+    """{part: seconds} of manyfold_engine_seconds_total at GET /metrics (summed over other labels); None when
+    the server has no such metric."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for labels, value in ENGINE_SECONDS.findall(text):
+        part = re.search(r'part="([^"]*)"', labels)
+        if part:
+            out[part.group(1)] = out.get(part.group(1), 0.0) + float(value)
+    return out or None
+
+
+def time_split(before: dict | None, after: dict | None) -> dict | None:
+    """Shares of engine time over a window: base (forward less its LoRA ops, and less staging when staging is
+    counted inside it), lora, staging, scheduling; None when a counter is missing."""
+    if before is None or after is None or any(p not in after for p in PARTS):
+        return None
+    d = {p: after[p] - before.get(p, 0.0) for p in PARTS}
+    base = d["forward"] - d["lora"] - (d["staging"] if STAGING_IN_FORWARD else 0.0)
+    total = d["forward"] + d["scheduling"] + (0.0 if STAGING_IN_FORWARD else d["staging"])
+    if total <= 0:
+        return None
+    seconds = {"base": base, "lora": d["lora"], "staging": d["staging"], "scheduling": d["scheduling"]}
+    return {"seconds": seconds, "total_s": total, "shares": {k: v / total for k, v in seconds.items()}}
+
+
+def estimate(cells: list, uncached: list[tuple[str, int]], args: argparse.Namespace) -> str:
+    """The plan in one paragraph, with its estimated wall time (constants above)."""
+    from loadtests.tenant_adapters import WORKLOADS
+
+    run_s = sum(args.duration + WINDOW_OVERHEAD_S[c.system] for c in cells)
+    build_s = sum(5 + n * STORE_S_PER_ADAPTER[w] for w, n in uncached)
+    trained = {w for w, _ in uncached}
+    build_s += TRAIN_S * sum(len(WORKLOADS[w].ranks) for w in trained) * args.train_steps / 24
+    by_system = {s: sum(c.system == s for c in cells) for s in dict.fromkeys(c.system for c in cells)}
+    return (f"plan: {len(cells)} windows of {args.duration:.0f} s at {args.rate:g} req/s offered ("
+            + ", ".join(f"{s} {k}" for s, k in by_system.items()) + f"); {len(uncached)} stores to build"
+            + (f" ({', '.join(f'{w} N={n}' for w, n in uncached)}; trained sources reused if cached)"
+               if uncached else "")
+            + f"; estimated {(run_s + build_s) / 60:.0f} min (runs {run_s / 60:.0f}, builds at most "
+            f"{build_s / 60:.0f})")
+
+
+def print_report(report: dict) -> None:
+    s = report["spec"]
+    print(f"machine: {report['machine']}")
+    print(f"SmolLM2-135M fp32, LoRA tenants: S1 q,v ranks 8/16; S2 q,k,v,o ranks 64/32/16/8; {s['rate']:g} req/s "
+          f"offered (Poisson) for {s['duration']:.0f} s per window, {s['min_tokens']}-{s['max_tokens']} greedy tokens "
+          f"each, prompts: Debian fortunes; zipf: alpha {s['alpha']:g}")
+    print(f"every system: {s['num_cpus']:g} CPU, {s['torch_threads']} torch threads, batches of {s['max_batch']}, "
+          f"base + {report['budget_mib']:.0f} MiB for adapters (Manyfold: pool {s['adapter_mib']:g} + cache "
+          f"{s['cache_device_mib']} device / {s['cache_cpu_mib']} cpu MiB)")
+    for key, st in report["stores"].items():
+        print(f"{key}: {st['tenants']:,} adapters ({st['adapter_bytes'] / 2**20:.0f} MiB) registered in "
+              f"{st['register']['seconds']:.1f} s, {st['register']['method']}")
+    cols = ("system", "wl", "dist", "N", "adapters", "ok", "unans", "err", "req/s", "tok/s", "p50 s", "p99 s",
+            "RSS MiB", "front")
+    print(f"{cols[0]:<10}{cols[1]:<4}{cols[2]:<8}" + "".join(f"{c:>9}" for c in cols[3:]))
+    for r in report["rows"]:
+        print(f"{r['system']:<10}{r['workload']:<4}{r['distribution']:<8}{r['tenants']:>9}"
+              f"{str(r['distinct_served']) + '/' + str(r['distinct_sent']):>9}{r['ok']:>9}{r['unanswered']:>9}"
+              f"{r['errors']:>9}{r['throughput_rps']:>9.2f}{r['tokens_per_s']:>9.1f}{r['p50_s']:>9.2f}"
+              f"{r['p99_s']:>9.2f}{r['peak_rss_mib']:>9.0f}{r['peak_front_rss_mib']:>9.0f}")
+    for r in report["skipped"]:
+        print(f"{r['system']:<10}{r['workload']:<4}{r['distribution']:<8}{r['tenants']:>9}  skipped: {r['why']}")
+    print("adapters: distinct tenants answered / sent in the window; ok: answered 200 inside the window; unans: "
+          "still unanswered when it closed (cancelled, counted); req/s, tok/s: ok requests and their generated "
+          "tokens / window; p50, p99: latency of the ok requests; RSS: peak summed RSS of the model replica "
+          "processes; front: Manyfold's ingress and residency board")
+    print_time_split(report["rows"])
+
+
+def print_time_split(rows: list[dict]) -> None:
+    """Where Manyfold's engine time went at the largest N measured, per workload and distribution."""
+    many = [r for r in rows if r["system"] == "manyfold"]
+    for key in dict.fromkeys((r["workload"], r["distribution"]) for r in many):
+        r = max((r for r in many if (r["workload"], r["distribution"]) == key), key=lambda r: r["tenants"])
+        head = f"Manyfold engine time, {r['workload']} {r['distribution']} N={r['tenants']}:"
+        split = r["time_split"]
+        if split is None:
+            print(f"{head} not available (no manyfold_engine_seconds_total counters at /metrics)")
+            continue
+        print(f"{head} " + ", ".join(f"{k} {v:.1%}" for k, v in split["shares"].items())
+              + f" of {split['total_s']:.1f} s")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Throughput and p99 against N (log), a line per system, workload and distribution."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"manyfold": "#3b7", "peft": "#37c", "multiplex": "#c73"}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = report["rows"]
+    for key in dict.fromkeys((r["system"], r["workload"], r["distribution"]) for r in rows):
+        line = sorted((r for r in rows if (r["system"], r["workload"], r["distribution"]) == key),
+                      key=lambda r: r["tenants"])
+        style = {"color": colors.get(key[0], "#888"), "linestyle": "-" if key[2] == "zipf" else "--",
+                 "marker": "o" if key[1] == "S1" else "s", "label": " ".join(key)}
+        n = [r["tenants"] for r in line]
+        a.plot(n, [r["throughput_rps"] for r in line], **style)
+        b.plot(n, [r["p99_s"] for r in line], **style)
+    for ax, label in ((a, "completed requests / s"), (b, "p99 latency of completed requests (s)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("adapters (N)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    s = report["spec"]
+    fig.suptitle(f"LoRA tenants of SmolLM2-135M, {s['rate']:g} req/s offered for {s['duration']:.0f} s; "
+                 f"{report['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
