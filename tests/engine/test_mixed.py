@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
+from serve.engine.adapter_pool import bucket_key, bucket_row_bytes
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.variants import variant_kind
@@ -191,7 +192,7 @@ def test_mixed_embeddings_rows_equal_peft(mixed):
 
 @pytest.mark.parametrize("cpu_tier", [False, True], ids=["device-tier-only", "cpu-tier-copies-off-the-loop"])
 def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed, cpu_tier):
-    """Room for one variant on the device tier and two adapter slots, rows of eight models at once: variants
+    """Room for one variant on the device tier and two adapters in the pool, rows of eight models at once: variants
     load, get evicted (or demoted to a cpu tier and promoted back, with the copies on the compute thread as on a
     GPU) and load again while others run, adapters queue for slots; every answer equals the answer the model
     gives alone, and no hold is left."""
@@ -200,7 +201,9 @@ def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed, cpu_tier):
               "lm-lora4", "lm-pissa"]
     params = SamplingParams(max_tokens=5, temperature=0)
     alone = {m: asyncio.run(engine.complete(m, params, prompt="one two three")).token_ids for m in set(models)}
-    config = engine.config.model_copy(update={"slots": engine.config.slots.model_copy(update={"max_adapters": 2})})
+    room = 2 * max(asyncio.run(_pool_bytes(engine, m)) for m in ("lm-lora4", "lm-lora8", "lm-pissa"))
+    config = engine.config.model_copy(update={"slots": engine.config.slots.model_copy(
+        update={"adapter_mib": room / (1 << 20)})})
     eng = Engine(config)
     eng.cache.device_bytes = max(asyncio.run(_nbytes(eng, m.split("/")[0])) for m in set(models) - {"tiny-lm"})
     eng.cache.cpu_bytes = 3 * eng.cache.device_bytes if cpu_tier else 0
@@ -218,6 +221,12 @@ def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed, cpu_tier):
     else:
         assert eng.cache.stats.evictions > 0
     assert eng.holds() == {}
+
+
+async def _pool_bytes(eng, name: str) -> int:
+    """What the adapter costs in its base's adapter pool."""
+    async with eng.cache.use(name) as entry:
+        return bucket_row_bytes(bucket_key(entry.variant), eng.bases[eng.store.variant(name).base].view)
 
 
 async def _nbytes(eng, name: str) -> int:
