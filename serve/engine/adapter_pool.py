@@ -135,6 +135,7 @@ class AdapterPool(TableSlots):
         self.buckets: dict[BucketKey, Bucket] = {}
         self.place: dict[int, tuple[BucketKey, int]] = {}
         """slot -> (its bucket, its row there)."""
+        self._planned: tuple[BatchPlan | None, list[BucketKey]] = (None, [])
 
     @property
     def nbytes(self) -> int:
@@ -210,7 +211,10 @@ class AdapterPool(TableSlots):
 
     # ---- forwards
     def _keys(self, plan: BatchPlan) -> list[BucketKey]:
-        return sorted({self.place[s][0] for s in plan.slot_set(self.family) if s in self.place})
+        """The buckets this forward's rows use, found once per forward (every wrapped module asks)."""
+        if self._planned[0] is not plan:
+            self._planned = (plan, sorted({self.place[s][0] for s in plan.slot_set(self.family) if s in self.place}))
+        return self._planned[1]
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
         return any(name in modules for _, modules in self._keys(plan))
