@@ -110,8 +110,8 @@ def lora_expand_triton(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, 
 
 
 def _slot_major(b: torch.Tensor) -> bool:
-    """Contiguous [slots, out, R], or a transposed view of a contiguous [slots, R, out] (what AdapterSlots keeps:
-    the CPU twin's bmm reads it twice as fast)."""
+    """Contiguous [slots, out, R], or a transposed view of a contiguous [slots, R, out] (what the adapter pool's
+    buckets keep: the CPU twin's bmm reads it twice as fast)."""
     return b.is_contiguous() or b.transpose(1, 2).is_contiguous()
 
 

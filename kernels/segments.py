@@ -23,13 +23,14 @@ class Segments(NamedTuple):
     slot_range: tuple[int, int] | None  # (first, last + 1) when the slots are consecutive: a view, not a gather
 
 
-def make_segments(slot_ids: torch.Tensor) -> Segments:
+def make_segments(slot_ids: torch.Tensor, device: torch.device | None = None) -> Segments:
     """Group tokens by slot; the grouping runs on the host because grids and padding need its sizes there.
 
     Example: slot_ids [2, -1, 0, 2, -1, 1, 0] -> order [2, 6, 5, 0, 3], slots [0, 1, 2],
     starts [0, 2, 3], lengths [2, 1, 2], max_length 2, num_tokens 7, padded [[2, 6], [5, 5], [0, 3]],
     valid [[1, 1], [1, 0], [1, 1]], slot_range (0, 3).
-    One device-to-host copy (the only sync) and one host-to-device copy when slot_ids live on a GPU.
+    One device-to-host copy (the only sync) and one host-to-device copy when slot_ids live on a GPU; slot ids
+    built on the host for a GPU's ops name their `device` instead (one host-to-device copy, no sync).
     """
     if slot_ids.dim() != 1:
         raise ValueError(f"slot_ids: expected shape [T]; got {list(slot_ids.shape)}")
@@ -47,9 +48,10 @@ def make_segments(slot_ids: torch.Tensor) -> Segments:
     n, s = order.numel(), slots.numel()
     rows = torch.arange(max_length)  # [L]
     padded = order[(starts[:, None] + rows).clamp_max_(max(n - 1, 0))] if n else order.new_zeros((s, 0))  # [S, L]
-    valid = None if n == s * max_length else (rows < lengths[:, None]).to(slot_ids.device)  # [S, L]
+    dest = slot_ids.device if device is None else torch.device(device)
+    valid = None if n == s * max_length else (rows < lengths[:, None]).to(dest)  # [S, L]
     span = (int(slots[0]), int(slots[-1]) + 1) if s and int(slots[-1] - slots[0]) + 1 == s else None
-    packed = torch.cat([order, starts, lengths, slots, padded.reshape(-1)]).to(slot_ids.device)  # one copy over
+    packed = torch.cat([order, starts, lengths, slots, padded.reshape(-1)]).to(dest)  # one copy over
     order, starts, lengths, slots, flat = packed.split([n, s, s, s, padded.numel()])
     return Segments(order, starts, lengths, slots, max_length, host.numel(), flat.view(s, max_length), valid, span)
 

@@ -37,8 +37,10 @@ class BatchConfig(StrictModel):
 
 
 class SlotsConfig(StrictModel):
-    max_adapters: Annotated[int, Field(ge=1, le=1024)] = 16
-    """LoRA / PiSSA adapters a base holds in its stacked slots at once (rows of more wait for a free slot)."""
+    adapter_mib: Annotated[float, Field(gt=0)] = 256
+    """Memory for LoRA / PiSSA adapters in a base's adapter pool on the engine's device (serve/engine/adapter_pool.py):
+    each costs what its rank costs; rows of adapters beyond it wait until others leave. Idle adapters stay until
+    their room is needed (LRU)."""
     max_rank: Annotated[int, Field(ge=1, le=1024)] = 64
     """Largest adapter rank a slot takes (a converted PiSSA adapter of rank r has 2r); larger ones are refused."""
 

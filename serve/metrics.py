@@ -72,6 +72,13 @@ class Metrics:
         for tier in ("device", "cpu", "recycled"):
             used.add_metric([tier], sum(s["cache_bytes"][tier] for s in snapshots))
         families.append(used)
+        seconds = CounterMetricFamily("manyfold_engine_seconds", "Engine time by part: step (a generation step "
+                                      "on the compute thread), forward (model forwards), lora / weights / emr "
+                                      "(corrections inside forwards), staging (writing variants into slots), "
+                                      "scheduling (event loop between steps)", labels=["part"])
+        for part in sorted({p for s in snapshots for p in s.get("seconds", {})}):
+            seconds.add_metric([part], sum(s.get("seconds", {}).get(part, 0.0) for s in snapshots))
+        families.append(seconds)
         families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",
                                           value=sum(s["queue_depth"] for s in snapshots)))
         if snapshots:

@@ -22,7 +22,6 @@ import torch
 from transformers import DynamicCache
 
 from serve.bench.report import finish, machine
-from serve.config import SlotsConfig
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.model import BaseModelRuntime
 from serve.variants.base import LoadedVariant
@@ -179,7 +178,7 @@ def run_mixed_bench(out: Path, rows: tuple[int, ...] = (8, 32), repeats: int = 5
     from serve.data.models import smollm2_dir
 
     torch.manual_seed(0)
-    rt = BaseModelRuntime("smollm2", smollm2_dir(), slots=SlotsConfig(max_adapters=ADAPTERS * len(TARGETS)))
+    rt = BaseModelRuntime("smollm2", smollm2_dir())
     adapter_sets = {}
     for i, (label, targets) in enumerate(TARGETS.items()):
         adapters = make_adapters(rt, ADAPTERS, RANK, targets, seed=i)

@@ -12,6 +12,7 @@ A module that sees x of shape [5, 7, hidden] (7 tokens a row) works on 35 tokens
 each token its row's slot and groups them by slot: slot 0 -> tokens 21..27, slot 2 -> tokens 7..13, 28..34.
 """
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ class BatchPlan:
             ids = [r.slot if r.family == family else NO_SLOT for r in rows]
             self._host[family] = ids
             self.slot_ids[family] = torch.tensor(ids, dtype=torch.long, device=self.device)
-        self._segments: dict[tuple[str, int], Segments] = {}
+        self._segments: dict[tuple, Segments] = {}
         self._slot_sets: dict[str, frozenset[int]] = {}
         self._groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
@@ -55,12 +56,27 @@ class BatchPlan:
         """Tokens of a [rows, num_tokens / rows, ...] input grouped by their row's slot in `family`."""
         key = (family, num_tokens)
         if key not in self._segments:
-            per_row = num_tokens // self.rows
-            if per_row * self.rows != num_tokens:
-                raise ValueError(f"{num_tokens} tokens do not split into {self.rows} rows")
-            ids = self.slot_ids[family].repeat_interleave(per_row)  # [num_tokens]
+            ids = self.slot_ids[family].repeat_interleave(self._per_row(num_tokens))  # [num_tokens]
             self._segments[key] = make_segments(ids)
         return self._segments[key]
+
+    def remapped_segments(self, family: str, key: Hashable, remap: Callable[[int], int], num_tokens: int
+                          ) -> Segments:
+        """Like segments, with each row's slot s read as remap(s) (NO_SLOT: not in this group): a family that
+        keeps its slots in several stacks (the adapter pool's rank buckets) gets one Segments per stack, cached
+        under `key` for the forward."""
+        cache_key = (family, key, num_tokens)
+        if cache_key not in self._segments:
+            ids = torch.tensor([NO_SLOT if s == NO_SLOT else remap(s) for s in self._host.get(family, ())],
+                               dtype=torch.long)  # [rows], built on the host: no device round trip
+            self._segments[cache_key] = make_segments(ids.repeat_interleave(self._per_row(num_tokens)), self.device)
+        return self._segments[cache_key]
+
+    def _per_row(self, num_tokens: int) -> int:
+        per_row = num_tokens // self.rows
+        if per_row * self.rows != num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not split into {self.rows} rows")
+        return per_row
 
     def slot_set(self, family: str) -> frozenset[int]:
         """The slots of `family` that rows of this forward use."""

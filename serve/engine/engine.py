@@ -117,7 +117,15 @@ class Engine:
                 "cache_bytes": {"device": self.cache.used_bytes("device"), "cpu": self.cache.used_bytes("cpu"),
                                 "recycled": self.cache.buffers.free_bytes, "slots": slots},
                 "queue_depth": self.scheduler.queue_depth, "batch_sizes": self.scheduler.batch_sizes.to_dict(),
-                "load_seconds": st.load_seconds.to_dict()}
+                "load_seconds": st.load_seconds.to_dict(), "seconds": self.seconds()}
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds of work by part (compute thread and scheduler), summed over the bases (see Seconds)."""
+        out = dict(self.scheduler.seconds.parts)
+        for rt in self.bases.values():
+            for part, s in dict(rt.seconds.parts).items():  # a copy: the compute thread adds parts
+                out[part] = out.get(part, 0.0) + s
+        return out
 
     def reload_store(self) -> None:
         """Pick up variants added or removed in the store; cached weights of removed ones are dropped."""

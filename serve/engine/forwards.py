@@ -86,7 +86,8 @@ class RowGeneration:
                 rows.append(NewRow(r, r.payload[0], r.payload[1], r.loaded))
             except Exception as e:  # its variant no longer has the member it asked for, say
                 failed.append((r, e))
-        step = self.batch.run(rows, gone)
+        with self.batch.rt.seconds.timing("step"):
+            step = self.batch.run(rows, gone)
         step.failed += failed
         return step
 

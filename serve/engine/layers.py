@@ -13,6 +13,7 @@ import torch
 
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import Slots
+from serve.engine.stats import Seconds
 
 
 def leaf_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -23,8 +24,10 @@ def leaf_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 class SlotLayers:
     """The hooks of one base model, and the plan of the forward running now (set by `planned`)."""
 
-    def __init__(self, modules: Mapping[str, torch.nn.Module], families: Mapping[str, Slots]):
+    def __init__(self, modules: Mapping[str, torch.nn.Module], families: Mapping[str, Slots], seconds: Seconds):
         self.families = families
+        self.seconds = seconds
+        """Time in each family's corrections, by family ("lora", "weights", "emr")."""
         self.plan: BatchPlan | None = None
         self._correcting = False
         self._handles = [m.register_forward_hook(self._hook(name)) for name, m in modules.items()]
@@ -57,7 +60,8 @@ class SlotLayers:
             self._correcting = True
             try:
                 for family in families:
-                    output = family.apply(name, module, x, output, plan)
+                    with self.seconds.timing(family.family.partition(":")[0]):
+                        output = family.apply(name, module, x, output, plan)
             finally:
                 self._correcting = False
             return output

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from serve.config import SlotsConfig
+import serve.engine.adapter_pool  # noqa: F401  (registers the "lora" family)
 import serve.engine.emr_slots  # noqa: F401  (registers the "emr" family)
 from serve.engine import faults
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
@@ -21,6 +22,7 @@ from serve.engine.neuzip import CodedWeights
 from serve.engine.neuzip import load_model as load_neuzip
 from serve.engine.slots import FAMILIES, Slots, family_class
 from serve.engine.prompts import Prompts, token_counts
+from serve.engine.stats import Seconds
 from serve.errors import BadRequest
 from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile
 from serve.store.tensors import SafetensorsSource, tensor_digest
@@ -68,7 +70,10 @@ class BaseModelRuntime:
         self.slots_config = slots
         self.families: dict[str, Slots] = {f: cls(self.view, self.device, slots) for f, cls in FAMILIES.items()
                                            if not cls.per_entry}
-        self.layers = SlotLayers(self.view.modules, self.families)
+        self.seconds = Seconds()
+        """Compute-thread time by part: "forward" (every forward), inside it each family's corrections, and
+        "staging" (writing variants into their slots)."""
+        self.layers = SlotLayers(self.view.modules, self.families, self.seconds)
         # After the correction hooks: a coded weight goes back to its placeholder once they have run.
         self.coded = CodedWeights(self.model, streams, decoded_bytes) if streams else None
         eos = self.model.generation_config.eos_token_id if self.causal else None
@@ -96,9 +101,10 @@ class BaseModelRuntime:
             faults.hit("attach", [self.name])
             return BASE_ROW
         faults.hit("attach", [variant.name, variant.entry])
-        if variant.family not in self.families:
-            self.families[variant.family] = self._new_family(variant.family)
-        slot = self.families[variant.family].attach(variant)
+        with self.seconds.timing("staging"):
+            if variant.family not in self.families:
+                self.families[variant.family] = self._new_family(variant.family)
+            slot = self.families[variant.family].attach(variant)
         return None if slot is None else RowSlot(variant.family, slot)
 
     def detach(self, row: RowSlot) -> None:
@@ -118,7 +124,7 @@ class BaseModelRuntime:
         return {f: s.in_use for f, s in self.families.items() if s.in_use}
 
     def call(self, plan: BatchPlan, **kwargs):
-        with self.layers.planned(plan):
+        with self.seconds.timing("forward"), self.layers.planned(plan):
             return self.model(**kwargs)
 
     # ---- encoders

@@ -24,7 +24,7 @@ from typing import Any
 
 from serve.config import BatchConfig
 from serve.engine.rows import Forwards, GenerationBatch, Holds, Op, Row, Step, row_error
-from serve.engine.stats import BATCH_BUCKETS, Distribution
+from serve.engine.stats import BATCH_BUCKETS, Distribution, Seconds
 from serve.errors import ManyfoldError, Overloaded
 from serve.store.manifest import MEMBER_SEP
 
@@ -47,6 +47,8 @@ class Scheduler:
         self.compute = compute
         self.accepting = True
         self.batch_sizes = Distribution(BATCH_BUCKETS)
+        self.seconds = Seconds()
+        """"scheduling": event-loop time from one generation step's end to the next one's start."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[Row] | None = None
         self._in_flight: asyncio.Semaphore | None = None
@@ -278,11 +280,15 @@ class Scheduler:
         step that raises fails the rows in the batch and those it was admitting; rows still waiting to join
         start a fresh generation."""
         new: list[Row] = []
+        ended: float | None = None
         try:
             while g.pending or len(g.batch):
                 gone = self._gone(g)
                 new = self._next_rows(g)
+                if ended is not None:
+                    self.seconds.add("scheduling", time.perf_counter() - ended)
                 step = await self._loop.run_in_executor(self.compute, g.batch.run, new, gone)
+                ended = time.perf_counter()
                 self._after_step(g, new, step)
                 new = []
             self._retire(base, g)

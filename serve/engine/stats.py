@@ -1,6 +1,9 @@
 """Plain counters the engine keeps for metrics, free of any metrics library (the HTTP layer renders them)."""
 
 import bisect
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 
@@ -28,3 +31,22 @@ class Distribution:
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class Seconds:
+    """Seconds of work per part, summed since start (a counter: a reader subtracts two readings). Host time: on a
+    GPU a part's kernels may still run after it returns."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+    @contextmanager
+    def timing(self, part: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(part, time.perf_counter() - t0)

@@ -41,6 +41,13 @@ class BaseView:
     """Leaf modules with parameters, by qualified name: what a correction can target."""
 
 
+def _moved(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t on `device`; from a GPU to the host tier into pinned memory, so that its way back is a DMA copy."""
+    if t.is_cuda and torch.device(device).type == "cpu":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.to(device)
+
+
 @dataclass
 class LoadedVariant:
     """A variant in memory, in its family's form. `tensors` is keyed as the family reads it."""
@@ -70,8 +77,8 @@ class LoadedVariant:
 
     def to(self, device: torch.device | str) -> "LoadedVariant":
         """Move its tensors, its head and its members' heads (the cache's tiers)."""
-        self.tensors = {k: t.to(device) for k, t in self.tensors.items()}
-        self.head = {k: t.to(device) for k, t in self.head.items()}
+        self.tensors = {k: _moved(t, device) for k, t in self.tensors.items()}
+        self.head = {k: _moved(t, device) for k, t in self.head.items()}
         for m in self.members.values():
             m.to(device)
         return self

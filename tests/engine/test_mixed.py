@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
+from serve.engine.adapter_pool import bucket_key, bucket_row_bytes
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.variants import variant_kind
@@ -191,7 +192,7 @@ def test_mixed_embeddings_rows_equal_peft(mixed):
 
 @pytest.mark.parametrize("cpu_tier", [False, True], ids=["device-tier-only", "cpu-tier-copies-off-the-loop"])
 def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed, cpu_tier):
-    """Room for one variant on the device tier and two adapter slots, rows of eight models at once: variants
+    """Room for one variant on the device tier and two adapters in the pool, rows of eight models at once: variants
     load, get evicted (or demoted to a cpu tier and promoted back, with the copies on the compute thread as on a
     GPU) and load again while others run, adapters queue for slots; every answer equals the answer the model
     gives alone, and no hold is left."""
@@ -200,7 +201,9 @@ def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed, cpu_tier):
               "lm-lora4", "lm-pissa"]
     params = SamplingParams(max_tokens=5, temperature=0)
     alone = {m: asyncio.run(engine.complete(m, params, prompt="one two three")).token_ids for m in set(models)}
-    config = engine.config.model_copy(update={"slots": engine.config.slots.model_copy(update={"max_adapters": 2})})
+    room = 2 * max(asyncio.run(_pool_bytes(engine, m)) for m in ("lm-lora4", "lm-lora8", "lm-pissa"))
+    config = engine.config.model_copy(update={"slots": engine.config.slots.model_copy(
+        update={"adapter_mib": room / (1 << 20)})})
     eng = Engine(config)
     eng.cache.device_bytes = max(asyncio.run(_nbytes(eng, m.split("/")[0])) for m in set(models) - {"tiny-lm"})
     eng.cache.cpu_bytes = 3 * eng.cache.device_bytes if cpu_tier else 0
@@ -218,6 +221,12 @@ def test_churn_with_tiny_budgets_keeps_every_output_exact(mixed, cpu_tier):
     else:
         assert eng.cache.stats.evictions > 0
     assert eng.holds() == {}
+
+
+async def _pool_bytes(eng, name: str) -> int:
+    """What the adapter costs in its base's adapter pool."""
+    async with eng.cache.use(name) as entry:
+        return bucket_row_bytes(bucket_key(entry.variant), eng.bases[eng.store.variant(name).base].view)
 
 
 async def _nbytes(eng, name: str) -> int:
@@ -273,3 +282,53 @@ def test_echo_with_no_new_tokens_scores_the_prompt_alone(mixed):
                                       prompt=[5, 9, 12, 7]))
     assert gen.token_ids == [] and gen.logprobs == [] and gen.finish_reason == "length"
     assert [e.top for e in gen.prompt_logprobs[1:]] == [[]] * 3 and gen.prompt_tokens == 4
+
+
+def test_a_cold_adapter_loads_while_rows_of_resident_adapters_run(mixed):
+    """The cold adapter's read is held until a resident adapter's request has been answered: that answer can
+    only come while the read waits on its loader thread."""
+    import threading
+
+    engine, _ = mixed
+    eng = Engine(engine.config)
+    read = eng.cache._loader
+    answered = threading.Event()
+
+    def held_read(name, alloc):
+        if name == "lm-lora8" and not answered.wait(timeout=60):
+            raise RuntimeError("the resident adapter's request was held up by this read")
+        return read(name, alloc)
+
+    eng.cache._loader = held_read
+    params = SamplingParams(max_tokens=3, temperature=0)
+
+    async def race():
+        await eng.complete("lm-lora4", params, prompt="a")  # resident from here on
+        cold = asyncio.ensure_future(eng.complete("lm-lora8", params, prompt="a b"))
+        await eng.complete("lm-lora4", params, prompt="a b")
+        still_reading = not cold.done()
+        answered.set()
+        return still_reading, await cold
+
+    still_reading, gen = asyncio.run(race())
+    assert still_reading and len(gen.token_ids) == 3
+    assert eng.holds() == {}
+
+
+def test_an_adapter_evicted_from_the_pool_comes_back_from_memory_not_the_store(mixed):
+    """A pool with room for one adapter, rows of two taking turns: each is read from the store once; every
+    later return is a copy from the variant cache's tiers, and every answer is the adapter's own."""
+    engine, _ = mixed
+    params = SamplingParams(max_tokens=4, temperature=0)
+    alone = {m: asyncio.run(engine.complete(m, params, prompt="one two")).token_ids for m in ("lm-lora4", "lm-pissa")}
+    room = max(asyncio.run(_pool_bytes(engine, m)) for m in alone)
+    eng = Engine(engine.config.model_copy(update={"slots": engine.config.slots.model_copy(
+        update={"adapter_mib": room / (1 << 20)})}))
+    reads = []
+    read = eng.cache._loader
+    eng.cache._loader = lambda name, alloc: reads.append(name) or read(name, alloc)
+    for m in ["lm-lora4", "lm-pissa"] * 3:
+        assert asyncio.run(eng.complete(m, params, prompt="one two")).token_ids == alone[m]
+    assert sorted(reads) == ["lm-lora4", "lm-pissa"]
+    pool = eng.bases["tiny-lm"].families["lora"]
+    assert pool.nbytes <= pool.budget and len(pool.place) == 1

@@ -51,7 +51,7 @@ def test_lora_expand_matches_torch(case, dtype, triton_device, gen, tolerances):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["mixed-r16", "single-slot", "unsorted-16"])
 def test_lora_expand_reads_b_stored_transposed(case, dtype, triton_device, gen, tolerances):
-    """AdapterSlots keeps B as a contiguous [slots, R, out] and passes its transpose: both forms read it."""
+    """The adapter pool keeps B as a contiguous [slots, R, out] and passes its transpose: both forms read it."""
     z, b_stacked, seg, y = make_inputs(*CASES[case], dtype, triton_device, gen)
     b_view = b_stacked.transpose(1, 2).contiguous().transpose(1, 2)  # [slots, out, R], R-major storage
     assert not b_view.is_contiguous()

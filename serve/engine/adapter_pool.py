@@ -1,0 +1,240 @@
+"""The adapter pool (family "lora"): LoRA and PiSSA adapters on the engine's device, bounded by bytes, not by
+a count of slots (S-LoRA's unified memory pool).
+
+Each adapter sits in a rank bucket: the adapters whose rank rounds up to the same power of two R (8 at least)
+and that target the same modules share one stack per module, A [rows, R, in], B^T [rows, R, out] and
+scale [rows], a row per adapter. A forward runs lora_shrink / lora_expand once per bucket its rows use, over
+that bucket's own stack, so rank-8 adapters beside a rank-64 one are multiplied, and held, at rank 8.
+
+The pool's bytes are its stacks' bytes, at most slots.adapter_mib. An adapter that does not fit evicts idle
+ones, least recently used first, and the buckets are compacted so their memory goes back; when the adapters of
+running rows leave no room, the new row waits (attach returns None) until some leave. Evicted adapters stay in
+the variant cache's tiers (serve/engine/cache.py), so they come back from memory, not from the store.
+Attached, detached and read on the engine's compute thread only.
+"""
+
+import torch
+
+from kernels import NO_SLOT, lora_expand, lora_shrink
+from serve.config import SlotsConfig
+from serve.engine.batch import BatchPlan
+from serve.engine.slots import TableSlots, register_family
+from serve.errors import VariantIncompatible
+from serve.variants.base import BaseView, LoadedVariant
+
+MIN_RANK = 8
+MIB = 1 << 20
+
+BucketKey = tuple[int, tuple[str, ...]]
+"""(R, the modules its adapters target)."""
+
+
+def rank_bucket(rank: int) -> int:
+    """The stack rank an adapter of this rank is held at: the next power of two, at least MIN_RANK."""
+    return max(MIN_RANK, 1 << (rank - 1).bit_length())
+
+
+class Bucket:
+    """The adapters of one BucketKey: a stack per module, a row per adapter; rows are reused, and the stacks
+    grow (at most doubling) and shrink (compact) as the pool asks."""
+
+    def __init__(self, key: BucketKey, base: BaseView, device: torch.device):
+        self.rank, self.modules = key
+        self.weights = {m: base.modules[m].weight for m in self.modules}
+        self.device = device
+        self.a: dict[str, torch.Tensor] = {}
+        """module -> [rows, R, in]: each row's A, zero beyond its own rank."""
+        self.bt: dict[str, torch.Tensor] = {}
+        """module -> [rows, R, out]: B transposed, read as lora_expand's [rows, out, R] through a view (the CPU
+        twin's batched matmul runs twice as fast on this layout)."""
+        self.scale: dict[str, torch.Tensor] = {}
+        """module -> [rows] fp32."""
+        self.owners: list[int | None] = []
+        """row -> the pool slot whose adapter it holds (None: free)."""
+        self.row_bytes = bucket_row_bytes(key, base)
+        self._resize([], 0)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.owners) * self.row_bytes
+
+    @property
+    def live(self) -> int:
+        return sum(o is not None for o in self.owners)
+
+    def free_row(self) -> int | None:
+        return self.owners.index(None) if None in self.owners else None
+
+    def grow(self, rows: int) -> None:
+        """Room for `rows` more adapters; rows keep their places."""
+        self._resize(list(range(len(self.owners))), len(self.owners) + rows)
+
+    def compact(self) -> dict[int, int]:
+        """Free rows give their memory back; live rows move to the front. -> slot -> its new row."""
+        live = [r for r, o in enumerate(self.owners) if o is not None]
+        owners = [self.owners[r] for r in live]
+        self._resize(live, len(live))
+        self.owners = owners
+        return {slot: row for row, slot in enumerate(owners)}
+
+    def _resize(self, keep: list[int], rows: int) -> None:
+        """Stacks of `rows` rows whose first len(keep) rows are the old rows `keep`; the rest zero and free."""
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for m, w in self.weights.items():
+            out_f, in_f = w.shape
+            a = torch.zeros((rows, self.rank, in_f), dtype=w.dtype, device=self.device)
+            bt = torch.zeros((rows, self.rank, out_f), dtype=w.dtype, device=self.device)
+            scale = torch.zeros(rows, dtype=torch.float32, device=self.device)
+            if keep:
+                a[: len(keep)] = self.a[m].index_select(0, idx)
+                bt[: len(keep)] = self.bt[m].index_select(0, idx)
+                scale[: len(keep)] = self.scale[m].index_select(0, idx)
+            self.a[m], self.bt[m], self.scale[m] = a, bt, scale
+        self.owners = [self.owners[r] for r in keep] + [None] * (rows - len(keep))
+
+    def put(self, row: int, slot: int, variant: LoadedVariant) -> None:
+        for m in self.modules:
+            a, b = variant.tensors[f"{m}.A"], variant.tensors[f"{m}.B"]  # [r, in], [out, r]
+            r = a.shape[0]
+            self.a[m][row, :r] = a
+            self.a[m][row, r:] = 0
+            self.bt[m][row, :r] = b.T
+            self.bt[m][row, r:] = 0
+            self.scale[m][row] = variant.scales[m]
+        self.owners[row] = slot
+
+    def free(self, row: int) -> None:
+        for scale in self.scale.values():
+            scale[row] = 0.0
+        self.owners[row] = None
+
+
+def bucket_key(variant: LoadedVariant) -> BucketKey:
+    rank = max(variant.tensors[f"{m}.A"].shape[0] for m in variant.scales)
+    return rank_bucket(rank), tuple(sorted(variant.scales))
+
+
+def bucket_row_bytes(key: BucketKey, base: BaseView) -> int:
+    """What one adapter of the bucket costs in the pool: its stacks' rows at the bucket's rank."""
+    rank, modules = key
+    total = 0
+    for m in modules:
+        w = base.modules[m].weight
+        total += rank * (w.shape[0] + w.shape[1]) * w.element_size() + 4
+    return total
+
+
+class AdapterPool(TableSlots):
+    family = "lora"
+    keep_warm = True
+
+    def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig, family: str = "lora"):
+        super().__init__(base, device)
+        self.budget = int(config.adapter_mib * MIB)
+        self.max_rank = config.max_rank
+        self.buckets: dict[BucketKey, Bucket] = {}
+        self.place: dict[int, tuple[BucketKey, int]] = {}
+        """slot -> (its bucket, its row there)."""
+        self._planned: tuple[BatchPlan | None, list[BucketKey]] = (None, [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets.values())
+
+    def check(self, variant: LoadedVariant) -> None:
+        for module in variant.scales:
+            rank = variant.tensors[f"{module}.A"].shape[0]
+            if rank > self.max_rank:
+                raise VariantIncompatible(f"adapter '{variant.name}' has rank {rank} at '{module}'; the slot "
+                                          f"maximum is {self.max_rank}")
+            if not isinstance(self.base.modules.get(module), torch.nn.Linear):
+                raise VariantIncompatible(f"adapter '{variant.name}': '{module}' is no linear layer of the base")
+        need = bucket_row_bytes(bucket_key(variant), self.base)
+        if need > self.budget:
+            raise VariantIncompatible(f"adapter '{variant.name}' needs {need / MIB:.1f} MiB in the adapter pool; "
+                                      f"slots.adapter_mib is {self.budget / MIB:g}")
+
+    # ---- room: bytes, not slots
+    def _room(self, variant: LoadedVariant) -> bool:
+        """Room for one more row of the variant's bucket: a free row, free budget, or idle adapters evicted
+        (least recently used first) and the buckets compacted. False (nothing evicted): its row waits."""
+        key = bucket_key(variant)
+        bucket = self.buckets.get(key)
+        if bucket is not None and bucket.free_row() is not None:
+            return True
+        need = bucket_row_bytes(key, self.base)
+        if self.nbytes + need <= self.budget:
+            return True
+        live = sum(b.live * b.row_bytes for b in self.buckets.values())
+        idle = sorted((s for s, r in enumerate(self.refs) if r == 0 and s in self.place),
+                      key=self.last_used.__getitem__)
+        if live - sum(self._row_bytes(s) for s in idle) + need > self.budget:
+            return False
+        for s in idle:
+            if live + need <= self.budget:
+                break
+            live -= self._row_bytes(s)
+            self._empty(s)
+        self._compact()
+        return True
+
+    def _row_bytes(self, slot: int) -> int:
+        return self.buckets[self.place[slot][0]].row_bytes
+
+    def _compact(self) -> None:
+        for key, bucket in self.buckets.items():
+            if bucket.free_row() is not None:
+                for slot, row in bucket.compact().items():
+                    self.place[slot] = (key, row)
+
+    def _write(self, slot: int, variant: LoadedVariant) -> None:
+        key = bucket_key(variant)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = Bucket(key, self.base, self.device)
+        row = bucket.free_row()
+        if row is None:
+            spare = (self.budget - self.nbytes) // bucket.row_bytes  # >= 1: _room made sure
+            bucket.grow(max(1, min(len(bucket.owners), spare)))
+            row = bucket.free_row()
+        bucket.put(row, slot, variant)
+        self.place[slot] = (key, row)
+
+    def _clear(self, slot: int) -> None:
+        place = self.place.pop(slot, None)
+        if place is None:
+            return
+        key, row = place
+        self.buckets[key].free(row)
+        if self.buckets[key].live == 0:  # its memory goes back at once
+            del self.buckets[key]
+
+    # ---- forwards
+    def _keys(self, plan: BatchPlan) -> list[BucketKey]:
+        """The buckets this forward's rows use, found once per forward (every wrapped module asks)."""
+        if self._planned[0] is not plan:
+            self._planned = (plan, sorted({self.place[s][0] for s in plan.slot_set(self.family) if s in self.place}))
+        return self._planned[1]
+
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        return any(name in modules for _, modules in self._keys(plan))
+
+    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              plan: BatchPlan) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        y2 = y.view(-1, y.shape[-1])  # [tokens, out]
+        for key in self._keys(plan):
+            if name not in key[1]:
+                continue
+            bucket = self.buckets[key]
+            seg = plan.remapped_segments(self.family, key, lambda s, key=key: self._row_in(s, key), x2.shape[0])
+            z = lora_shrink(x2, bucket.a[name], bucket.scale[name], seg)  # [tokens, R] fp32
+            lora_expand(z, bucket.bt[name].transpose(1, 2), seg, y2)
+        return y
+
+    def _row_in(self, slot: int, key: BucketKey) -> int:
+        place = self.place.get(slot)
+        return place[1] if place is not None and place[0] == key else NO_SLOT
+
+
+register_family(AdapterPool)
