@@ -8,14 +8,16 @@ import re
 from pathlib import Path
 
 ENGINE_SECONDS = re.compile(r'^manyfold_engine_seconds_total\{([^}]*)\} (\S+)$', re.M)
-PARTS = ("forward", "lora", "staging", "scheduling")
-STAGING_IN_FORWARD = False
-"""Whether part="staging" (writing adapters into the pool) is counted inside part="forward". As specified when
-this was written it is not (attach runs before the forward); check serve/metrics.py before reading the split."""
+PARTS = ("step", "forward", "lora", "staging", "scheduling")
+"""manyfold_engine_seconds_total's parts (serve/metrics.py, serve/engine/model.py): step, a generation step on the
+compute thread (attaching new rows' adapters, their prefill, one decode forward, sampling); forward, inside step,
+every model forward; lora, inside forward, the LoRA shrink/expand ops; staging, inside step but not forward,
+writing adapters into the pool; scheduling, event-loop time between one step's end and the next one's start."""
 WINDOW_OVERHEAD_S = {"manyfold": 25.0, "peft": 15.0, "multiplex": 15.0}
 """Start, warm-up request and teardown of one system around each window (measured on the 2-core machine)."""
-TRAIN_S = 45.0
-"""One trained source adapter (24 steps of batch 4 x 64 tokens on SmolLM2, two cores)."""
+TRAIN_S = 60.0
+"""One trained source adapter, 24 steps of batch 4 x 64 tokens on SmolLM2: about 1.3 s a step on a quiet 2-core
+machine; 106 s and 200 s measured for S1's two while other work shared it."""
 STORE_S_PER_ADAPTER = {"S1": 0.1, "S2": 0.35}
 """Deriving, writing and registering one tenant's adapter, plus about 5 s a store for copying the base."""
 
@@ -35,16 +37,16 @@ def engine_seconds(url: str) -> dict[str, float] | None:
 
 
 def time_split(before: dict | None, after: dict | None) -> dict | None:
-    """Shares of engine time over a window: base (forward less its LoRA ops, and less staging when staging is
-    counted inside it), lora, staging, scheduling; None when a counter is missing."""
-    if before is None or after is None or any(p not in after for p in PARTS):
+    """Shares of engine time over a window, step plus scheduling: base (forwards less their LoRA ops), lora,
+    staging, other (the rest of a step: sampling, bookkeeping) and scheduling; None without the counters."""
+    if before is None or after is None or "step" not in after or "forward" not in after:
         return None
-    d = {p: after[p] - before.get(p, 0.0) for p in PARTS}
-    base = d["forward"] - d["lora"] - (d["staging"] if STAGING_IN_FORWARD else 0.0)
-    total = d["forward"] + d["scheduling"] + (0.0 if STAGING_IN_FORWARD else d["staging"])
+    d = {p: after.get(p, 0.0) - before.get(p, 0.0) for p in PARTS}
+    total = d["step"] + d["scheduling"]
     if total <= 0:
         return None
-    seconds = {"base": base, "lora": d["lora"], "staging": d["staging"], "scheduling": d["scheduling"]}
+    seconds = {"base": d["forward"] - d["lora"], "lora": d["lora"], "staging": d["staging"],
+               "other": d["step"] - d["forward"] - d["staging"], "scheduling": d["scheduling"]}
     return {"seconds": seconds, "total_s": total, "shares": {k: v / total for k, v in seconds.items()}}
 
 

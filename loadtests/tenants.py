@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -98,14 +100,13 @@ def budget_mib(args: argparse.Namespace) -> float:
 
 def manyfold_app(args: argparse.Namespace, store: str):
     from serve.app import build_app
-    from serve.config import ServeConfig, SlotsConfig
+    from serve.config import ServeConfig
 
-    slots = {"adapter_mib": args.adapter_mib} if "adapter_mib" in SlotsConfig.model_fields else {}
     return build_app(ServeConfig(
         store=store, deployment={"num_cpus": args.num_cpus, "torch_threads": args.torch_threads,
                                  "graceful_shutdown_timeout_s": 2},
         cache={"device_mib": args.cache_device_mib, "cpu_mib": args.cache_cpu_mib},
-        batch={"max_batch_size": args.max_batch}, slots=slots))
+        batch={"max_batch_size": args.max_batch}, slots={"adapter_mib": args.adapter_mib}))
 
 
 def baseline_app(args: argparse.Namespace, system: str, record: dict):
@@ -129,6 +130,48 @@ def merged_models(args: argparse.Namespace, base_bytes: int) -> int:
     return max(1, int((base_bytes + budget_mib(args) * MIB) // base_bytes))
 
 
+class PeakRss:
+    """Peak summed RSS, every 0.25 s, of one Serve application's replicas among this process's descendants (the
+    Ray this run started; never another run's): its model replicas, and apart from them Manyfold's ingress and
+    residency board. Keeps each process's peak too."""
+
+    def __init__(self, app: str):
+        from serve.app import BOARD
+
+        self.front = (f"ServeReplica:{app}:Ingress", f"ServeReplica:{app}:{BOARD}")
+        self.app, self.peak, self.peak_front, self.per_process = app, 0, 0, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        from serve.bench.report import process_tree_rss
+
+        models = front = 0
+        for pid, (cmd, rss) in process_tree_rss(os.getpid()).items():
+            if (marker := f"ServeReplica:{self.app}:") not in cmd:
+                continue
+            key = f"{pid} {cmd.split(marker, 1)[1].split()[0].split('.')[0]}"  # pid and deployment
+            self.per_process[key] = max(self.per_process.get(key, 0), rss)
+            if any(f in cmd for f in self.front):
+                front += rss
+            else:
+                models += rss
+        self.peak, self.peak_front = max(self.peak, models), max(self.peak_front, front)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            self._sample()
+
+    def __enter__(self) -> "PeakRss":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,8 +184,6 @@ def measure(cell: Cell, args: argparse.Namespace, record: dict, prompts: list[st
     import httpx
     from ray import serve
 
-    from loadtests.run import PeakMemory
-
     app = manyfold_app(args, record["store"]) if cell.system == "manyfold" else baseline_app(args, cell.system, record)
     t = time.perf_counter()
     serve.run(app, name=cell.system, route_prefix="/", logging_config={"log_level": "WARNING"})
@@ -154,13 +195,14 @@ def measure(cell: Cell, args: argparse.Namespace, record: dict, prompts: list[st
                       args.seed)
     plan = plan_requests(record["names"], prompts, load)
     before = engine_seconds(url) if cell.system == "manyfold" else None
-    with PeakMemory(cell.system) as mem:
+    with PeakRss(cell.system) as mem:
         window = asyncio.run(run_window(url, plan, args.duration))
     after = engine_seconds(url) if cell.system == "manyfold" else None
     t = time.perf_counter()
     serve.delete(cell.system)
     row = {**asdict(cell), **window.summary(), "distinct_sent": len({p.model for p in plan}),
-           "peak_rss_mib": mem.peak / MIB, "peak_front_rss_mib": mem.peak_front / MIB, "start_s": start_s,
+           "peak_rss_mib": mem.peak / MIB, "peak_front_rss_mib": mem.peak_front / MIB,
+           "peak_rss_by_process_mib": {k: v / MIB for k, v in mem.per_process.items()}, "start_s": start_s,
            "teardown_s": time.perf_counter() - t, "time_split": time_split(before, after)}
     if cell.system == "multiplex":
         row["merged_models"] = merged_models(args, record["base_bytes"])
