@@ -93,7 +93,26 @@ def print_report(report: dict) -> None:
           "still unanswered when it closed (cancelled, counted); req/s, tok/s: ok requests and their generated "
           "tokens / window; p50, p99: latency of the ok requests; RSS: peak summed RSS of the model replica "
           "processes; front: Manyfold's ingress and residency board")
+    print_holding(report)
     print_time_split(report["rows"])
+
+
+def print_holding(report: dict) -> None:
+    """How each baseline held its adapters within the budget, window by window."""
+    budget = report["budget_mib"]
+    for r in report["rows"]:
+        st = r.get("server_stats")
+        if st is None:
+            continue
+        need = report["stores"][f"{r['workload']}-n{r['tenants']}"]["adapter_bytes"] / 2**20
+        if r["system"] == "peft":
+            how = (f"all {r['tenants']} adapters fit ({need:.0f} of {budget:.0f} MiB)" if need <= budget else
+                   f"{need:.0f} MiB of adapters > {budget:.0f} MiB: LRU")
+        else:
+            how = f"at most {r['merged_models']} merged models"
+        print(f"{r['system']} {r['workload']} {r['distribution']} N={r['tenants']}: {how}; {st['loads']} loads"
+              + (f", {st['evictions']} evictions" if "evictions" in st else "")
+              + f", {st['rows_per_batch']:.1f} rows per batch")
 
 
 def print_time_split(rows: list[dict]) -> None:

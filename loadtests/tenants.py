@@ -198,12 +198,15 @@ def measure(cell: Cell, args: argparse.Namespace, record: dict, prompts: list[st
     with PeakRss(cell.system) as mem:
         window = asyncio.run(run_window(url, plan, args.duration))
     after = engine_seconds(url) if cell.system == "manyfold" else None
+    stats = None if cell.system == "manyfold" else httpx.get(f"{url}/stats", timeout=60).json()
     t = time.perf_counter()
     serve.delete(cell.system)
     row = {**asdict(cell), **window.summary(), "distinct_sent": len({p.model for p in plan}),
            "peak_rss_mib": mem.peak / MIB, "peak_front_rss_mib": mem.peak_front / MIB,
            "peak_rss_by_process_mib": {k: v / MIB for k, v in mem.per_process.items()}, "start_s": start_s,
            "teardown_s": time.perf_counter() - t, "time_split": time_split(before, after)}
+    if stats is not None:  # loads, evictions, rows per batch: how the baseline held its adapters
+        row["server_stats"] = stats
     if cell.system == "multiplex":
         row["merged_models"] = merged_models(args, record["base_bytes"])
     return row
