@@ -14,7 +14,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, TextDelta
-from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable
+from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable, VariantNotFound
 from serve.store.store import Store
 
 PEEK_TIMEOUT_S = 2.0
@@ -117,6 +117,27 @@ class Router:
         self.store.refresh()
         self.store.base(base)  # VariantNotFound for an unknown base
         return await self._call(self.handles[base].add_variant.remote(name, base, path, kind))
+
+    async def add_variants(self, items: list[tuple[str, str, str, str]]) -> list[ModelInfo | ManyfoldError]:
+        """add_variant for many (name, base, path, kind): each base's items go to one of its replicas in one call
+        (stored there with one manifest write per kind); an unknown base, or a replica that fails, fails its own
+        items alone. -> per item, in order, its card or the error that kept it out."""
+        self.store.refresh()
+        out: list[ModelInfo | ManyfoldError | None] = [None] * len(items)
+        groups: dict[str, list[int]] = {}
+        for i, (_, base, _, _) in enumerate(items):
+            if base in self.handles:
+                groups.setdefault(base, []).append(i)
+            else:
+                out[i] = VariantNotFound(f"store {self.store.root} has no base '{base}' served here")
+        calls = [self._call(self.handles[b].add_variants.remote([items[i] for i in group]))
+                 for b, group in groups.items()]
+        for group, result in zip(groups.values(), await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(result, BaseException) and not isinstance(result, ManyfoldError):
+                raise result
+            for j, i in enumerate(group):
+                out[i] = result if isinstance(result, ManyfoldError) else result[j]
+        return out  # type: ignore[return-value]  (every item has its outcome by now)
 
     async def remove_variant(self, name: str) -> None:
         self.store.refresh()

@@ -5,16 +5,20 @@ import asyncio
 import shutil
 
 import pytest
+from fastapi.testclient import TestClient
 
 from serve.cli import main
-from serve.config import ServeConfig
+from serve.config import ServeConfig, key_digest
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
+from serve.http.app import build_http_app
 from serve.store import store as store_module
 from serve.store.store import Store
 from serve.variants import variant_kind
 from tests.models import write_lora, write_tiny_causal
 from tests.variants.test_adapters import _other_base_shapes
+
+ADMIN = "admin-key"
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +151,34 @@ def test_commit_many_refuses_a_name_the_batch_holds_twice(store, tmp_path):
     added, refused = store.commit_many(entries)
     assert [e.name for e in added] == ["y"] and [n for n, _ in refused] == ["x", "x"]
     assert sorted(Store(store.root).manifest.variants) == ["y"]
+
+
+def test_the_admin_batch_route_answers_per_item(made, store, tmp_path):
+    src = adapters(made, tmp_path / "src", ["a-1", "a-2", "a-bad"], bad=("a-bad",))
+    config = ServeConfig(store=store.root, admin_key_sha256=[key_digest(ADMIN)])
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+
+    def item(name, path, base="tiny-lm"):
+        return {"name": name, "kind": "lora", "base": base, "path": str(path)}
+
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        r = c.post("/v1/admin/variants:batch", json={"variants": [item("a-1", src / "a-1"), item("a-2", src / "a-2")]},
+                   headers=headers)
+        assert r.status_code == 201, r.text
+        assert [(d["name"], d["status"], d["model"]["parent"]) for d in r.json()["data"]] == [
+            ("a-1", 201, "tiny-lm"), ("a-2", 201, "tiny-lm")]
+        body = {"variants": [item("a-3", src / "a-1"), item("a-bad", src / "a-bad"), item("a-1", src / "a-2"),
+                             item("a-4", tmp_path / "nowhere"), item("a-5", src / "a-1", base="nope")]}
+        r = c.post("/v1/admin/variants:batch", json=body, headers=headers)
+        assert r.status_code == 207, r.text
+        data = r.json()["data"]
+        assert [(d["name"], d["status"]) for d in data] == [("a-3", 201), ("a-bad", 422), ("a-1", 400), ("a-4", 400),
+                                                          ("a-5", 404)]
+        assert "another base" in data[1]["error"]["message"] and data[1]["model"] is None
+        assert "already has an entry named 'a-1'" in data[2]["error"]["message"]
+        ids = {m["id"] for m in c.get("/v1/models").json()["data"]}
+        assert {"a-1", "a-2", "a-3"} <= ids and not {"a-bad", "a-4", "a-5"} & ids
+        out = c.post("/v1/completions", json={"model": "a-3", "prompt": "the cat", "max_tokens": 2})
+        assert out.status_code == 200, out.text
+        assert c.post("/v1/admin/variants:batch", json={"variants": []}, headers=headers).status_code == 422
+        assert c.post("/v1/admin/variants:batch", json=body).status_code == 401

@@ -1,0 +1,64 @@
+"""The router's batch adds with stand-in handles (plain Python, no Ray cluster): a batch is split by base, each
+base's items to one replica call."""
+
+import asyncio
+
+from serve.deployments.router import Router
+from serve.engine.types import ModelInfo
+from serve.errors import Unavailable, VariantNotFound
+from serve.store.manifest import BaseEntry, LoraVariantEntry, StoreManifest, write_manifest
+from serve.store.store import Store
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)  # a coroutine: what the router awaits, as it awaits a Ray response
+
+
+class _Replica:
+    def __init__(self, base: str, fails: Exception | None = None):
+        self.base, self.fails, self.calls = base, fails, []
+        self.add_variants = _Remote(self._add_variants)
+
+    async def _add_variants(self, items):
+        self.calls.append(items)
+        if self.fails:
+            raise self.fails
+        return [ModelInfo(name, kind, base, "disk", None) for name, base, _, kind in items]
+
+
+class _Health:
+    async def states(self):
+        return {}
+
+
+class _Board:
+    def __init__(self):
+        self.residency = _Remote(self._residency)
+
+    async def _residency(self):
+        return {"b-1": "device"}
+
+
+def _store(root, variants: dict[str, str]) -> Store:
+    base = {"architecture": "Tiny", "params": 1, "fingerprint": "0" * 64, "files": []}
+    write_manifest(root, StoreManifest(
+        bases={b: BaseEntry(name=b, **base) for b in ("a", "b")},
+        variants={n: LoraVariantEntry(name=n, base=b, architecture="Tiny", raw_bytes=1, rank=1, target_modules=["m"],
+                                      files=[]) for n, b in variants.items()}))
+    return Store(root)
+
+
+def test_a_batch_goes_to_each_base_in_one_call_and_failures_stay_with_their_items(tmp_path):
+    _store(tmp_path, {})
+    replicas = {"a": _Replica("a"), "b": _Replica("b", fails=Unavailable("base 'b' is not running"))}
+    router = Router(tmp_path, replicas, _Board(), _Health())
+    items = [("x", "a", "/p/x", "lora"), ("y", "b", "/p/y", "lora"), ("z", "nope", "/p/z", "lora"),
+             ("w", "a", "/p/w", "pissa")]
+    out = asyncio.run(router.add_variants(items))
+    assert [(o.name, o.kind) for o in (out[0], out[3])] == [("x", "lora"), ("w", "pissa")]
+    assert isinstance(out[1], Unavailable) and isinstance(out[2], VariantNotFound) and "'nope'" in str(out[2])
+    assert replicas["a"].calls == [[items[0], items[3]]] and replicas["b"].calls == [[items[1]]]
