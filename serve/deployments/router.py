@@ -28,6 +28,8 @@ class Router:
         self.handles = handles
         self.board = board
         self.health = health
+        self._listed: object = None
+        self._by_base: dict[str, list[tuple[str, str, str, list[str] | None]]] = {}
 
     async def _handle(self, model: str) -> DeploymentHandle:
         self.store.refresh()
@@ -95,14 +97,24 @@ class Router:
         except Exception:  # noqa: BLE001  (a board away costs residency, never the answer)
             held = {}
         out = []
-        for base in self.handles:
+        for base, variants in self._listing().items():
             state = states.get(base, BaseState(True))
             status = "ready" if state.running else "unavailable"
             out.append(ModelInfo(base, "base", None, "device" if state.running else "disk", None, status))
-            out += [ModelInfo(model, v.kind, base, held.get(v.name, "disk"), labels, status)
-                    for v in self.store.manifest.variants.values() if v.base == base
-                    for model, labels in v.models().items()]
+            out += [ModelInfo(model, kind, base, held.get(entry, "disk"), labels, status)
+                    for model, kind, entry, labels in variants]
         return out
+
+    def _listing(self) -> dict[str, list[tuple[str, str, str, list[str] | None]]]:
+        """(model, kind, entry, labels) of every variant, by served base: built once per manifest read, not per
+        request, so that /v1/models and /metrics stay linear in the variants however many bases there are."""
+        if self._listed is not self.store.manifest:
+            by_base: dict[str, list] = {base: [] for base in self.handles}
+            for v in self.store.manifest.variants.values():
+                if v.base in by_base:
+                    by_base[v.base] += [(model, v.kind, v.name, labels) for model, labels in v.models().items()]
+            self._listed, self._by_base = self.store.manifest, by_base
+        return self._by_base
 
     async def snapshots(self) -> list[dict]:
         """The counters of every running base's replica that answers in time."""

@@ -289,8 +289,15 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """OpenAI's list, with the cursor fields of its paginated lists (`?limit=N&after=ID`): harmless to a client
+    that reads `data` only (the official one's models.list())."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    """More models after last_id: ask again with after=last_id."""
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class AddVariantRequest(_Request):

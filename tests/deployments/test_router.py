@@ -1,5 +1,5 @@
-"""The router's batch adds with stand-in handles (plain Python, no Ray cluster): a batch is split by base, each
-base's items to one replica call."""
+"""The router's listing and batch adds with stand-in handles (plain Python, no Ray cluster): /v1/models is built
+from the store once per manifest read, and a batch is split by base, each base's items to one replica call."""
 
 import asyncio
 
@@ -50,6 +50,20 @@ def _store(root, variants: dict[str, str]) -> Store:
         variants={n: LoraVariantEntry(name=n, base=b, architecture="Tiny", raw_bytes=1, rank=1, target_modules=["m"],
                                       files=[]) for n, b in variants.items()}))
     return Store(root)
+
+
+def test_models_are_listed_per_base_and_rebuilt_only_when_the_manifest_changes(tmp_path):
+    store = _store(tmp_path, {"a-1": "a", "b-1": "b", "a-2": "a"})
+    router = Router(tmp_path, {"a": _Replica("a"), "b": _Replica("b")}, _Board(), _Health())
+    models = asyncio.run(router.models())
+    assert [(m.name, m.base, m.residency) for m in models] == [("a", None, "device"), ("a-1", "a", "disk"),
+                                                               ("a-2", "a", "disk"), ("b", None, "device"),
+                                                               ("b-1", "b", "device")]
+    listing = router._listing()
+    asyncio.run(router.models())
+    assert router._listing() is listing
+    write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {}}))  # another process removes them
+    assert [m.name for m in asyncio.run(router.models())] == ["a", "b"]
 
 
 def test_a_batch_goes_to_each_base_in_one_call_and_failures_stay_with_their_items(tmp_path):
