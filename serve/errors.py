@@ -95,6 +95,13 @@ class TooLarge(ManyfoldError):
     http_status = 413
 
 
+class BatchIncomplete(ManyfoldError):
+    """Some items of a batch were not added (each reported by name, with why); the others were."""
+
+    code = "batch_incomplete"
+    http_status = 422
+
+
 class ClientGone(ManyfoldError):
     """The client closed the request before its answer: nothing to send, not a server error."""
 

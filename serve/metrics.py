@@ -2,7 +2,8 @@
 
 Engines may live in other processes (Ray replicas), so their state arrives as plain snapshots
 (Engine.snapshot) and residency lists, and is rendered at scrape time. Label cardinality is bounded: at most
-MAX_MODEL_LABELS model names get their own series; the rest share "other", unknown names are "unknown".
+MAX_MODEL_LABELS model names get their own series; the rest share "other", unknown names are "unknown". Of
+thousands of variants, the residency gauge shows those held in memory first, then others up to the same cap.
 """
 
 import time
@@ -88,7 +89,8 @@ class Metrics:
                                        _merge([s["load_seconds"] for s in snapshots])))
         resident = GaugeMetricFamily("manyfold_variant_resident", "1 where a model's weights are held",
                                      labels=["model", "tier"])
-        for m in models[:MAX_MODEL_LABELS]:
+        held_first = sorted(models, key=lambda m: m.residency == "disk")  # stable: the store's order within each
+        for m in held_first[:MAX_MODEL_LABELS]:
             for tier in ("device", "cpu", "disk"):
                 resident.add_metric([m.name, tier], 1.0 if m.residency == tier else 0.0)
         families.append(resident)

@@ -185,6 +185,26 @@ def test_admin_add_and_remove_reach_the_replicas(server, http, tmp_path):
     assert http.post("/v1/completions", json={"model": "tiny-lm-hot", "prompt": "a"}).status_code == 404
 
 
+def test_an_admin_batch_reaches_the_replicas_and_answers_per_item(server, http, tmp_path):
+    """Through the router to a tiny-lm replica over Ray: the added variant serves, an unknown base fails alone."""
+    from tests.models import write_perturbed
+
+    ft = write_perturbed(server[1]["tiny-lm"], tmp_path / "ft", seed=13, scale=0.5)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    body = {"variants": [{"name": "tiny-lm-batch", "base": "tiny-lm", "path": str(ft)},
+                         {"name": "nowhere-batch", "base": "no-such-base", "path": str(ft)}]}
+    r = http.post("/v1/admin/variants:batch", json=body, headers=admin)
+    try:
+        assert r.status_code == 207, r.text
+        assert [(d["name"], d["status"]) for d in r.json()["data"]] == [("tiny-lm-batch", 201), ("nowhere-batch", 404)]
+        assert http.post("/v1/completions", json={"model": "tiny-lm-batch", "prompt": "a", "max_tokens": 2}
+                         ).status_code == 200
+        page = http.get("/v1/models", params={"limit": 1}).json()
+        assert len(page["data"]) == 1 and page["has_more"] is True
+    finally:
+        http.delete("/v1/admin/variants/tiny-lm-batch", headers=admin)
+
+
 def test_models_show_residency_over_every_replica(server, http, tmp_path):
     """tiny-lm has two replicas; /v1/models reaches one of them per call, yet always sees the variant."""
     from tests.models import write_perturbed

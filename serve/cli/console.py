@@ -6,11 +6,11 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def progress(desc: str, total: int | None = None) -> Iterator[Callable[[object], None]]:
+def progress(desc: str, total: int | None = None, unit: str = "tensor") -> Iterator[Callable[[object], None]]:
     """A tqdm bar on stderr, advanced by calling the yielded function once per item."""
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False,
+    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
               disable=None if sys.stderr.isatty() else True) as bar:
         yield lambda _name: bar.update(1)
 

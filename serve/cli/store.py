@@ -2,12 +2,21 @@
 
 import argparse
 import json
+import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from serve.cli.args import add_command, open_store
 from serve.cli.codecs import neuzip_summary
 from serve.cli.console import human_bytes, progress
-from serve.errors import ConfigError
+from serve.errors import BatchIncomplete, ConfigError
+
+if TYPE_CHECKING:
+    from serve.store.store import Store
+
+BULK_KINDS = ("lora", "pissa")
+"""Kinds `store add --from-dir` registers in one batch (one manifest write for thousands of adapters)."""
 
 
 def cmd_store_list(args: argparse.Namespace) -> None:
@@ -23,7 +32,11 @@ def cmd_store_list(args: argparse.Namespace) -> None:
 
 
 def cmd_store_add(args: argparse.Namespace) -> None:
+    _check_add_arguments(args)
     store = open_store(args, create=True)
+    if args.from_dir:
+        _add_from_dir(args, store)
+        return
     if args.kind == "base" and args.neuzip_bits is not None:
         from serve.codecs.neuzip_file import add_base
 
@@ -36,20 +49,88 @@ def cmd_store_add(args: argparse.Namespace) -> None:
         entry = store.add_base(args.name, args.model)
         print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params)")
         return
-    if args.neuzip_bits is not None:
-        raise ConfigError("--neuzip-bits is for --kind base")
     from serve.config import SlotsConfig
     from serve.variants import variant_kind
 
     kind = variant_kind(args.kind)
-    if not args.base:
-        raise ConfigError(f"store add --kind {args.kind} needs --base NAME (a base in the store)")
     with progress(f"add {args.kind}") as tick:
         entry = kind.add(store, args.name, args.base, Path(args.model), progress=tick,
                          slots=SlotsConfig(max_rank=args.max_rank))
     stored = sum(f.bytes for f in entry.files)
     print(f"added {entry.kind} variant '{entry.name}' of '{entry.base}': {human_bytes(entry.raw_bytes)} stored as "
           f"{human_bytes(stored)} ({stored / max(entry.raw_bytes, 1):.1%})")
+
+
+def _check_add_arguments(args: argparse.Namespace) -> None:
+    """Which arguments go together, checked before the store is opened (or created)."""
+    if args.from_dir:
+        if args.kind not in BULK_KINDS:
+            raise ConfigError(f"--from-dir is for --kind {' or '.join(BULK_KINDS)}, not {args.kind}")
+        if args.name or args.model:
+            raise ConfigError("--from-dir names each adapter by its directory (or --names); drop --name and --model")
+    else:
+        if args.names:
+            raise ConfigError("--names goes with --from-dir DIR")
+        if not args.name or not args.model:
+            raise ConfigError("store add needs --name and --model (or, for adapters, --from-dir DIR)")
+    if args.kind != "base" and args.neuzip_bits is not None:
+        raise ConfigError("--neuzip-bits is for --kind base")
+    if args.kind != "base" and not args.base:
+        raise ConfigError(f"store add --kind {args.kind} needs --base NAME (a base in the store)")
+
+
+def _add_from_dir(args: argparse.Namespace, store: "Store") -> None:
+    """Every adapter under --from-dir in one batch: failures one line each on stderr, then the count."""
+    from serve.config import SlotsConfig
+    from serve.variants import variant_kind
+
+    items = adapter_items(Path(args.from_dir), Path(args.names) if args.names else None)
+    started = time.perf_counter()
+    with progress(f"add {args.kind}", total=len(items), unit="adapter") as tick:
+        added, failed = variant_kind(args.kind).add_many(store, args.base, items, progress=tick,
+                                                         slots=SlotsConfig(max_rank=args.max_rank))
+    for name, e in failed:
+        print(f"{name}: {str(e).replace(chr(10), ' ')}", file=sys.stderr)
+    stored = sum(f.bytes for e in added for f in e.files)
+    summary = (f"added {len(added)} of {len(items)} adapters to base '{args.base}' ({human_bytes(stored)} stored) "
+               f"in {time.perf_counter() - started:.1f} s")
+    if failed:
+        raise BatchIncomplete(f"{summary}; {len(failed)} not added (each named above)")
+    print(summary)
+
+
+def adapter_items(from_dir: Path, names: Path | None = None) -> list[tuple[str, Path]]:
+    """(model name, adapter directory) for every directory directly under from_dir but hidden ones, named as the
+    directory; with a names file, exactly the directories it lists, under the names it gives them."""
+    if not from_dir.is_dir():
+        raise ConfigError(f"--from-dir {from_dir}: not a directory")
+    if names is not None:
+        items = [(name, from_dir / d) for d, name in read_names(names)]
+    else:
+        items = [(p.name, p) for p in sorted(from_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")]
+    if not items:
+        raise ConfigError(f"--from-dir {from_dir}: no adapter directories{' listed in ' + str(names) if names else ''}")
+    return items
+
+
+def read_names(path: Path) -> list[tuple[str, str]]:
+    """A --names file: one `DIRECTORY NAME` per line (whitespace between; blank lines and # comments skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--names {path}: cannot be read ({e})") from None
+    out: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2 or "/" in fields[0] or fields[0] in (".", ".."):
+            raise ConfigError(f"{path}:{n}: expected 'DIRECTORY NAME' (a directory directly under --from-dir), "
+                              f"got {line.strip()!r}")
+        if fields[0] in out:
+            raise ConfigError(f"{path}:{n}: directory '{fields[0]}' is listed twice")
+        out[fields[0]] = fields[1]
+    return list(out.items())
 
 
 def cmd_store_remove(args: argparse.Namespace) -> None:
@@ -126,10 +207,15 @@ def add_store_commands(sub: argparse._SubParsersAction, default_store: str | Non
 def _add_add_arguments(add: argparse.ArgumentParser) -> None:
     add.add_argument("--kind", required=True,
                      help="base, or a variant kind: full, lora, pissa, emr (see serve/variants/)")
-    add.add_argument("--name", required=True)
-    add.add_argument("--model", required=True,
+    add.add_argument("--name", help="the name it is served under (not with --from-dir)")
+    add.add_argument("--model",
                      help="a HF model directory (base, full), a PEFT adapter directory (lora, pissa) "
                           "or an EMR bundle (emr: adding a group again replaces it whole)")
+    add.add_argument("--from-dir", help="lora, pissa: add every adapter directory directly under this one, each "
+                                        "named as its directory, in one batch; one that fails is named and the "
+                                        "rest are added")
+    add.add_argument("--names", help="with --from-dir: a file of 'DIRECTORY NAME' lines; only the directories it "
+                                     "lists are added, under those names")
     add.add_argument("--base", help="for a variant: the store base it was fine-tuned from")
     add.add_argument("--neuzip-bits", type=int, choices=[0, 1, 3, 7], default=None,
                      help="for a base: serve it in NeuZip form keeping this many mantissa bits (7: lossless)")

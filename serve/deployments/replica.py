@@ -92,6 +92,9 @@ class EngineReplica:
     async def add_variant(self, name: str, base: str, path: str, kind: str):
         return await self._answer(self.engine.add_variant(name, base, path, kind))
 
+    async def add_variants(self, items: list[tuple[str, str, str, str]]):
+        return await self._answer(self.engine.add_variants(items))
+
     async def models(self):
         return await self.engine.models()
 

@@ -14,7 +14,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, TextDelta
-from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable
+from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable, VariantNotFound
 from serve.store.store import Store
 
 PEEK_TIMEOUT_S = 2.0
@@ -28,6 +28,8 @@ class Router:
         self.handles = handles
         self.board = board
         self.health = health
+        self._listed: object = None
+        self._by_base: dict[str, list[tuple[str, str, str, list[str] | None]]] = {}
 
     async def _handle(self, model: str) -> DeploymentHandle:
         self.store.refresh()
@@ -95,14 +97,24 @@ class Router:
         except Exception:  # noqa: BLE001  (a board away costs residency, never the answer)
             held = {}
         out = []
-        for base in self.handles:
+        for base, variants in self._listing().items():
             state = states.get(base, BaseState(True))
             status = "ready" if state.running else "unavailable"
             out.append(ModelInfo(base, "base", None, "device" if state.running else "disk", None, status))
-            out += [ModelInfo(model, v.kind, base, held.get(v.name, "disk"), labels, status)
-                    for v in self.store.manifest.variants.values() if v.base == base
-                    for model, labels in v.models().items()]
+            out += [ModelInfo(model, kind, base, held.get(entry, "disk"), labels, status)
+                    for model, kind, entry, labels in variants]
         return out
+
+    def _listing(self) -> dict[str, list[tuple[str, str, str, list[str] | None]]]:
+        """(model, kind, entry, labels) of every variant, by served base: built once per manifest read, not per
+        request, so that /v1/models and /metrics stay linear in the variants however many bases there are."""
+        if self._listed is not self.store.manifest:
+            by_base: dict[str, list] = {base: [] for base in self.handles}
+            for v in self.store.manifest.variants.values():
+                if v.base in by_base:
+                    by_base[v.base] += [(model, v.kind, v.name, labels) for model, labels in v.models().items()]
+            self._listed, self._by_base = self.store.manifest, by_base
+        return self._by_base
 
     async def snapshots(self) -> list[dict]:
         """The counters of every running base's replica that answers in time."""
@@ -117,6 +129,27 @@ class Router:
         self.store.refresh()
         self.store.base(base)  # VariantNotFound for an unknown base
         return await self._call(self.handles[base].add_variant.remote(name, base, path, kind))
+
+    async def add_variants(self, items: list[tuple[str, str, str, str]]) -> list[ModelInfo | ManyfoldError]:
+        """add_variant for many (name, base, path, kind): each base's items go to one of its replicas in one call
+        (stored there with one manifest write per kind); an unknown base, or a replica that fails, fails its own
+        items alone. -> per item, in order, its card or the error that kept it out."""
+        self.store.refresh()
+        out: list[ModelInfo | ManyfoldError | None] = [None] * len(items)
+        groups: dict[str, list[int]] = {}
+        for i, (_, base, _, _) in enumerate(items):
+            if base in self.handles:
+                groups.setdefault(base, []).append(i)
+            else:
+                out[i] = VariantNotFound(f"store {self.store.root} has no base '{base}' served here")
+        calls = [self._call(self.handles[b].add_variants.remote([items[i] for i in group]))
+                 for b, group in groups.items()]
+        for group, result in zip(groups.values(), await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(result, BaseException) and not isinstance(result, ManyfoldError):
+                raise result
+            for j, i in enumerate(group):
+                out[i] = result if isinstance(result, ManyfoldError) else result[j]
+        return out  # type: ignore[return-value]  (every item has its outcome by now)
 
     async def remove_variant(self, name: str) -> None:
         self.store.refresh()

@@ -78,17 +78,18 @@ class Bucket:
         return {slot: row for row, slot in enumerate(owners)}
 
     def _resize(self, keep: list[int], rows: int) -> None:
-        """Stacks of `rows` rows whose first len(keep) rows are the old rows `keep`; the rest zero and free."""
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        """Stacks of `rows` rows whose first len(keep) rows are the old rows `keep`; the rest free. Free rows are
+        left unwritten: no segment reads them, and `put` writes every element of a row it takes."""
+        prefix = keep == list(range(len(keep)))  # growing: the old rows stay where they are
+        idx = None if prefix else torch.tensor(keep, dtype=torch.long, device=self.device)
         for m, w in self.weights.items():
             out_f, in_f = w.shape
-            a = torch.zeros((rows, self.rank, in_f), dtype=w.dtype, device=self.device)
-            bt = torch.zeros((rows, self.rank, out_f), dtype=w.dtype, device=self.device)
+            a = torch.empty((rows, self.rank, in_f), dtype=w.dtype, device=self.device)
+            bt = torch.empty((rows, self.rank, out_f), dtype=w.dtype, device=self.device)
             scale = torch.zeros(rows, dtype=torch.float32, device=self.device)
-            if keep:
-                a[: len(keep)] = self.a[m].index_select(0, idx)
-                bt[: len(keep)] = self.bt[m].index_select(0, idx)
-                scale[: len(keep)] = self.scale[m].index_select(0, idx)
+            for new, old in ((a, self.a), (bt, self.bt), (scale, self.scale)):
+                if keep:
+                    new[: len(keep)] = old[m][: len(keep)] if prefix else old[m].index_select(0, idx)
             self.a[m], self.bt[m], self.scale[m] = a, bt, scale
         self.owners = [self.owners[r] for r in keep] + [None] * (rows - len(keep))
 
@@ -97,9 +98,10 @@ class Bucket:
             a, b = variant.tensors[f"{m}.A"], variant.tensors[f"{m}.B"]  # [r, in], [out, r]
             r = a.shape[0]
             self.a[m][row, :r] = a
-            self.a[m][row, r:] = 0
             self.bt[m][row, :r] = b.T
-            self.bt[m][row, r:] = 0
+            if r < self.rank:  # ranks past its own add nothing
+                self.a[m][row, r:] = 0
+                self.bt[m][row, r:] = 0
             self.scale[m][row] = variant.scales[m]
         self.owners[row] = slot
 

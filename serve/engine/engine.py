@@ -168,6 +168,20 @@ class Engine:
         self._apply_store_change(before)  # a replaced group leaves the cache and its slots
         return self.info(name)
 
+    async def add_variants(self, items: list[tuple[str, str, str, str]]) -> list[ModelInfo | Exception]:
+        """add_variant for many (name, base, path, kind) at once: each kind's add_many validates its items and the
+        manifest is written once per kind and base, so thousands register in one call. -> per item, in order, its
+        card or the error that kept it out (a caller's file missing or unreadable: 422, as in add_variant)."""
+        from serve.variants.base import add_batch
+
+        before = dict(self.store.manifest.variants)
+        outcomes = await asyncio.to_thread(add_batch, self.store, items, self.config.slots)
+        self.store.reload()
+        self._apply_store_change(before)
+        infos = {m.name: m for m in self.model_infos()}  # once: info() per item would list every model each time
+        return [VariantIncompatible(str(o)) if isinstance(o, ArtifactError) else o if isinstance(o, Exception)
+                else infos.get(o.name) or self.info(o.name) for o in outcomes]
+
     async def remove_variant(self, name: str) -> None:
         self.store.variant(name)  # 404 for an unknown name; bases are not removed over HTTP
         await asyncio.to_thread(self.store.remove, name)

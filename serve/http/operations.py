@@ -1,15 +1,21 @@
 """Routes for operating the server: GET /healthz, /metrics (Prometheus text) and /v1/models (what the caller's
 tenant may call, with kind, parent base and residency)."""
 
-from fastapi import APIRouter, Depends
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 
 from serve.config import TenantConfig
+from serve.errors import BadRequest
 from serve.http import schemas as S
 from serve.http.auth import tenant
 from serve.http.state import State
 
 router = APIRouter()
+
+MAX_MODELS_PAGE = 10_000
+"""The largest `limit` of one /v1/models page (without `limit`, the list is whole)."""
 
 
 @router.get("/healthz")
@@ -25,8 +31,19 @@ async def prometheus(state: State):
 
 
 @router.get("/v1/models", response_model=S.ModelList)
-async def models(state: State, t: TenantConfig | None = Depends(tenant)):
-    cards = [S.ModelCard(id=m.name, kind=m.kind, parent=m.base, residency=m.residency, labels=m.labels,
-                         status=m.status)
-             for m in await state.backend.models() if t is None or "*" in t.models or m.name in t.models]
-    return S.ModelList(data=cards)
+async def models(state: State, t: TenantConfig | None = Depends(tenant),
+                 limit: Annotated[int | None, Query(ge=1, le=MAX_MODELS_PAGE)] = None, after: str | None = None):
+    """Every model the caller may call, in a stable order (bases, each followed by its variants as the store
+    lists them). Without parameters, all of them (what OpenAI clients expect); `limit` and `after` page through
+    them as OpenAI's cursor lists do: has_more says whether to ask again with after=last_id."""
+    allowed = None if t is None or "*" in t.models else set(t.models)
+    infos = [m for m in await state.backend.models() if allowed is None or m.name in allowed]
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, m in enumerate(infos) if m.name == after), None)
+        if start is None:
+            raise BadRequest(f"after: no model '{after}' in this list (removed since?); start again without after")
+    end = len(infos) if limit is None else min(len(infos), start + limit)
+    cards = [S.ModelCard.of(m) for m in infos[start:end]]
+    return S.ModelList(data=cards, has_more=end < len(infos), first_id=cards[0].id if cards else None,
+                       last_id=cards[-1].id if cards else None)

@@ -281,10 +281,23 @@ class ModelCard(BaseModel):
     status: Literal["ready", "unavailable"] = "ready"
     """"unavailable": its base has no running replica now (requests to it get 503 with the reason)."""
 
+    @classmethod
+    def of(cls, info) -> "ModelCard":
+        """A ModelInfo (serve/engine/types.py, from an engine or the router) as the API shows a model."""
+        return cls(id=info.name, kind=info.kind, parent=info.base, residency=info.residency, labels=info.labels,
+                   status=info.status)
+
 
 class ModelList(BaseModel):
+    """OpenAI's list, with the cursor fields of its paginated lists (`?limit=N&after=ID`): harmless to a client
+    that reads `data` only (the official one's models.list())."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    """More models after last_id: ask again with after=last_id."""
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class AddVariantRequest(_Request):
@@ -296,6 +309,13 @@ class AddVariantRequest(_Request):
     """A directory on the server's filesystem: a HF model directory (full) or a PEFT adapter (lora, pissa)."""
 
 
+MAX_BATCH_VARIANTS = 10_000
+
+
+class AddVariantsRequest(_Request):
+    variants: Annotated[list[AddVariantRequest], Field(min_length=1, max_length=MAX_BATCH_VARIANTS)]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -305,3 +325,19 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+class AddVariantOutcome(BaseModel):
+    """One item of a batch add: its own HTTP status (201, or the status add_variant would have answered) and
+    either its model card or its error."""
+
+    name: str
+    status: int
+    model: ModelCard | None = None
+    error: ErrorDetail | None = None
+
+
+class AddVariantsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AddVariantOutcome]
+    """In the order of the request's `variants`."""

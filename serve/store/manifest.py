@@ -4,17 +4,29 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, StringConstraints, ValidationError,
-                      field_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, StringConstraints, TypeAdapter,
+                      ValidationError, field_validator)
 from pydantic_core import PydanticCustomError
 
-from serve.errors import ArtifactError, first_error
+from serve.errors import ArtifactError, BadRequest, first_error
 from serve.store.writer import atomic_write
 
 MANIFEST = "manifest.json"
 VERSION = 1
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 """Names become directory names and HTTP `model` values: no slashes, no leading dot, 64 chars at most."""
+_NAME = TypeAdapter(Name)
+
+
+def check_name(name: str) -> str:
+    """A name the manifest takes, or BadRequest saying the rule (pydantic's pattern error names no rule)."""
+    try:
+        return _NAME.validate_python(name)
+    except ValidationError:
+        raise BadRequest(f"'{name}' is not a valid name: letters, digits, '.', '_' and '-', starting with a letter "
+                         f"or digit, 64 characters at most") from None
+
+
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 

@@ -17,10 +17,11 @@ import json
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from serve.errors import ArtifactError, BadRequest, VariantNotFound
+from serve.errors import ArtifactError, BadRequest, ManyfoldError, VariantNotFound
 from serve.store.manifest import (MANIFEST, MEMBER_SEP, BaseEntry, FileEntry, StoreManifest, VariantEntry,
                                   read_manifest, write_manifest)
 from serve.store.writer import fsync_dir
@@ -149,8 +150,10 @@ class Store:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _place(self, staged: Path, section: str, name: str) -> list[FileEntry]:
-        """fsync the staged files, move the directory to section/name, and describe its files."""
+    def _place(self, staged: Path, section: str, name: str, sync_parent: bool = True) -> list[FileEntry]:
+        """fsync the staged files, move the directory to section/name, and describe its files. Without
+        sync_parent the caller fsyncs section/ itself before writing a manifest that names the move (once per
+        batch, not once per entry)."""
         for p in staged.rglob("*"):
             if p.is_file():
                 with open(p, "rb") as f:
@@ -161,7 +164,8 @@ class Store:
         if dest.exists():  # left by an interrupted add that never reached the manifest
             shutil.rmtree(dest)
         os.replace(staged, dest)
-        fsync_dir(dest.parent)
+        if sync_parent:
+            fsync_dir(dest.parent)
         return [FileEntry(path=str(p.relative_to(self.root)), bytes=p.stat().st_size, sha256=file_sha256(p))
                 for p in sorted(dest.rglob("*")) if p.is_file()]
 
@@ -181,8 +185,8 @@ class Store:
                                      f"it cannot be replaced by a {entry.kind} variant of '{entry.base}'")
                 if old.directory == entry.directory:
                     raise BadRequest(f"store {self.root}: '{entry.name}' already holds this bundle")
-            elif entry.name in self.manifest.bases or entry.name in self.manifest.variants:
-                raise BadRequest(f"store {self.root} already has an entry named '{entry.name}'")
+            else:
+                self._refuse_taken(entry.name)
             if section == "variants":
                 self.base(entry.base)
             directory = entry.name if entry.kind == "base" else entry.directory
@@ -193,6 +197,45 @@ class Store:
             if old is not None:
                 shutil.rmtree(self.root / section / old.directory, ignore_errors=True)
         return entry
+
+    def commit_many(self, staged: list[tuple[Path, VariantEntry]]
+                    ) -> tuple[list[VariantEntry], list[tuple[str, ManyfoldError]]]:
+        """commit() for a batch of new variants, under one lock, one reload and ONE manifest write: adding
+        thousands of adapters one commit at a time rewrites a manifest of thousands of entries each time.
+
+        Each entry's files are placed as commit() places them, all before the manifest names any of them (a crash
+        leaves the old manifest and directories it does not name, which a later add replaces). An entry whose name
+        the store has, or that the batch holds more than once, or whose base is unknown, is refused by name and
+        the rest go in. -> (entries added, in order, with their files; (name, why) for each refused)."""
+        counts = Counter(entry.name for _, entry in staged)
+        added: list[VariantEntry] = []
+        refused: list[tuple[str, ManyfoldError]] = []
+        with self._locked():
+            self.reload()
+            for path, entry in staged:
+                try:
+                    if counts[entry.name] > 1:
+                        raise named_twice(entry.name, counts[entry.name])
+                    self._refuse_taken(entry.name)
+                    self.base(entry.base)
+                    files = self._place(path, "variants", entry.directory, sync_parent=False)
+                except ManyfoldError as e:
+                    refused.append((entry.name, e))
+                    continue
+                except OSError as e:
+                    refused.append((entry.name, ArtifactError(f"{self.root}: placing '{entry.name}' failed ({e})")))
+                    continue
+                added.append(entry.model_copy(update={"files": files}))
+            if added:
+                fsync_dir(self.root / "variants")
+                variants = {**self.manifest.variants, **{e.name: e for e in added}}
+                self.manifest = self.manifest.model_copy(update={"variants": variants})
+                write_manifest(self.root, self.manifest)
+        return added, refused
+
+    def _refuse_taken(self, name: str) -> None:
+        if name in self.manifest.bases or name in self.manifest.variants:
+            raise BadRequest(f"store {self.root} already has an entry named '{name}'")
 
     def add_base(self, name: str, model_dir: str | Path, derive: Callable[[Path], None] | None = None,
                  neuzip_bits: int | None = None) -> BaseEntry:
@@ -233,6 +276,11 @@ class Store:
             self.manifest = m.model_copy(update=update)
             write_manifest(self.root, self.manifest)
             shutil.rmtree(self.root / section / directory, ignore_errors=True)
+
+
+def named_twice(name: str, count: int) -> BadRequest:
+    """Why every item of a batch that shares its name with another is refused: which one was meant is unknown."""
+    return BadRequest(f"'{name}' is named {count} times in this batch; none of them was added")
 
 
 NOT_COPIED = (".*", "*.gguf", "*.bin", "*.pt", "*.pth")

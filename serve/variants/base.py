@@ -7,20 +7,24 @@ and base (serve/engine/slots.py); a new kind either joins a family or brings one
 """
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
 from serve.config import SlotsConfig
-from serve.errors import BadRequest, ConfigError
+from serve.errors import ArtifactError, BadRequest, ConfigError, ManyfoldError
 from serve.store.manifest import VariantEntry
-from serve.store.store import Store
+from serve.store.store import Store, named_twice
 from serve.store.tensors import Alloc
 
 Progress = Callable[[str], None]
+Failures = list[tuple[str, ManyfoldError]]
+"""(name, why) for each item of a batch that was not added, one line each."""
+T = TypeVar("T")
 MASKS_SUFFIX = ":masks"
 """An EMR group's tensors: tau_uni under the base tensor's name, its tasks' packed masks under name + this."""
 
@@ -108,6 +112,13 @@ class VariantKind(ABC):
         """Validate the fine-tune at `path` against the store's base `base` (and the serving limits in
         `slots`) and store it atomically: either the whole entry is in the manifest afterwards, or nothing is."""
 
+    def add_many(self, store: Store, base: str, items: list[tuple[str, Path]], slots: SlotsConfig = SlotsConfig(),
+                 progress: Progress | None = None) -> tuple[list[VariantEntry], Failures]:
+        """add() for many (name, path) fine-tunes of one base: one that fails is reported by name and the rest are
+        added. -> (entries added, failures). This default adds them one by one, a manifest write each; a kind
+        registered by the thousand (lora, pissa) overrides it to write the manifest once per batch."""
+        return stage_each(items, lambda name, path: self.add(store, name, base, Path(path), slots=slots), progress)
+
     @abstractmethod
     def load(self, store: Store, entry: VariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
         """Read a stored variant into memory (runs in a worker thread; new tensors come from alloc)."""
@@ -142,3 +153,51 @@ def variant_kind(kind: str) -> VariantKind:
     except KeyError:
         known = ", ".join(sorted(VARIANT_KINDS))
         raise BadRequest(f"unknown variant kind '{kind}' (known: {known})") from None
+
+
+def stage_each(items: list[tuple[str, Path]], stage: Callable[[str, Path], T], progress: Progress | None = None
+               ) -> tuple[list[T], Failures]:
+    """stage(name, path) for every item of a batch: a ManyfoldError (or an unreadable file) fails that item alone,
+    by name, and so does a name the batch holds more than once (all of its items, before any work)."""
+    counts = Counter(name for name, _ in items)
+    done: list[T] = []
+    failed: Failures = []
+    for name, path in items:
+        try:
+            if counts[name] > 1:
+                raise named_twice(name, counts[name])
+            done.append(stage(name, path))
+        except ManyfoldError as e:
+            failed.append((name, e))
+        except OSError as e:
+            failed.append((name, ArtifactError(f"{e.filename or path}: {e.strerror or e}")))
+        if progress is not None:
+            progress(name)
+    return done, failed
+
+
+def add_batch(store: Store, items: list[tuple[str, str, str, str]], slots: SlotsConfig = SlotsConfig()
+              ) -> list[VariantEntry | ManyfoldError]:
+    """(name, base, path, kind) items as the admin API takes them, grouped by kind and base, each group added by
+    its kind's add_many. A path that is no directory, an unknown kind or base, or a name given twice fails its
+    items alone. -> per item, in order, its entry or why it was not added."""
+    counts = Counter(name for name, *_ in items)
+    out: list[VariantEntry | ManyfoldError | None] = [None] * len(items)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (name, base, path, kind) in enumerate(items):
+        if counts[name] > 1:
+            out[i] = named_twice(name, counts[name])
+        elif not Path(path).is_dir():
+            out[i] = BadRequest(f"path '{path}' is not a directory on the server")
+        else:
+            groups.setdefault((kind, base), []).append(i)
+    for (kind, base), group in groups.items():
+        try:
+            added, failed = variant_kind(kind).add_many(store, base, [(items[i][0], Path(items[i][2])) for i in group],
+                                                        slots=slots)
+        except ManyfoldError as e:  # an unknown kind or base: every item of the group
+            added, failed = [], [(items[i][0], e) for i in group]
+        outcome = {**{e.name: e for e in added}, **dict(failed)}
+        for i in group:
+            out[i] = outcome[items[i][0]]
+    return out  # type: ignore[return-value]  (every item has its outcome by now)

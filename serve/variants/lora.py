@@ -6,6 +6,7 @@ For the rows of an adapter each targeted Linear adds `s (x A^T) B^T` with PEFT's
 (classifier or score): heads are per row. Every other PEFT option that changes the maths is refused by name.
 """
 
+import contextlib
 import json
 import math
 import shutil
@@ -18,15 +19,17 @@ from safetensors import safe_open
 from serve.codecs.fmdelta_file import match_base_name
 from serve.config import SlotsConfig
 from serve.errors import ArtifactError, VariantIncompatible
-from serve.store.manifest import LoraVariantEntry
+from serve.store.manifest import LoraVariantEntry, VariantEntry, check_name
 from serve.store.store import Store
 from serve.store.tensors import Alloc
 from serve.variants.base import (
     BaseView,
+    Failures,
     LoadedVariant,
     Progress,
     VariantKind,
     register_variant,
+    stage_each,
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -189,22 +192,41 @@ class LoraVariant(VariantKind):
 
     def add(self, store: Store, name: str, base: str, path: Path, progress: Progress | None = None,
             slots: SlotsConfig = SlotsConfig()) -> LoraVariantEntry:
-        path = Path(path)
-        modules, head = parse_adapter(path, store.base_shapes(base), base, slots.max_rank)
-        labels = adapter_labels(path, head)
         with store.stage() as staged:
-            for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LABELS_CONFIG):
-                if (path / f).is_file():
-                    shutil.copy2(path / f, staged / f)
-            if (path / TRANSLORA_DIR).is_dir():  # what a later transfer to another base needs
-                shutil.copytree(path / TRANSLORA_DIR, staged / TRANSLORA_DIR,
-                                ignore=shutil.ignore_patterns(".*", "*.bin", "*.pt", "*.pth"))
-            raw = sum(t.numel() * t.element_size() for a, b, _ in modules.values() for t in (a, b))
-            entry = self.entry_type(name=name, base=base, architecture=store.base(base).architecture,
-                                    raw_bytes=raw + sum(t.numel() * t.element_size() for t in head.values()),
-                                    rank=max(a.shape[0] for a, _, _ in modules.values()),
-                                    target_modules=sorted(modules), labels=labels, files=[])
+            entry = self.stage(store, name, base, Path(path), staged, store.base_shapes(base), slots)
             return store.commit(staged, entry)
+
+    def add_many(self, store: Store, base: str, items: list[tuple[str, Path]], slots: SlotsConfig = SlotsConfig(),
+                 progress: Progress | None = None) -> tuple[list[VariantEntry], Failures]:
+        """add() for many adapters of one base: the base's shapes are read once, each adapter is validated and
+        staged as add() does, and the store commits them all with one manifest write (Store.commit_many)."""
+        shapes = store.base_shapes(base)
+        with contextlib.ExitStack() as stack:
+            def stage_one(name: str, path: Path) -> tuple[Path, VariantEntry]:
+                staged = stack.enter_context(store.stage())
+                return staged, self.stage(store, name, base, Path(path), staged, shapes, slots)
+
+            ready, failed = stage_each(items, stage_one, progress)
+            added, refused = store.commit_many(ready)
+        return added, failed + refused
+
+    def stage(self, store: Store, name: str, base: str, path: Path, staged: Path, shapes: dict[str, list[int]],
+              slots: SlotsConfig) -> LoraVariantEntry:
+        """Validate the adapter at `path` against the base's tensor shapes and copy its files into `staged`;
+        -> its entry, whose files the store's commit describes once they are in place."""
+        check_name(name)
+        modules, head = parse_adapter(path, shapes, base, slots.max_rank)
+        for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LABELS_CONFIG):
+            if (path / f).is_file():
+                shutil.copy2(path / f, staged / f)
+        if (path / TRANSLORA_DIR).is_dir():  # what a later transfer to another base needs
+            shutil.copytree(path / TRANSLORA_DIR, staged / TRANSLORA_DIR,
+                            ignore=shutil.ignore_patterns(".*", "*.bin", "*.pt", "*.pth"))
+        raw = sum(t.numel() * t.element_size() for a, b, _ in modules.values() for t in (a, b))
+        return self.entry_type(name=name, base=base, architecture=store.base(base).architecture,
+                               raw_bytes=raw + sum(t.numel() * t.element_size() for t in head.values()),
+                               rank=max(a.shape[0] for a, _, _ in modules.values()),
+                               target_modules=sorted(modules), labels=adapter_labels(path, head), files=[])
 
     def verify(self, store: Store, entry: LoraVariantEntry) -> None:
         store.verify(entry)

@@ -162,6 +162,30 @@ def test_models_show_kind_parent_and_residency(client):
     assert bob == {"tiny-lm"}
 
 
+def test_models_page_through_with_limit_and_after(client):
+    whole = client.get("/v1/models", headers=auth()).json()
+    ids = [m["id"] for m in whole["data"]]
+    assert whole["object"] == "list" and whole["has_more"] is False and len(ids) >= 4
+    assert (whole["first_id"], whole["last_id"]) == (ids[0], ids[-1])
+    paged, after = [], None
+    while True:
+        page = client.get("/v1/models", params={"limit": 3, **({"after": after} if after else {})},
+                          headers=auth()).json()
+        assert len(page["data"]) <= 3 and page["last_id"] == page["data"][-1]["id"]
+        paged += [m["id"] for m in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert paged == ids
+    last = client.get("/v1/models", params={"after": ids[-1]}, headers=auth()).json()
+    assert last["data"] == [] and last["has_more"] is False and last["first_id"] is None
+    r = client.get("/v1/models", params={"after": "no-such-model"}, headers=auth())
+    assert r.status_code == 400 and "after: no model 'no-such-model'" in r.json()["error"]["message"]
+    assert client.get("/v1/models", params={"limit": 0}, headers=auth()).status_code == 422
+    hidden = client.get("/v1/models", params={"after": "minilm"}, headers=auth("bob"))  # not in bob's list
+    assert hidden.status_code == 400
+
+
 def test_metrics_are_prometheus_text(client):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -175,6 +199,8 @@ def test_metrics_are_prometheus_text(client):
     ok = [s for s in families["manyfold_requests"].samples
           if s.labels.get("model") == "tiny-lm" and s.labels.get("status") == "200"]
     assert ok and ok[0].value >= 1
+    seconds = {s.labels["part"]: s.value for s in families["manyfold_engine_seconds"].samples}
+    assert seconds["step"] >= seconds["forward"] > 0  # where a generation step's time went
 
 
 def test_admin_add_and_remove_without_restart(client, serving_store, tmp_path):

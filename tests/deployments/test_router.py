@@ -1,0 +1,78 @@
+"""The router's listing and batch adds with stand-in handles (plain Python, no Ray cluster): /v1/models is built
+from the store once per manifest read, and a batch is split by base, each base's items to one replica call."""
+
+import asyncio
+
+from serve.deployments.router import Router
+from serve.engine.types import ModelInfo
+from serve.errors import Unavailable, VariantNotFound
+from serve.store.manifest import BaseEntry, LoraVariantEntry, StoreManifest, write_manifest
+from serve.store.store import Store
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)  # a coroutine: what the router awaits, as it awaits a Ray response
+
+
+class _Replica:
+    def __init__(self, base: str, fails: Exception | None = None):
+        self.base, self.fails, self.calls = base, fails, []
+        self.add_variants = _Remote(self._add_variants)
+
+    async def _add_variants(self, items):
+        self.calls.append(items)
+        if self.fails:
+            raise self.fails
+        return [ModelInfo(name, kind, base, "disk", None) for name, base, _, kind in items]
+
+
+class _Health:
+    async def states(self):
+        return {}
+
+
+class _Board:
+    def __init__(self):
+        self.residency = _Remote(self._residency)
+
+    async def _residency(self):
+        return {"b-1": "device"}
+
+
+def _store(root, variants: dict[str, str]) -> Store:
+    base = {"architecture": "Tiny", "params": 1, "fingerprint": "0" * 64, "files": []}
+    write_manifest(root, StoreManifest(
+        bases={b: BaseEntry(name=b, **base) for b in ("a", "b")},
+        variants={n: LoraVariantEntry(name=n, base=b, architecture="Tiny", raw_bytes=1, rank=1, target_modules=["m"],
+                                      files=[]) for n, b in variants.items()}))
+    return Store(root)
+
+
+def test_models_are_listed_per_base_and_rebuilt_only_when_the_manifest_changes(tmp_path):
+    store = _store(tmp_path, {"a-1": "a", "b-1": "b", "a-2": "a"})
+    router = Router(tmp_path, {"a": _Replica("a"), "b": _Replica("b")}, _Board(), _Health())
+    models = asyncio.run(router.models())
+    assert [(m.name, m.base, m.residency) for m in models] == [("a", None, "device"), ("a-1", "a", "disk"),
+                                                               ("a-2", "a", "disk"), ("b", None, "device"),
+                                                               ("b-1", "b", "device")]
+    listing = router._listing()
+    asyncio.run(router.models())
+    assert router._listing() is listing
+    write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {}}))  # another process removes them
+    assert [m.name for m in asyncio.run(router.models())] == ["a", "b"]
+
+
+def test_a_batch_goes_to_each_base_in_one_call_and_failures_stay_with_their_items(tmp_path):
+    _store(tmp_path, {})
+    replicas = {"a": _Replica("a"), "b": _Replica("b", fails=Unavailable("base 'b' is not running"))}
+    router = Router(tmp_path, replicas, _Board(), _Health())
+    items = [("x", "a", "/p/x", "lora"), ("y", "b", "/p/y", "lora"), ("z", "nope", "/p/z", "lora"),
+             ("w", "a", "/p/w", "pissa")]
+    out = asyncio.run(router.add_variants(items))
+    assert [(o.name, o.kind) for o in (out[0], out[3])] == [("x", "lora"), ("w", "pissa")]
+    assert isinstance(out[1], Unavailable) and isinstance(out[2], VariantNotFound) and "'nope'" in str(out[2])
+    assert replicas["a"].calls == [[items[0], items[3]]] and replicas["b"].calls == [[items[1]]]
