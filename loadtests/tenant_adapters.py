@@ -119,31 +119,19 @@ def derive_tenants(sources: dict[int, Path], workload: Workload, n: int, out_dir
     return names
 
 
-def bulk_cli_available() -> bool:
-    """Whether this checkout's `manyfold store add` takes --from-dir (bulk registration)."""
-    out = subprocess.run([sys.executable, "-m", "serve.cli", "store", "add", "--help"], capture_output=True,
-                         text=True, check=False)
-    return "--from-dir" in out.stdout
-
-
-def register(store_root: Path, from_dir: Path, names: list[str], log: Callable[[str], None] = print) -> dict:
-    """Register every adapter directory under from_dir; -> {"method", "seconds"}. One command,
-    `manyfold store add --kind lora --base smollm2 --from-dir DIR`, where this checkout has it; otherwise
-    (before bulk registration lands) one store.add per adapter through the Python API, said in "method"."""
+def register(store_root: Path, from_dir: Path) -> dict:
+    """Every adapter directory under from_dir, each under its directory's name, with ONE command:
+    `manyfold store add --kind lora --base smollm2 --from-dir DIR` (one manifest write for the lot);
+    -> {"command", "seconds" (the whole command, Python start-up included), "output" (its last line)}."""
+    cmd = [sys.executable, "-m", "serve.cli", "store", "add", "--store", str(store_root), "--kind", "lora",
+           "--base", BASE, "--from-dir", str(from_dir)]
     t = time.perf_counter()
-    if bulk_cli_available():
-        cmd = [sys.executable, "-m", "serve.cli", "store", "add", "--store", str(store_root), "--kind", "lora",
-               "--base", BASE, "--from-dir", str(from_dir)]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        return {"method": "manyfold store add --from-dir (one command)", "seconds": time.perf_counter() - t}
-    from serve.store.store import Store
-    from serve.variants import variant_kind
-
-    log("manyfold store add has no --from-dir in this checkout: registering one adapter at a time instead")
-    store, kind = Store(store_root), variant_kind("lora")
-    for name in names:
-        kind.add(store, name, BASE, from_dir / name)
-    return {"method": "store.add per adapter (Python API loop; no bulk CLI yet)", "seconds": time.perf_counter() - t}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    seconds = time.perf_counter() - t
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return {"command": f"manyfold store add --kind lora --base {BASE} --from-dir DIR", "seconds": seconds,
+            "output": (done.stdout.strip().splitlines() or [""])[-1]}
 
 
 def trained_sources(workload: Workload, spec: TrainSpec = TrainSpec(),
@@ -185,7 +173,7 @@ def build_tenant_store(workload: Workload, n: int, seed: int = 0, noise: float =
     t = time.perf_counter()
     names = derive_tenants(sources, workload, n, root / "sources", seed, noise)
     derive_s = time.perf_counter() - t
-    reg = register(store.root, root / "sources", names, log)
+    reg = register(store.root, root / "sources")
     shutil.rmtree(root / "sources")
     store.reload()
     missing = [name for name in names if name not in store.manifest.variants]
@@ -193,15 +181,17 @@ def build_tenant_store(workload: Workload, n: int, seed: int = 0, noise: float =
         raise RuntimeError(f"{store.root}: {len(missing)} of {n} adapters not registered (first: {missing[0]})")
     adapter_bytes = sum(f.bytes for name in names for f in store.variant(name).files)
     record = {"workload": workload.name, "tenants": n, "store": str(store.root), "names": names, "seed": seed,
-              "noise": noise, "train_steps": spec.steps, "trained_on": CORPUS, "derive_s": derive_s, "register": reg,
+              "noise": noise, "train_steps": spec.steps, "trained_on": CORPUS,
+              "built_at": time.strftime("%Y-%m-%d %H:%M"), "derive_s": derive_s, "register": reg,
               "adapter_bytes": adapter_bytes}
-    log(f"registered {n} adapters ({adapter_bytes / 2**20:.0f} MiB) in {reg['seconds']:.1f} s: {reg['method']}")
+    log(f"{n} adapters ({adapter_bytes / 2**20:.0f} MiB) registered with one command in {reg['seconds']:.1f} s: "
+        f"{reg['output']}")
     built.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
 def trained_summary(workload: Workload, spec: TrainSpec = TrainSpec(), log: Callable[[str], None] = print) -> dict:
-    """rank -> what its trained adapter learned on (task, steps, first and last loss), from its train_log.json."""
+    """rank -> what its trained adapter learned (corpus, steps, first and last loss), from its train_log.json."""
     out = {}
     for rank, path in trained_sources(workload, spec, log).items():
         t = json.loads((path / "train_log.json").read_text())

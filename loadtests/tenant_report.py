@@ -77,8 +77,8 @@ def print_report(report: dict) -> None:
           f"base + {report['budget_mib']:.0f} MiB for adapters (Manyfold: pool {s['adapter_mib']:g} + cache "
           f"{s['cache_device_mib']} device / {s['cache_cpu_mib']} cpu MiB)")
     for key, st in report["stores"].items():
-        print(f"{key}: {st['tenants']:,} adapters ({st['adapter_bytes'] / 2**20:.0f} MiB) registered in "
-              f"{st['register']['seconds']:.1f} s, {st['register']['method']}")
+        print(f"{key}: {st['tenants']:,} adapters ({st['adapter_bytes'] / 2**20:.0f} MiB) registered with one command "
+              f"in {st['register']['seconds']:.1f} s (`{st['register']['command']}`; store built {st['built_at']})")
     cols = ("system", "wl", "dist", "N", "adapters", "ok", "unans", "err", "req/s", "tok/s", "p50 s", "p99 s",
             "RSS MiB", "front")
     print(f"{cols[0]:<10}{cols[1]:<4}{cols[2]:<8}" + "".join(f"{c:>9}" for c in cols[3:]))
