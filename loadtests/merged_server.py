@@ -57,12 +57,12 @@ def merged_server(base_dir: str, paths: dict[str, str], max_models: int, max_bat
         @serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=wait_s, max_concurrent_batches=2)
         async def generate(self, reqs: list[dict]) -> list[list[int]]:
             outs: dict[int, list[int]] = {}
+            self.batches, self.rows = self.batches + 1, self.rows + len(reqs)
             for model_id in dict.fromkeys(r["model"] for r in reqs):  # one model per batch; grouped to be sure
                 group = [i for i, r in enumerate(reqs) if r["model"] == model_id]
                 model = await self.get_model(model_id)
                 for i, out in zip(group, await asyncio.to_thread(self._generate, model, [reqs[i] for i in group])):
                     outs[i] = out
-            self.batches, self.rows = self.batches + 1, self.rows + len(reqs)
             return [outs[i] for i in range(len(reqs))]
 
         @app.post("/v1/completions")

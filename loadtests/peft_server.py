@@ -149,11 +149,11 @@ def peft_server(base_dir: str, paths: dict[str, str], budget_bytes: int, max_bat
                 batch = await self._next_batch()
                 if not batch:
                     continue
+                self.batches, self.rows = self.batches + 1, self.rows + len(batch)
                 try:
                     outs = await asyncio.to_thread(self._run, batch)
                 except Exception as e:  # every waiting request hears of it; the loop goes on
                     outs = [e] * len(batch)
-                self.batches, self.rows = self.batches + 1, self.rows + len(batch)
                 for p, out in zip(batch, outs):
                     if not p.future.done():
                         (p.future.set_exception if isinstance(out, Exception) else p.future.set_result)(out)

@@ -134,19 +134,32 @@ def register(store_root: Path, from_dir: Path) -> dict:
             "output": (done.stdout.strip().splitlines() or [""])[-1]}
 
 
+def trained_dir(workload: Workload, rank: int, spec: TrainSpec = TrainSpec()) -> Path:
+    return home() / "tenants" / "trained" / f"{workload.name.lower()}-r{rank}-{CORPUS}-{spec.steps}steps"
+
+
 def trained_sources(workload: Workload, spec: TrainSpec = TrainSpec(),
                     log: Callable[[str], None] = print) -> dict[int, Path]:
     """rank -> the workload's trained adapter of that rank (trained once, cached)."""
     from serve.data.models import smollm2_dir
 
-    root = home() / "tenants" / "trained"
-    return {r: train_source(smollm2_dir(), workload, r, root / f"{workload.name.lower()}-r{r}-{CORPUS}-{spec.steps}steps",
-                            spec, log)
+    return {r: train_source(smollm2_dir(), workload, r, trained_dir(workload, r, spec), spec, log)
             for r in workload.ranks}
 
 
 def store_root(workload: Workload, n: int) -> Path:
     return home() / "tenants" / f"{workload.name.lower()}-n{n}"
+
+
+def built_record(workload: Workload, n: int, seed: int = 0, noise: float = 0.1,
+                 spec: TrainSpec = TrainSpec()) -> dict | None:
+    """built.json of the (workload, N) store when it was built with these settings; None otherwise."""
+    built = store_root(workload, n) / BUILT
+    if not built.is_file():
+        return None
+    record = json.loads(built.read_text())
+    same = (record.get("seed"), record.get("noise"), record.get("train_steps"), record.get("trained_on"))
+    return record if same == (seed, noise, spec.steps, CORPUS) else None
 
 
 def build_tenant_store(workload: Workload, n: int, seed: int = 0, noise: float = 0.1, spec: TrainSpec = TrainSpec(),
@@ -157,13 +170,9 @@ def build_tenant_store(workload: Workload, n: int, seed: int = 0, noise: float =
     from serve.data.models import smollm2_dir
     from serve.store.store import Store
 
+    if (record := built_record(workload, n, seed, noise, spec)) is not None:
+        return record
     root = store_root(workload, n)
-    built = root / BUILT
-    if built.is_file():
-        record = json.loads(built.read_text())
-        if (record.get("seed"), record.get("noise"), record.get("train_steps"), record.get("trained_on")) == (
-                seed, noise, spec.steps, CORPUS):
-            return record
     sources = trained_sources(workload, spec, log)
     shutil.rmtree(root, ignore_errors=True)
     store = Store(root / "store", create=True)
@@ -186,15 +195,17 @@ def build_tenant_store(workload: Workload, n: int, seed: int = 0, noise: float =
               "adapter_bytes": adapter_bytes}
     log(f"{n} adapters ({adapter_bytes / 2**20:.0f} MiB) registered with one command in {reg['seconds']:.1f} s: "
         f"{reg['output']}")
-    built.write_text(json.dumps(record, indent=1) + "\n")
+    (root / BUILT).write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
 def trained_summary(workload: Workload, spec: TrainSpec = TrainSpec(), log: Callable[[str], None] = print) -> dict:
-    """rank -> what its trained adapter learned (corpus, steps, first and last loss), from its train_log.json."""
+    """rank -> what its trained adapter learned (corpus, steps, mean loss of the first and of the last 4 steps:
+    one batch's loss is noisy), from its train_log.json."""
     out = {}
     for rank, path in trained_sources(workload, spec, log).items():
         t = json.loads((path / "train_log.json").read_text())
-        out[rank] = {"corpus": CORPUS, "steps": t["steps"],
-                     "loss_first": t["log"][0]["loss"], "loss_last": t["log"][-1]["loss"], "seconds": t["seconds"]}
+        losses = [e["loss"] for e in t["log"]]
+        out[rank] = {"corpus": CORPUS, "steps": t["steps"], "loss_first_4": sum(losses[:4]) / len(losses[:4]),
+                     "loss_last_4": sum(losses[-4:]) / len(losses[-4:]), "seconds": t["seconds"]}
     return out

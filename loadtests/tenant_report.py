@@ -13,13 +13,16 @@ PARTS = ("step", "forward", "lora", "staging", "scheduling")
 compute thread (attaching new rows' adapters, their prefill, one decode forward, sampling); forward, inside step,
 every model forward; lora, inside forward, the LoRA shrink/expand ops; staging, inside step but not forward,
 writing adapters into the pool; scheduling, event-loop time between one step's end and the next one's start."""
-WINDOW_OVERHEAD_S = {"manyfold": 25.0, "peft": 15.0, "multiplex": 15.0}
-"""Start, warm-up request and teardown of one system around each window (measured on the 2-core machine)."""
+WINDOW_OVERHEAD_S = {"manyfold": 18.0, "peft": 12.0, "multiplex": 13.0}
+"""Start, warm-up request, teardown and pause of one system around each window (13-19 s, 11 s and 11-14 s
+measured on the 2-core machine at N <= 100)."""
 TRAIN_S = 60.0
 """One trained source adapter, 24 steps of batch 4 x 64 tokens on SmolLM2: about 1.3 s a step on a quiet 2-core
 machine; 106 s and 200 s measured for S1's two while other work shared it."""
-STORE_S_PER_ADAPTER = {"S1": 0.1, "S2": 0.35}
-"""Deriving, writing and registering one tenant's adapter, plus about 5 s a store for copying the base."""
+STORE_S = 10.0
+"""A store's fixed cost: copying the base (540 MB) and starting the registration command (about 5 s of imports)."""
+STORE_S_PER_ADAPTER = {"S1": 0.03, "S2": 0.08}
+"""Deriving, writing and registering one tenant's adapter (measured at N = 100: S1 1.3 s + 0.8 s, S2 3.6 s + 2.9 s)."""
 
 
 def engine_seconds(url: str) -> dict[str, float] | None:
@@ -50,21 +53,18 @@ def time_split(before: dict | None, after: dict | None) -> dict | None:
     return {"seconds": seconds, "total_s": total, "shares": {k: v / total for k, v in seconds.items()}}
 
 
-def estimate(cells: list, uncached: list[tuple[str, int]], args: argparse.Namespace) -> str:
-    """The plan in one paragraph, with its estimated wall time (constants above)."""
-    from loadtests.tenant_adapters import WORKLOADS
-
+def estimate(cells: list, uncached: list[tuple[str, int]], untrained: int, args: argparse.Namespace) -> str:
+    """The plan in one line, with its estimated wall time (constants above): uncached stores to build and
+    untrained source adapters to train first."""
     run_s = sum(args.duration + WINDOW_OVERHEAD_S[c.system] for c in cells)
-    build_s = sum(5 + n * STORE_S_PER_ADAPTER[w] for w, n in uncached)
-    trained = {w for w, _ in uncached}
-    build_s += TRAIN_S * sum(len(WORKLOADS[w].ranks) for w in trained) * args.train_steps / 24
+    build_s = sum(STORE_S + n * STORE_S_PER_ADAPTER[w] for w, n in uncached)
+    build_s += TRAIN_S * untrained * args.train_steps / 24
     by_system = {s: sum(c.system == s for c in cells) for s in dict.fromkeys(c.system for c in cells)}
+    stores = f" ({', '.join(f'{w} N={n}' for w, n in uncached)})" if uncached else ""
     return (f"plan: {len(cells)} windows of {args.duration:.0f} s at {args.rate:g} req/s offered ("
-            + ", ".join(f"{s} {k}" for s, k in by_system.items()) + f"); {len(uncached)} stores to build"
-            + (f" ({', '.join(f'{w} N={n}' for w, n in uncached)}; trained sources reused if cached)"
-               if uncached else "")
-            + f"; estimated {(run_s + build_s) / 60:.0f} min (runs {run_s / 60:.0f}, builds at most "
-            f"{build_s / 60:.0f})")
+            + ", ".join(f"{s} {k}" for s, k in by_system.items()) + f"); {untrained} source adapters to train, "
+            f"{len(uncached)} stores to build{stores}; estimated {(run_s + build_s) / 60:.0f} min (measuring "
+            f"{run_s / 60:.0f}, building {build_s / 60:.0f})")
 
 
 def print_report(report: dict) -> None:

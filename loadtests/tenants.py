@@ -21,7 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtests.tenant_adapters import WORKLOADS, TrainSpec, build_tenant_store, store_root, trained_summary
+from loadtests.tenant_adapters import (WORKLOADS, TrainSpec, build_tenant_store, built_record, trained_dir,
+                                       trained_summary)
 from loadtests.tenant_load import DISTRIBUTIONS, TenantLoad, fortune_prompts, plan_requests, run_window
 from loadtests.tenant_report import engine_seconds, estimate, plot, print_report, time_split
 
@@ -232,9 +233,12 @@ def _log(msg: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cells, skipped = plan_cells(args)
+    spec = TrainSpec(steps=args.train_steps)
     uncached = [(w, n) for w, n in dict.fromkeys((c.workload, c.tenants) for c in cells)
-                if not (store_root(WORKLOADS[w], n) / "built.json").is_file()]
-    print(estimate(cells, uncached, args), flush=True)
+                if built_record(WORKLOADS[w], n, args.seed, args.noise, spec) is None]
+    untrained = sum(not (trained_dir(WORKLOADS[w], r, spec) / "adapter_model.safetensors").is_file()
+                    for w in dict.fromkeys(w for w, _ in uncached) for r in WORKLOADS[w].ranks)
+    print(estimate(cells, uncached, untrained, args), flush=True)
     if args.estimate:
         return {}
     t0 = time.perf_counter()
