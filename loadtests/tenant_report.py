@@ -83,6 +83,9 @@ def print_report(report: dict) -> None:
             "RSS MiB", "front")
     print(f"{cols[0]:<10}{cols[1]:<4}{cols[2]:<8}" + "".join(f"{c:>9}" for c in cols[3:]))
     for r in report["rows"]:
+        if "failed" in r:
+            print(f"{r['system']:<10}{r['workload']:<4}{r['distribution']:<8}{r['tenants']:>9}  failed: {r['failed']}")
+            continue
         print(f"{r['system']:<10}{r['workload']:<4}{r['distribution']:<8}{r['tenants']:>9}"
               f"{str(r['distinct_served']) + '/' + str(r['distinct_sent']):>9}{r['ok']:>9}{r['unanswered']:>9}"
               f"{r['errors']:>9}{r['throughput_rps']:>9.2f}{r['tokens_per_s']:>9.1f}{r['p50_s']:>9.2f}"
@@ -93,14 +96,16 @@ def print_report(report: dict) -> None:
           "still unanswered when it closed (cancelled, counted); req/s, tok/s: ok requests and their generated "
           "tokens / window; p50, p99: latency of the ok requests; RSS: peak summed RSS of the model replica "
           "processes; front: Manyfold's ingress and residency board")
-    print_holding(report)
-    print_time_split(report["rows"])
+    rows = [r for r in report["rows"] if "failed" not in r]
+    print_holding(report, rows)
+    print_memory_growth(rows)
+    print_time_split(rows)
 
 
-def print_holding(report: dict) -> None:
+def print_holding(report: dict, rows: list[dict]) -> None:
     """How each baseline held its adapters within the budget, window by window."""
     budget = report["budget_mib"]
-    for r in report["rows"]:
+    for r in rows:
         st = r.get("server_stats")
         if st is None:
             continue
@@ -113,6 +118,17 @@ def print_holding(report: dict) -> None:
         print(f"{r['system']} {r['workload']} {r['distribution']} N={r['tenants']}: {how}; {st['loads']} loads"
               + (f", {st['evictions']} evictions" if "evictions" in st else "")
               + f", {st['rows_per_batch']:.1f} rows per batch")
+
+
+def print_memory_growth(rows: list[dict]) -> None:
+    """Manyfold's model-replica peak RSS at its smallest and largest N, per workload and distribution: memory
+    should follow the adapters it holds (bounded by the budget), not those registered."""
+    many = [r for r in rows if r["system"] == "manyfold"]
+    for key in dict.fromkeys((r["workload"], r["distribution"]) for r in many):
+        line = sorted((r for r in many if (r["workload"], r["distribution"]) == key), key=lambda r: r["tenants"])
+        if len(line) > 1:
+            print(f"Manyfold model replica peak RSS, {key[0]} {key[1]}: "
+                  + ", ".join(f"N={r['tenants']:,} {r['peak_rss_mib']:,.0f} MiB" for r in line))
 
 
 def print_time_split(rows: list[dict]) -> None:
@@ -138,7 +154,7 @@ def plot(report: dict, path: Path) -> None:
 
     colors = {"manyfold": "#3b7", "peft": "#37c", "multiplex": "#c73"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    rows = report["rows"]
+    rows = [r for r in report["rows"] if "failed" not in r]
     for key in dict.fromkeys((r["system"], r["workload"], r["distribution"]) for r in rows):
         line = sorted((r for r in rows if (r["system"], r["workload"], r["distribution"]) == key),
                       key=lambda r: r["tenants"])

@@ -41,6 +41,7 @@ class Cell:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Every knob of the run as a flag: the defaults are the full run."""
     p = argparse.ArgumentParser(prog="python -m loadtests.run --scenario tenants", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=["tenants"], default="tenants")
@@ -100,6 +101,7 @@ def budget_mib(args: argparse.Namespace) -> float:
 
 
 def manyfold_app(args: argparse.Namespace, store: str):
+    """Manyfold as `manyfold serve` builds it, with the run's CPU share, threads, batch and adapter memory."""
     from serve.app import build_app
     from serve.config import ServeConfig
 
@@ -111,6 +113,7 @@ def manyfold_app(args: argparse.Namespace, store: str):
 
 
 def baseline_app(args: argparse.Namespace, system: str, record: dict):
+    """peft or multiplex over the store's own adapter directories and base, with the same settings as Manyfold."""
     from loadtests.merged_server import merged_server
     from loadtests.peft_server import peft_server
     from serve.store.store import Store
@@ -174,6 +177,7 @@ class PeakRss:
 
 
 def free_port() -> int:
+    """A free port on loopback for Serve's HTTP proxy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -231,6 +235,7 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Print the plan and its estimate, build what is not cached, measure every cell, report."""
     args = parse_args(argv)
     cells, skipped = plan_cells(args)
     spec = TrainSpec(steps=args.train_steps)
@@ -269,7 +274,14 @@ def run_cells(cells: list[Cell], args: argparse.Namespace, records: dict) -> lis
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
         for i, cell in enumerate(cells, 1):
             _log(f"{i}/{len(cells)}: {cell.system} {cell.workload} N={cell.tenants} {cell.distribution}")
-            rows.append(measure(cell, args, records[cell.workload, cell.tenants], prompts, url))
+            try:
+                rows.append(measure(cell, args, records[cell.workload, cell.tenants], prompts, url))
+            except Exception as e:  # one cell's failure is its row; the run goes on to the next
+                rows.append({**asdict(cell), "failed": f"{type(e).__name__}: {e}"})
+                _log(f"  failed: {rows[-1]['failed']}")
+                if cell.system in serve.status().applications:
+                    serve.delete(cell.system)
+                continue
             _log(f"  {rows[-1]['ok']} ok, {rows[-1]['unanswered']} unanswered, {rows[-1]['errors']} errors, "
                  f"{rows[-1]['throughput_rps']:.2f} req/s")
             time.sleep(2)
@@ -280,6 +292,7 @@ def run_cells(cells: list[Cell], args: argparse.Namespace, records: dict) -> lis
 
 
 def write_report(report: dict, out: Path) -> dict:
+    """The table on stdout, then OUT.json and OUT.png."""
     from serve.bench.report import machine
 
     report = {"machine": machine(), **report}
