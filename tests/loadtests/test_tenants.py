@@ -143,3 +143,26 @@ def test_adapter_lru_evicts_by_bytes_but_never_a_batch_member(tiny):
     lru.ensure({names[1], names[2]})  # over budget, but both are needed now
     assert set(lru.held) == {names[1], names[2]} and lru.loads == 3
     assert set(lru.model.peft_config) == {names[1], names[2]}
+
+
+def test_window_counts_the_unanswered_and_the_refused_apart():
+    """A server that accepts and never answers: every request is still unanswered when the window closes, and
+    counted so, not dropped; against a closed port each one is an error."""
+    import asyncio
+
+    from loadtests.tenant_load import Planned, run_window
+
+    plan = [Planned(0.0, "t0", "hello", 16), Planned(0.01, "t1", "hello", 16)]
+
+    async def silent() -> dict:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return (await run_window(f"http://127.0.0.1:{port}", plan, 0.2)).summary()
+
+    s = asyncio.run(silent())
+    assert (s["sent"], s["ok"], s["unanswered"], s["errors"], s["throughput_rps"]) == (2, 0, 2, 0, 0.0)
+    refused = asyncio.run(run_window("http://127.0.0.1:9", plan, 0.2)).summary()
+    assert (refused["unanswered"], refused["errors"]) == (0, 2)
+    with pytest.raises(ValueError, match="loopback only"):
+        asyncio.run(run_window("http://10.0.0.1:8000", plan, 0.2))
