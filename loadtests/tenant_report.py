@@ -78,7 +78,8 @@ def print_report(report: dict) -> None:
           f"{s['cache_device_mib']} device / {s['cache_cpu_mib']} cpu MiB)")
     for key, st in report["stores"].items():
         print(f"{key}: {st['tenants']:,} adapters ({st['adapter_bytes'] / 2**20:.0f} MiB) registered with one command "
-              f"in {st['register']['seconds']:.1f} s (`{st['register']['command']}`; store built {st['built_at']})")
+              f"in {st['register']['seconds']:.1f} s, Python start-up included (`{st['register']['command']}`, "
+              f"store built {st['built_at']}; it said: {st['register']['output']})")
     cols = ("system", "wl", "dist", "N", "adapters", "ok", "unans", "err", "req/s", "tok/s", "p50 s", "p99 s",
             "RSS MiB", "front")
     print(f"{cols[0]:<10}{cols[1]:<4}{cols[2]:<8}" + "".join(f"{c:>9}" for c in cols[3:]))
