@@ -12,7 +12,8 @@ PARTS = ("step", "forward", "lora", "staging", "scheduling")
 """manyfold_engine_seconds_total's parts (serve/metrics.py, serve/engine/model.py): step, a generation step on the
 compute thread (attaching new rows' adapters, their prefill, one decode forward, sampling); forward, inside step,
 every model forward; lora, inside forward, the LoRA shrink/expand ops; staging, inside step but not forward,
-writing adapters into the pool; scheduling, event-loop time between one step's end and the next one's start."""
+writing adapters into the pool; scheduling, event-loop time between one step's end and the next one's start.
+forward also counts encoders' forwards, outside any step: a tenants store holds the causal base alone."""
 WINDOW_OVERHEAD_S = {"manyfold": 18.0, "peft": 12.0, "multiplex": 13.0}
 """Start, warm-up request, teardown and pause of one system around each window (13-19 s, 11 s and 11-14 s
 measured on the 2-core machine at N <= 100)."""
