@@ -123,14 +123,15 @@ def print_holding(report: dict, rows: list[dict]) -> None:
 
 
 def print_memory_growth(rows: list[dict]) -> None:
-    """Manyfold's model-replica peak RSS at its smallest and largest N, per workload and distribution: memory
+    """Manyfold's peak RSS (its model replica, and the whole server) at each N, per workload and distribution: memory
     should follow the adapters it holds (bounded by the budget), not those registered."""
     many = [r for r in rows if r["system"] == "manyfold"]
     for key in dict.fromkeys((r["workload"], r["distribution"]) for r in many):
         line = sorted((r for r in many if (r["workload"], r["distribution"]) == key), key=lambda r: r["tenants"])
         if len(line) > 1:
-            print(f"Manyfold model replica peak RSS, {key[0]} {key[1]}: "
-                  + ", ".join(f"N={r['tenants']:,} {r['peak_rss_mib']:,.0f} MiB" for r in line))
+            print(f"Manyfold peak RSS (model replica; whole server), {key[0]} {key[1]}: "
+                  + ", ".join(f"N={r['tenants']:,} {r['peak_rss_mib']:,.0f}; {r.get('peak_server_rss_mib', 0):,.0f} MiB"
+                              for r in line))
 
 
 def print_time_split(rows: list[dict]) -> None:

@@ -144,6 +144,8 @@ class PeakRss:
 
         self.front = (f"ServeReplica:{app}:Ingress", f"ServeReplica:{app}:{BOARD}")
         self.app, self.peak, self.peak_front, self.per_process = app, 0, 0, {}
+        self.peak_server = 0
+        """The whole server: every process of this run's Ray (its daemons, Serve's controller and proxy, the app)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -151,7 +153,9 @@ class PeakRss:
         from serve.bench.report import process_tree_rss
 
         models = front = 0
-        for pid, (cmd, rss) in process_tree_rss(os.getpid()).items():
+        tree = process_tree_rss(os.getpid())
+        self.peak_server = max(self.peak_server, sum(rss for pid, (_, rss) in tree.items() if pid != os.getpid()))
+        for pid, (cmd, rss) in tree.items():
             if (marker := f"ServeReplica:{self.app}:") not in cmd:
                 continue
             key = f"{pid} {cmd.split(marker, 1)[1].split()[0].split('.')[0]}"  # pid and deployment
@@ -208,6 +212,7 @@ def measure(cell: Cell, args: argparse.Namespace, record: dict, prompts: list[st
     serve.delete(cell.system)
     row = {**asdict(cell), **window.summary(), "distinct_sent": len({p.model for p in plan}),
            "peak_rss_mib": mem.peak / MIB, "peak_front_rss_mib": mem.peak_front / MIB,
+           "peak_server_rss_mib": mem.peak_server / MIB,
            "peak_rss_by_process_mib": {k: v / MIB for k, v in mem.per_process.items()}, "start_s": start_s,
            "teardown_s": time.perf_counter() - t, "time_split": time_split(before, after)}
     if stats is not None:  # loads, evictions, rows per batch: how the baseline held its adapters

@@ -140,36 +140,6 @@ def test_top_layer_finetune_holds_only_what_it_changed(engine):
     assert top_bytes < all_bytes / 2
 
 
-def test_a_cold_decode_does_not_hold_up_resident_variants(serving_store):
-    """The cold variant's decode is held until the resident variant's request has been answered: that answer
-    can only come while the decode waits (if it could not, the decode gives up and its request fails)."""
-    import threading
-
-    root, _ = serving_store
-    eng = Engine(ServeConfig(store=root))
-    decode = eng.cache._loader
-    answered = threading.Event()
-
-    def held_decode(name, alloc):
-        if name == "tiny-lm-all" and not answered.wait(timeout=60):
-            raise RuntimeError("the resident variant's request was held up by this decode")
-        return decode(name, alloc)
-
-    eng.cache._loader = held_decode
-    params = SamplingParams(max_tokens=2, temperature=0)
-
-    async def race():
-        await eng.complete("tiny-lm-top", params, prompt="a")  # resident from here on
-        cold = asyncio.ensure_future(eng.complete("tiny-lm-all", params, prompt="a b"))
-        await eng.complete("tiny-lm-top", params, prompt="a b")
-        still_decoding = not cold.done()
-        answered.set()
-        return still_decoding, await cold
-
-    still_decoding, gen = run(race())
-    assert still_decoding and len(gen.token_ids) == 2
-
-
 def test_eviction_churn_under_concurrency_keeps_outputs_exact(serving_store):
     """A cache that holds one variant, rows of three models at once: variants decode again and again, while
     other groups' batches run with their weights swapped in; every answer equals the single-request one."""

@@ -284,34 +284,37 @@ def test_echo_with_no_new_tokens_scores_the_prompt_alone(mixed):
     assert [e.top for e in gen.prompt_logprobs[1:]] == [[]] * 3 and gen.prompt_tokens == 4
 
 
-def test_a_cold_adapter_loads_while_rows_of_resident_adapters_run(mixed):
-    """The cold adapter's read is held until a resident adapter's request has been answered: that answer can
-    only come while the read waits on its loader thread."""
+@pytest.mark.parametrize("resident,cold", [("tiny-lm-top", "tiny-lm-all"), ("lm-lora4", "lm-lora8")],
+                         ids=["full-variant-decode", "adapter-read"])
+def test_a_cold_load_never_holds_up_rows_of_resident_variants(mixed, resident, cold):
+    """The cold variant's load (an FM-Delta decode, an adapter's read) is held until a resident variant's request
+    has been answered: that answer can only come while the load waits on its loader thread (if it could not,
+    the load gives up and its request fails)."""
     import threading
 
     engine, _ = mixed
     eng = Engine(engine.config)
-    read = eng.cache._loader
+    load = eng.cache._loader
     answered = threading.Event()
 
-    def held_read(name, alloc):
-        if name == "lm-lora8" and not answered.wait(timeout=60):
-            raise RuntimeError("the resident adapter's request was held up by this read")
-        return read(name, alloc)
+    def held_load(name, alloc):
+        if name == cold and not answered.wait(timeout=60):
+            raise RuntimeError("the resident variant's request was held up by this load")
+        return load(name, alloc)
 
-    eng.cache._loader = held_read
+    eng.cache._loader = held_load
     params = SamplingParams(max_tokens=3, temperature=0)
 
     async def race():
-        await eng.complete("lm-lora4", params, prompt="a")  # resident from here on
-        cold = asyncio.ensure_future(eng.complete("lm-lora8", params, prompt="a b"))
-        await eng.complete("lm-lora4", params, prompt="a b")
-        still_reading = not cold.done()
+        await eng.complete(resident, params, prompt="a")  # resident from here on
+        loading = asyncio.ensure_future(eng.complete(cold, params, prompt="a b"))
+        await eng.complete(resident, params, prompt="a b")
+        still_loading = not loading.done()
         answered.set()
-        return still_reading, await cold
+        return still_loading, await loading
 
-    still_reading, gen = asyncio.run(race())
-    assert still_reading and len(gen.token_ids) == 3
+    still_loading, gen = asyncio.run(race())
+    assert still_loading and len(gen.token_ids) == 3
     assert eng.holds() == {}
 
 
