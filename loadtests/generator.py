@@ -3,6 +3,7 @@ Zipf-chosen variant, bounded in-flight requests and a per-request timeout; loopb
 
 import asyncio
 import random
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,13 @@ from urllib.parse import urlparse
 import httpx
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def free_port() -> int:
+    """A free port on loopback for Serve's HTTP proxy."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

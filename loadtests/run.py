@@ -14,7 +14,6 @@ import asyncio
 import json
 import platform
 import re
-import socket
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ import ray
 from ray import serve
 
 from loadtests.baselines import LruServer, multiplex_server
-from loadtests.generator import LoadSpec, run_load
+from loadtests.generator import LoadSpec, free_port, run_load
 from loadtests.variants import (BASE, SCENARIOS, build_loadtest_store, mix, mix_text, variant_plan,
                                 variant_task)
 from serve.app import BOARD, build_app
@@ -35,12 +34,6 @@ from serve.config import ServeConfig
 from serve.data.datasets import CLASSIFICATION
 
 MIB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PeakMemory:

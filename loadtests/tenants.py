@@ -14,13 +14,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loadtests.generator import free_port
 from loadtests.tenant_adapters import (WORKLOADS, TrainSpec, build_tenant_store, built_record, trained_dir,
                                        trained_summary)
 from loadtests.tenant_load import DISTRIBUTIONS, TenantLoad, fortune_prompts, plan_requests, run_window
@@ -178,13 +178,6 @@ class PeakRss:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def free_port() -> int:
-    """A free port on loopback for Serve's HTTP proxy."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(cell: Cell, args: argparse.Namespace, record: dict, prompts: list[str], url: str) -> dict:

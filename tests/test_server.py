@@ -1,25 +1,19 @@
 """End to end: Ray Serve on loopback serving two bases and their FM-Delta variants over real HTTP."""
 
 import shutil
-import socket
 import threading
 
 import httpx
 import pytest
 import torch
 
+from loadtests.generator import free_port
 from serve.config import ServeConfig, key_digest
 from tests.engine.test_engine import reference_greedy
 
 pytestmark = pytest.mark.slow
 KEY = "sk-e2e"
 ADMIN = "sk-e2e-admin"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ class AdapterPool(TableSlots):
         bucket = self.buckets.get(key)
         if bucket is not None and bucket.free_row() is not None:
             return True
-        need = bucket_row_bytes(key, self.base)
+        need = bucket.row_bytes if bucket is not None else bucket_row_bytes(key, self.base)
         if self.nbytes + need <= self.budget:
             return True
         live = sum(b.live * b.row_bytes for b in self.buckets.values())
