@@ -1,12 +1,12 @@
 """The store's manifest: one versioned JSON file listing bases and variants with their files and digests."""
 
-import json
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, StringConstraints, TypeAdapter,
                       ValidationError, field_validator)
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, from_json
 
 from serve.errors import ArtifactError, BadRequest, first_error
 from serve.store.writer import atomic_write
@@ -105,8 +105,18 @@ class _AdapterEntry(_Labelled):
 
     rank: Annotated[int, Field(ge=1)]
     """The largest rank over its modules, as served (a converted PiSSA adapter's 2r)."""
-    target_modules: list[str]
-    """Base module names it corrects."""
+    target_modules: tuple[str, ...]
+    """Base module names it corrects (a JSON list in the file)."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _a_tuple(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _shared(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return shared_names(value)
 
 
 class LoraVariantEntry(_AdapterEntry):
@@ -117,6 +127,21 @@ class PissaVariantEntry(_AdapterEntry):
     """A trained PiSSA adapter, stored converted: a rank-2r LoRA on the original base."""
 
     kind: Literal["pissa"] = "pissa"
+
+
+_SHARED_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}
+MAX_SHARED_NAMES = 1024
+"""Distinct name lists kept for sharing; past that, each entry keeps its own (interned) copy."""
+
+
+def shared_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    """One tuple of interned names for every entry that lists the same ones: thousands of adapters of one base
+    target the same modules, and a 2,000-adapter manifest held 20 MB in each process that read it, mostly
+    these lists."""
+    key = tuple(sys.intern(n) for n in names)
+    if len(_SHARED_NAMES) < MAX_SHARED_NAMES:
+        return _SHARED_NAMES.setdefault(key, key)
+    return _SHARED_NAMES.get(key, key)
 
 
 class EmrTaskEntry(StrictModel):
@@ -206,7 +231,7 @@ def read_manifest(root: Path) -> StoreManifest:
     except FileNotFoundError:
         raise ArtifactError(f"{root}: not a Manyfold store (no {MANIFEST})") from None
     try:
-        data = json.loads(text)
+        data = from_json(text, cache_strings="all")  # a name listed by thousands of entries is one object
         if isinstance(data, dict) and data.get("version") not in (None, VERSION):
             raise ArtifactError(f"{path}: store version {data.get('version')}; this Manyfold reads {VERSION}")
         return StoreManifest.model_validate(data)

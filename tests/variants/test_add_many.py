@@ -2,6 +2,7 @@
 One bad adapter is named and the rest go in; the manifest is written once per batch."""
 
 import asyncio
+import json
 import shutil
 
 import pytest
@@ -13,6 +14,7 @@ from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.http.app import build_http_app
 from serve.store import store as store_module
+from serve.store.manifest import MANIFEST
 from serve.store.store import Store
 from serve.variants import variant_kind
 from tests.models import write_lora, write_tiny_causal
@@ -120,6 +122,16 @@ def test_a_batch_reads_the_base_once_and_writes_the_manifest_once(made, store, t
     assert len(writes) == 1 and reads == ["tiny-lm"]
     assert all(e.files and (store.root / e.files[0].path).is_file() for e in added)
     assert sorted(Store(store.root).manifest.variants) == [f"v-{i}" for i in range(6)]
+
+
+def test_a_reopened_store_holds_one_list_of_target_modules_for_all(made, store, tmp_path):
+    """Every process that serves reads the manifest: 2,000 adapters' copies of one module list were most of it."""
+    src = adapters(made, tmp_path / "src", [f"v-{i}" for i in range(3)])
+    variant_kind("lora").add_many(store, "tiny-lm", [(p.name, p) for p in sorted(src.iterdir())])
+    entries = list(Store(store.root).manifest.variants.values())
+    assert entries[0].target_modules and all(e.target_modules is entries[0].target_modules for e in entries)
+    on_disk = json.loads((store.root / MANIFEST).read_text())["variants"]["v-0"]["target_modules"]
+    assert on_disk == list(entries[0].target_modules)  # still a JSON list in the file
 
 
 def test_duplicate_and_taken_names_are_refused_by_name(made, store, tmp_path):
