@@ -191,6 +191,7 @@ class Engine:
     async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
         """Texts longer than the model reads are cut (and counted), or refused when truncate is False."""
         base, variant = self.resolve(model)
+        self.bases[base].require(model, encoder=True)
         labels = self.store.labels(variant) if variant else None
         if not labels:
             raise BadRequest(f"model '{model}' is not a classifier")
@@ -202,6 +203,7 @@ class Engine:
     async def embed(self, model: str, texts: list[str], truncate: bool = True) -> Embeddings:
         """One unit vector per text, and the tokens read; long texts as classify() treats them."""
         base, variant = self.resolve(model)
+        self.bases[base].require(model, encoder=True)
         if not truncate:
             self.bases[base].prompts.check_inputs_fit(texts)
         return await self._submit("embed", base, variant, texts)
@@ -240,16 +242,16 @@ class Engine:
         """Without max_tokens a row may run to the end of the context, within the server's max_tokens."""
         base, variant = self.resolve(model)
         rt = self.bases[base]
-        rt.require_causal()
+        rt.require(model, encoder=False)
         if messages is not None:
             ids = rt.prompts.chat(messages)
         elif isinstance(prompt, list):
             ids = rt.prompts.check_token_ids(prompt)
         else:
             ids = rt.prompts.encode(prompt or "")
+        rt.prompts.check_fits(ids, params.max_tokens)
         if params.max_tokens is None:
-            params = replace(params, max_tokens=max(1, min(self.config.limits.max_tokens, rt.max_length - len(ids))))
-        rt.prompts.check_fits(ids, params)
+            params = replace(params, max_tokens=min(self.config.limits.max_tokens, rt.max_length - len(ids)))
         return "generate", base, variant, (ids, params)
 
     async def _submit(self, op: Op, base: str, variant: str | None, payload):

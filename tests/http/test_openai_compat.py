@@ -174,3 +174,41 @@ def test_a_refused_request_is_one_log_line_with_its_request_id(client, caplog):
     lines = [rec for rec in caplog.records if rec.name == "manyfold.http"]
     assert len(lines) == 1 and lines[0].levelname == "INFO" and lines[0].exc_info is None
     assert "404" in lines[0].getMessage() and "req-42" in lines[0].getMessage()
+
+
+CHAT = {"model": "tiny-lm", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def words(n: int) -> list[dict]:
+    """A chat whose prompt is n + 2 tokens under the tiny model's template ("user:", the words, "assistant:")."""
+    return [{"role": "user", "content": " ".join(["the"] * n)}]
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ({**CHAT, "tools": [{"type": "function"}]}, 422, "tools: not supported by this server"),
+    ({**CHAT, "top_logprobs": 2}, 422, "top_logprobs: needs logprobs: true"),
+    ({**CHAT, "model": "minilm-clf"}, 400,
+     "model 'minilm-clf' is not a causal language model (its base 'minilm' is an encoder)"),
+    ({**CHAT, "model": "minilm"}, 400, "model 'minilm' is not a causal language model"),
+    ({**CHAT, "messages": words(298)}, 400, "prompt (300 tokens) exceeds the context of 256 tokens"),
+    ({**CHAT, "messages": words(254)}, 400,
+     "prompt (256 tokens) fills the context of 256 tokens, leaving no room for a completion"),
+    ({**CHAT, "messages": words(250), "max_tokens": 5}, 400,
+     "prompt (252 tokens) plus max_tokens (5) exceeds the context of 256 tokens"),
+])
+def test_chat_refusals_read_as_one_plain_sentence(client, body, status, message):
+    r = client.post("/v1/chat/completions", json=body)
+    assert (r.status_code, r.json()["error"]["message"]) == (status, message)
+
+
+def test_an_encoder_route_names_the_model_asked_for(client):
+    r = client.post("/v1/embeddings", json={"model": "tiny-lm-top", "input": "a"})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, "model 'tiny-lm-top' is not an encoder (its base 'tiny-lm' is a causal language model)")
+
+
+def test_a_body_that_is_not_json_says_where_it_breaks(client):
+    body = b'{"model": "tiny-lm",\n "prompt": "a" "max_tokens": 2}'
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        422, "request body is not valid JSON: Expecting ',' delimiter at line 2, column 16")
