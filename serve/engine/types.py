@@ -42,7 +42,15 @@ class Generation:
     """The prompt as the model read it (echo only)."""
     prompt_logprobs: list[TokenLogprob] | None = None
     logprobs: list[TokenLogprob] | None = None
-    """One per generated token, as far as it has gone."""
+    """One per generated token, as far as it has gone (the end token included)."""
+    end_token: int | None = None
+    """The end-of-turn token that ended it, if one did: sampled, so counted, but in neither token_ids nor text."""
+
+    @property
+    def completion_tokens(self) -> int:
+        """Every token sampled, the end-of-turn token included, as vLLM counts (len(output.token_ids)): the same
+        count in usage, in logprobs and in manyfold_tokens_total."""
+        return len(self.token_ids) + (self.end_token is not None)
 
 
 @dataclass(frozen=True)
