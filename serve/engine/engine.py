@@ -191,7 +191,6 @@ class Engine:
     async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
         """Texts longer than the model reads are cut (and counted), or refused when truncate is False."""
         base, variant = self.resolve(model)
-        self.bases[base].require(model, encoder=True)
         labels = self.store.labels(variant) if variant else None
         if not labels:
             raise BadRequest(f"model '{model}' is not a classifier")
