@@ -7,11 +7,13 @@ thousands of variants, the residency gauge shows those held in memory first, the
 """
 
 import time
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from serve.engine.stats import SECONDS_BUCKETS
+from serve.engine.types import Residency
 
 MAX_MODEL_LABELS = 256
 
@@ -68,9 +70,10 @@ class Metrics:
             key = {"hit": "cache_hits", "miss": "cache_misses", "eviction": "cache_evictions"}[event]
             events.add_metric([event], sum(s[key] for s in snapshots))
         families.append(events)
-        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier; recycled: buffers of "
-                                 "evicted variants kept for the next decode", labels=["tier"])
-        for tier in ("device", "cpu", "recycled"):
+        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier (hot: the fast tier, "
+                                 "warm: host memory); recycled: buffers of evicted variants kept for the next decode",
+                                 labels=["tier"])
+        for tier in ("hot", "warm", "recycled"):
             used.add_metric([tier], sum(s["cache_bytes"][tier] for s in snapshots))
         families.append(used)
         seconds = CounterMetricFamily("manyfold_engine_seconds", "Engine time by part: step (a generation step "
@@ -87,11 +90,12 @@ class Metrics:
                                        _merge([s["batch_sizes"] for s in snapshots])))
             families.append(_histogram("manyfold_variant_load_seconds", "Decode time of a cold variant",
                                        _merge([s["load_seconds"] for s in snapshots])))
-        resident = GaugeMetricFamily("manyfold_variant_resident", "1 where a model's weights are held",
+        resident = GaugeMetricFamily("manyfold_variant_resident", "1 at the tier where a model's weights are: hot "
+                                     "(the fast tier), warm (host memory), cold (on disk only)",
                                      labels=["model", "tier"])
-        held_first = sorted(models, key=lambda m: m.residency == "disk")  # stable: the store's order within each
+        held_first = sorted(models, key=lambda m: m.residency == "cold")  # stable: the store's order within each
         for m in held_first[:MAX_MODEL_LABELS]:
-            for tier in ("device", "cpu", "disk"):
+            for tier in get_args(Residency):
                 resident.add_metric([m.name, tier], 1.0 if m.residency == tier else 0.0)
         families.append(resident)
 

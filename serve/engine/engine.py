@@ -96,7 +96,7 @@ class Engine:
         return base, variant
 
     def model_infos(self) -> list[ModelInfo]:
-        out = [ModelInfo(n, "base", None, "device", None) for n in self.bases]
+        out = [ModelInfo(n, "base", None, "hot", None) for n in self.bases]
         out += [ModelInfo(model, v.kind, v.base, self.cache.residency(v.name), labels)
                 for v in self.store.manifest.variants.values() if v.base in self.bases
                 for model, labels in v.models().items()]
@@ -114,7 +114,7 @@ class Engine:
         st = self.cache.stats
         slots = sum(f.nbytes for rt in self.bases.values() for f in tuple(rt.families.values()))
         return {"cache_hits": st.hits, "cache_misses": st.misses, "cache_evictions": st.evictions,
-                "cache_bytes": {"device": self.cache.used_bytes("device"), "cpu": self.cache.used_bytes("cpu"),
+                "cache_bytes": {"hot": self.cache.used_bytes("device"), "warm": self.cache.used_bytes("cpu"),
                                 "recycled": self.cache.buffers.free_bytes, "slots": slots},
                 "queue_depth": self.scheduler.queue_depth, "batch_sizes": self.scheduler.batch_sizes.to_dict(),
                 "load_seconds": st.load_seconds.to_dict(), "seconds": self.seconds()}

@@ -4,7 +4,11 @@ ingress process never imports it."""
 from dataclasses import dataclass, field
 from typing import Literal
 
-Residency = Literal["device", "cpu", "disk"]
+Residency = Literal["hot", "warm", "cold"]
+"""Where a model's weights are, named by what a request needs before it runs, so that they mean the same on a CPU
+and a GPU server: hot, held in the cache's fast tier (the engine's device memory: GPU memory on CUDA, host memory
+on CPU), nothing to do; warm, held in host memory, to be promoted first (a copy to the GPU; bookkeeping on CPU);
+cold, only on disk, to be loaded (and decoded) first. A base is hot while its replica runs."""
 
 
 @dataclass(frozen=True)
