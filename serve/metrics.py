@@ -55,10 +55,13 @@ class Metrics:
             self._labelled.add(name)
         return name
 
-    def observe(self, model: str | None, route: str, status: int, started_s: float) -> None:
-        label = self.model_label(model, status)
-        self.requests.labels(label, route, str(status)).inc()
-        self.latency.labels(label, route).observe(time.perf_counter() - started_s)
+    def time(self, model: str | None, route: str, status: int, started_s: float) -> None:
+        """Latency to the start of the response (a stream's first byte, not its end)."""
+        self.latency.labels(self.model_label(model, status), route).observe(time.perf_counter() - started_s)
+
+    def count(self, model: str | None, route: str, status: int) -> None:
+        """One request, once it has ended, under the status it ended with (499: the client left first)."""
+        self.requests.labels(self.model_label(model, status), route, str(status)).inc()
 
     def render(self, snapshots: list[dict], models: list, in_flight: int = 0) -> bytes:
         """This process's metrics plus the engines' snapshots and every model's residency."""

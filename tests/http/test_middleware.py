@@ -1,12 +1,15 @@
 """The size limit at the edge: a body over limits.max_request_bytes is one 413 line, a chunked one (no
-Content-Length) as soon as its bytes pass the limit, so the rest is never read; a body within it is served."""
+Content-Length) as soon as its bytes pass the limit, so the rest is never read; a body within it is served.
+A handler cancelled because its client left (as Ray Serve's proxy cancels it) is a 499 and one INFO line."""
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve.config import ServeConfig
 from serve.engine.types import Classifications
@@ -96,3 +99,37 @@ def test_a_content_length_over_the_limit_is_refused_before_reading_anything(app)
     assert r.status_code == 413
     assert r.json()["error"]["message"] == f"request body of {100 * LIMIT} bytes exceeds {LIMIT}"
     assert body.pulled == 0
+
+
+class Stalled(FakeEngine):
+    """A classify that never ends: its request ends only when its client leaves."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
+        self.entered.set()
+        await asyncio.Event().wait()
+
+
+def test_a_handler_cancelled_when_its_client_left_is_a_499_and_one_info_line(tmp_path, caplog):
+    backend = Stalled()
+    app = build_http_app(backend, ServeConfig(store=tmp_path))
+
+    async def leave() -> None:  # httpx's ASGI transport runs the app in the caller's task, which is cancelled
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
+            call = asyncio.ensure_future(c.post("/v1/classify", json={"model": "clf", "input": "good"},
+                                                headers={"x-request-id": "req-9"}))
+            await backend.entered.wait()
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(leave())
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records] == [
+        ("INFO", "POST /v1/classify -> 499 the client closed the request (request req-9)", None)]
+    text = app.state.http.metrics.render([], []).decode()
+    counted = {s.labels["status"]: s.value for f in text_string_to_metric_families(text)
+               if f.name == "manyfold_requests" for s in f.samples if s.name == "manyfold_requests_total"}
+    assert counted == {"499": 1.0}
