@@ -48,14 +48,14 @@ class Measured:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_measured)
+            await self.app(scope, _heard(receive), send_measured)
         except asyncio.CancelledError:  # Ray Serve's proxy cancels the handler of a client gone
             self._end(scope, response)
             raise
         except ClientDisconnect:  # a server that says so by raising: nothing is left to send, and no error
             self._end(scope, response)
-        except BaseException:
-            self.metrics.count(request_state["model"], _route(scope), 500)  # the error handler answers 500
+        except BaseException:  # the error handler answers 500, unless the response had ended
+            self.metrics.count(request_state["model"], _route(scope), response.status if response.ended else 500)
             raise
         else:
             self._end(scope, response)
@@ -75,6 +75,19 @@ class _Response:
     """Set when the response starts."""
     ended: bool = False
     """Its last body message was sent."""
+
+
+def _heard(receive: Receive) -> Receive:
+    """receive, where a failure to hear from the client says it has gone: Ray Serve's raises TaskCancelledError
+    once its proxy has dropped the request, which would reach the app as an internal error, with a traceback."""
+
+    async def heard() -> Message:
+        try:
+            return await receive()
+        except Exception:  # noqa: BLE001  (whatever the server raises, there is no client left to answer)
+            return {"type": "http.disconnect"}
+
+    return heard
 
 
 def _route(scope: Scope) -> str:
