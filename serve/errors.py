@@ -3,6 +3,8 @@
 import re
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|constrained-[a-z]+|function-[a-z]+.*)$")
+_RAISED_PREFIX = {"value_error": "Value error, ", "assertion_error": "Assertion failed, "}
+"""What pydantic puts before the message of an error a validator raised: the message already says it all."""
 
 
 def first_error(e, skip: tuple[str, ...] = ()) -> str:
@@ -12,7 +14,8 @@ def first_error(e, skip: tuple[str, ...] = ()) -> str:
     errors = e.errors()
     err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
     loc = ".".join(str(p) for p in err["loc"] if p not in skip and not (isinstance(p, str) and _UNION_TAG.match(p)))
-    return f"{loc}: {err['msg']}" if loc else err["msg"]
+    msg = err["msg"].removeprefix(_RAISED_PREFIX.get(err["type"], ""))
+    return f"{loc}: {msg}" if loc else msg
 
 
 class ManyfoldError(Exception):

@@ -7,11 +7,13 @@ thousands of variants, the residency gauge shows those held in memory first, the
 """
 
 import time
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from serve.engine.stats import SECONDS_BUCKETS
+from serve.engine.types import Residency
 
 MAX_MODEL_LABELS = 256
 
@@ -53,10 +55,13 @@ class Metrics:
             self._labelled.add(name)
         return name
 
-    def observe(self, model: str | None, route: str, status: int, started_s: float) -> None:
-        label = self.model_label(model, status)
-        self.requests.labels(label, route, str(status)).inc()
-        self.latency.labels(label, route).observe(time.perf_counter() - started_s)
+    def time(self, model: str | None, route: str, status: int, started_s: float) -> None:
+        """Latency to the start of the response (a stream's first byte, not its end)."""
+        self.latency.labels(self.model_label(model, status), route).observe(time.perf_counter() - started_s)
+
+    def count(self, model: str | None, route: str, status: int) -> None:
+        """One request, once it has ended, under the status it ended with (499: the client left first)."""
+        self.requests.labels(self.model_label(model, status), route, str(status)).inc()
 
     def render(self, snapshots: list[dict], models: list, in_flight: int = 0) -> bytes:
         """This process's metrics plus the engines' snapshots and every model's residency."""
@@ -68,9 +73,10 @@ class Metrics:
             key = {"hit": "cache_hits", "miss": "cache_misses", "eviction": "cache_evictions"}[event]
             events.add_metric([event], sum(s[key] for s in snapshots))
         families.append(events)
-        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier; recycled: buffers of "
-                                 "evicted variants kept for the next decode", labels=["tier"])
-        for tier in ("device", "cpu", "recycled"):
+        used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier (hot: the fast tier, "
+                                 "warm: host memory); recycled: buffers of evicted variants kept for the next decode",
+                                 labels=["tier"])
+        for tier in ("hot", "warm", "recycled"):
             used.add_metric([tier], sum(s["cache_bytes"][tier] for s in snapshots))
         families.append(used)
         seconds = CounterMetricFamily("manyfold_engine_seconds", "Engine time by part: step (a generation step "
@@ -87,11 +93,12 @@ class Metrics:
                                        _merge([s["batch_sizes"] for s in snapshots])))
             families.append(_histogram("manyfold_variant_load_seconds", "Decode time of a cold variant",
                                        _merge([s["load_seconds"] for s in snapshots])))
-        resident = GaugeMetricFamily("manyfold_variant_resident", "1 where a model's weights are held",
+        resident = GaugeMetricFamily("manyfold_variant_resident", "1 at the tier where a model's weights are: hot "
+                                     "(the fast tier), warm (host memory), cold (on disk only)",
                                      labels=["model", "tier"])
-        held_first = sorted(models, key=lambda m: m.residency == "disk")  # stable: the store's order within each
+        held_first = sorted(models, key=lambda m: m.residency == "cold")  # stable: the store's order within each
         for m in held_first[:MAX_MODEL_LABELS]:
-            for tier in ("device", "cpu", "disk"):
+            for tier in get_args(Residency):
                 resident.add_metric([m.name, tier], 1.0 if m.residency == tier else 0.0)
         families.append(resident)
 

@@ -12,9 +12,8 @@ from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("ray.serve")
 
-TIER_RANK: dict[str, int] = {"device": 2, "cpu": 1, "disk": 0}
-"""The residency tiers of serve.engine.cache, best first (not imported from there: the board's process stays
-free of torch)."""
+TIER_RANK: dict[str, int] = {"hot": 2, "warm": 1, "cold": 0}
+"""The residencies of serve/engine/types.py, ranked: the best of a variant's replicas is what /v1/models shows."""
 
 
 def best_tier(*tiers: str) -> str:
@@ -43,7 +42,7 @@ class ResidencyBoard:
                 del self._reports[replica]
                 continue
             for name, tier in held.items():
-                out[name] = best_tier(tier, out.get(name, "disk"))
+                out[name] = best_tier(tier, out.get(name, "cold"))
         return out
 
 

@@ -100,8 +100,8 @@ class Router:
         for base, variants in self._listing().items():
             state = states.get(base, BaseState(True))
             status = "ready" if state.running else "unavailable"
-            out.append(ModelInfo(base, "base", None, "device" if state.running else "disk", None, status))
-            out += [ModelInfo(model, kind, base, held.get(entry, "disk"), labels, status)
+            out.append(ModelInfo(base, "base", None, "hot" if state.running else "cold", None, status))
+            out += [ModelInfo(model, kind, base, held.get(entry, "cold"), labels, status)
                     for model, kind, entry, labels in variants]
         return out
 

@@ -1,4 +1,5 @@
 """The variant cache: loaded variants of every kind in two byte-budgeted LRU tiers (device, cpu); disk is the store.
+Outside the cache they are residencies that mean the same on any machine: device is hot, cpu is warm, disk is cold.
 
 Each name moves through explicit states: on disk -> loading -> device <-> cpu -> evicted, and a move is one
 operation at a time, kept in `_busy` while it runs (a load, or a tier copy off the event loop):
@@ -62,6 +63,10 @@ class CacheStats:
     load_seconds: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
 
 
+RESIDENCY: dict[str, Residency] = {"device": "hot", "cpu": "warm"}
+"""Each tier as the API and metrics name it (serve/engine/types.py): on a CPU engine both tiers are host memory,
+so "device" would mislead there."""
+
 ACQUIRE_ATTEMPTS = 8
 """Times one acquisition goes back through the states (its variant evicted, dropped or replaced each time)
 before it gives up with CapacityExceeded."""
@@ -95,12 +100,12 @@ class VariantCache:
     def residency(self, name: str) -> Residency:
         for tier, entries in self._tiers.items():
             if name in entries:
-                return tier  # type: ignore[return-value]
-        return "disk"
+                return RESIDENCY[tier]
+        return "cold"
 
     def resident(self) -> dict[str, Residency]:
-        """Every variant held in memory, with its tier."""
-        return {name: tier for tier, entries in self._tiers.items() for name in entries}  # type: ignore[misc]
+        """Every variant held in memory, with its residency (hot or warm)."""
+        return {name: RESIDENCY[tier] for tier, entries in self._tiers.items() for name in entries}
 
     def used_bytes(self, tier: str) -> int:
         return sum(e.nbytes for e in self._tiers[tier].values())

@@ -96,7 +96,7 @@ class Engine:
         return base, variant
 
     def model_infos(self) -> list[ModelInfo]:
-        out = [ModelInfo(n, "base", None, "device", None) for n in self.bases]
+        out = [ModelInfo(n, "base", None, "hot", None) for n in self.bases]
         out += [ModelInfo(model, v.kind, v.base, self.cache.residency(v.name), labels)
                 for v in self.store.manifest.variants.values() if v.base in self.bases
                 for model, labels in v.models().items()]
@@ -114,7 +114,7 @@ class Engine:
         st = self.cache.stats
         slots = sum(f.nbytes for rt in self.bases.values() for f in tuple(rt.families.values()))
         return {"cache_hits": st.hits, "cache_misses": st.misses, "cache_evictions": st.evictions,
-                "cache_bytes": {"device": self.cache.used_bytes("device"), "cpu": self.cache.used_bytes("cpu"),
+                "cache_bytes": {"hot": self.cache.used_bytes("device"), "warm": self.cache.used_bytes("cpu"),
                                 "recycled": self.cache.buffers.free_bytes, "slots": slots},
                 "queue_depth": self.scheduler.queue_depth, "batch_sizes": self.scheduler.batch_sizes.to_dict(),
                 "load_seconds": st.load_seconds.to_dict(), "seconds": self.seconds()}
@@ -202,6 +202,7 @@ class Engine:
     async def embed(self, model: str, texts: list[str], truncate: bool = True) -> Embeddings:
         """One unit vector per text, and the tokens read; long texts as classify() treats them."""
         base, variant = self.resolve(model)
+        self.bases[base].require(model, encoder=True)
         if not truncate:
             self.bases[base].prompts.check_inputs_fit(texts)
         return await self._submit("embed", base, variant, texts)
@@ -240,16 +241,16 @@ class Engine:
         """Without max_tokens a row may run to the end of the context, within the server's max_tokens."""
         base, variant = self.resolve(model)
         rt = self.bases[base]
-        rt.require_causal()
+        rt.require(model, encoder=False)
         if messages is not None:
             ids = rt.prompts.chat(messages)
         elif isinstance(prompt, list):
             ids = rt.prompts.check_token_ids(prompt)
         else:
             ids = rt.prompts.encode(prompt or "")
+        rt.prompts.check_fits(ids, params.max_tokens)
         if params.max_tokens is None:
-            params = replace(params, max_tokens=max(1, min(self.config.limits.max_tokens, rt.max_length - len(ids))))
-        rt.prompts.check_fits(ids, params)
+            params = replace(params, max_tokens=min(self.config.limits.max_tokens, rt.max_length - len(ids)))
         return "generate", base, variant, (ids, params)
 
     async def _submit(self, op: Op, base: str, variant: str | None, payload):

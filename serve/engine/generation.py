@@ -199,7 +199,7 @@ class DecodeBatch:
         tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # [rows]
         chosen = tokens.tolist()
         # Rows that asked for log probabilities get an entry for every token taken, an end-of-text token too
-        # (which the text and token_ids leave out, as OpenAI's do); a max_tokens 0 row takes none.
+        # (which the text and token_ids leave out, and completion_tokens counts); a max_tokens 0 row takes none.
         asking = [i for i, s in enumerate(seqs)
                   if s.params.logprobs is not None and s.params.max_tokens > 0 and s.failed is None]
         contexts = {i: (seqs[i].tail + seqs[i].gen.token_ids)[-CONTEXT:] for i in asking}  # before this token
@@ -246,7 +246,7 @@ class DecodeBatch:
         if params.max_tokens == 0:  # the prompt alone was asked for (echo)
             return True
         if tok in self.rt.eos_ids:
-            gen.finish_reason = "stop"
+            gen.finish_reason, gen.end_token = "stop", tok
             self._flush(s)
             return True
         gen.token_ids.append(tok)

@@ -151,7 +151,7 @@ class BaseModelRuntime:
     def embed(self, texts: list[str], rows: list[RowSlot]) -> tuple[torch.Tensor, torch.Tensor]:
         """([n, hidden] unit vectors: mean of the last hidden states over real tokens, [n] tokens read per text,
         special tokens included, as truncated)."""
-        self._need(encoder=True)
+        self.require(self.name, encoder=True)
         encoded, lengths = self._encode(texts, rows)
         pooled = torch.stack([hidden.mean(0) for hidden, _ in encoded])  # [n, hidden]
         return torch.nn.functional.normalize(pooled, dim=-1), torch.tensor(lengths)
@@ -161,7 +161,7 @@ class BaseModelRuntime:
                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(one [labels] probability vector per text, each under its own row's head, as
         BertForSequenceClassification computes them in eval mode; [n] tokens read per text)."""
-        self._need(encoder=True)
+        self.require(self.name, encoder=True)
         for head in heads:
             if "weight" not in head or "bias" not in head:
                 raise BadRequest("this model has no classifier head")
@@ -174,13 +174,14 @@ class BaseModelRuntime:
                 out[i] = p
         return out, torch.tensor(lengths)  # type: ignore[return-value]
 
-    def _need(self, encoder: bool) -> None:
+    def require(self, model: str, encoder: bool) -> None:
+        """BadRequest naming `model`, the name the client asked for (this base, or one of its variants), when
+        this base is not the kind of model the route needs."""
         if encoder == self.causal:
-            what = "an encoder" if encoder else "a causal language model"
-            raise BadRequest(f"model '{self.name}' is not {what}")
-
-    def require_causal(self) -> None:
-        self._need(encoder=False)
+            need = "an encoder" if encoder else "a causal language model"
+            have = "a causal language model" if self.causal else "an encoder"
+            base = f" (its base '{self.name}' is {have})" if model != self.name else ""
+            raise BadRequest(f"model '{model}' is not {need}{base}")
 
 
 def encoder_limit(model_dir: str | Path, positions: int) -> int:

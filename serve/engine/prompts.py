@@ -6,7 +6,6 @@ state on every call and raises "Already borrowed" when two threads call it at on
 shared between threads.
 """
 
-from serve.engine.types import SamplingParams
 from serve.errors import BadRequest
 
 
@@ -50,9 +49,17 @@ class Prompts:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    def check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+    def check_fits(self, prompt: list[int], max_tokens: int | None) -> None:
+        """max_tokens None: the client sent none, so the prompt alone must leave room for one token (and the
+        message names no max it never sent)."""
+        n, context = len(prompt), self.max_length
         if not prompt:
             raise BadRequest("the prompt encodes to no tokens")
-        if len(prompt) + params.max_tokens > self.max_length:
-            raise BadRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                             f"context of {self.max_length} tokens")
+        if max_tokens is None and n > context:
+            raise BadRequest(f"prompt ({n} tokens) exceeds the context of {context} tokens")
+        if max_tokens is None and n == context:
+            raise BadRequest(f"prompt ({n} tokens) fills the context of {context} tokens, leaving no room for a "
+                             f"completion")
+        if max_tokens is not None and n + max_tokens > context:
+            raise BadRequest(f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context} "
+                             f"tokens")

@@ -4,7 +4,11 @@ ingress process never imports it."""
 from dataclasses import dataclass, field
 from typing import Literal
 
-Residency = Literal["device", "cpu", "disk"]
+Residency = Literal["hot", "warm", "cold"]
+"""Where a model's weights are, named by what a request needs before it runs, so that they mean the same on a CPU
+and a GPU server: hot, held in the cache's fast tier (the engine's device memory: GPU memory on CUDA, host memory
+on CPU), nothing to do; warm, held in host memory, to be promoted first (a copy to the GPU; bookkeeping on CPU);
+cold, only on disk, to be loaded (and decoded) first. A base is hot while its replica runs."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,15 @@ class Generation:
     """The prompt as the model read it (echo only)."""
     prompt_logprobs: list[TokenLogprob] | None = None
     logprobs: list[TokenLogprob] | None = None
-    """One per generated token, as far as it has gone."""
+    """One per generated token, as far as it has gone (the end token included)."""
+    end_token: int | None = None
+    """The end-of-turn token that ended it, if one did: sampled, so counted, but in neither token_ids nor text."""
+
+    @property
+    def completion_tokens(self) -> int:
+        """Every token sampled, the end-of-turn token included, as vLLM counts (len(output.token_ids)): the same
+        count in usage, in logprobs and in manyfold_tokens_total."""
+        return len(self.token_ids) + (self.end_token is not None)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from serve.engine.types import SamplingParams, TextDelta, TokenLogprob
 from serve.errors import TooLarge
 from serve.http import schemas as S
 from serve.http.auth import allow, tenant
+from serve.http.disconnect import while_connected
 from serve.http.limits import check_max_tokens, check_texts
 from serve.http.state import State
 from serve.http.streaming import Choice, gather_all, stream
@@ -33,7 +34,8 @@ async def completions(body: S.CompletionRequest, request: Request, state: State,
         streams = [state.backend.complete_stream(body.model, params, prompt=p) for p in prompts]
         return await stream(request, state.metrics, body, streams, S.CompletionChunk, "cmpl",
                             _completion_chunks(body, len(prompts)))
-    gens = await gather_all(state.backend.complete(body.model, params, prompt=p) for p in prompts)
+    gens = await while_connected(request, gather_all(state.backend.complete(body.model, params, prompt=p)
+                                                     for p in prompts))
     choices = []
     for i, gen in enumerate(gens):
         count_tokens(state.metrics, body.model, gen)
@@ -80,7 +82,7 @@ async def chat(body: S.ChatCompletionRequest, request: Request, state: State,
         return await stream(request, state.metrics, body,
                             [state.backend.complete_stream(body.model, params, messages=messages)],
                             S.ChatCompletionChunk, "chatcmpl", chunk)
-    gen = await state.backend.complete(body.model, params, messages=messages)
+    gen = await while_connected(request, state.backend.complete(body.model, params, messages=messages))
     count_tokens(state.metrics, body.model, gen)
     return S.ChatCompletionResponse(
         id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from serve.config import TenantConfig
 from serve.http import schemas as S
 from serve.http.auth import allow, tenant
+from serve.http.disconnect import while_connected
 from serve.http.limits import check_texts
 from serve.http.state import State
 from serve.http.usage import input_usage
@@ -22,7 +23,7 @@ async def classify(body: S.ClassifyRequest, request: Request, state: State,
     allow(request, t, body.model)
     texts = [body.input] if isinstance(body.input, str) else body.input
     check_texts(state.limits, texts)
-    res = await state.backend.classify(body.model, texts, body.truncate)
+    res = await while_connected(request, state.backend.classify(body.model, texts, body.truncate))
     data = [S.Classification(index=i, label=res.labels[int(np.argmax(row))], probs=dict(zip(res.labels, row)))
             for i, row in enumerate(res.probs)]
     return S.ClassifyResponse(model=body.model, data=data, usage=input_usage(res))
@@ -34,7 +35,7 @@ async def embeddings(body: S.EmbeddingRequest, request: Request, state: State,
     allow(request, t, body.model)
     texts = [body.input] if isinstance(body.input, str) else body.input
     check_texts(state.limits, texts)
-    result = await state.backend.embed(body.model, texts, body.truncate)
+    result = await while_connected(request, state.backend.embed(body.model, texts, body.truncate))
     vectors = np.asarray(result.vectors, dtype=np.float32)
     if body.encoding_format == "base64":
         data = [S.Embedding(index=i, embedding=base64.b64encode(v.astype("<f4").tobytes()).decode())

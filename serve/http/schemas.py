@@ -4,6 +4,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from serve.engine.types import Residency
+
 Text = Annotated[str, Field(max_length=1_000_000)]
 
 
@@ -276,7 +278,8 @@ class ModelCard(BaseModel):
     owned_by: str = "manyfold"
     kind: str
     parent: str | None
-    residency: Literal["device", "cpu", "disk"]
+    residency: Residency
+    """hot (the fast tier), warm (host memory) or cold (on disk only): serve/engine/types.py."""
     labels: list[str] | None = None
     status: Literal["ready", "unavailable"] = "ready"
     """"unavailable": its base has no running replica now (requests to it get 503 with the reason)."""

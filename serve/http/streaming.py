@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from serve.engine.types import TextDelta
 from serve.errors import ManyfoldError
 from serve.http import schemas as S
+from serve.http.disconnect import while_connected
 from serve.http.errors import internal_error, log_refused, manyfold_message, request_id
 from serve.http.usage import count_tokens, usage
 from serve.metrics import Metrics
@@ -31,7 +32,7 @@ async def stream(request: Request, metrics: Metrics, body: S._Sampling, streams:
     response starts, so a refusal (404, 429, ...) is still an HTTP status; an error after that is a last
     `error` event before [DONE]."""
     try:
-        firsts = await gather_all(anext(d) for d in streams)
+        firsts = await while_connected(request, gather_all(anext(d) for d in streams))
     except BaseException:
         await close_all(streams)
         raise

@@ -5,8 +5,9 @@ from serve.metrics import Metrics
 
 
 def usage(*gens) -> S.Usage:
-    """Summed over the generations of one request (one per prompt)."""
-    prompt, completion = sum(g.prompt_tokens for g in gens), sum(len(g.token_ids) for g in gens)
+    """Summed over the generations of one request (one per prompt); completion counts every token sampled, the
+    end-of-turn token included (Generation.completion_tokens)."""
+    prompt, completion = sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens)
     return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -19,4 +20,4 @@ def input_usage(result) -> S.InputUsage:
 def count_tokens(metrics: Metrics, model: str, gen) -> None:
     label = metrics.model_label(model)
     metrics.tokens.labels(label, "prompt").inc(gen.prompt_tokens)
-    metrics.tokens.labels(label, "completion").inc(len(gen.token_ids))
+    metrics.tokens.labels(label, "completion").inc(gen.completion_tokens)

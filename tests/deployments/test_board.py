@@ -7,21 +7,21 @@ from serve.deployments.board import ResidencyBoard
 
 def test_a_variant_shows_the_best_tier_any_live_replica_holds():
     board = ResidencyBoard(stale_after_s=60)
-    board.report("r1", {"a": "cpu", "b": "device"})
-    board.report("r2", {"a": "device"})
-    assert board.residency() == {"a": "device", "b": "device"}
+    board.report("r1", {"a": "warm", "b": "hot"})
+    board.report("r2", {"a": "hot"})
+    assert board.residency() == {"a": "hot", "b": "hot"}
     board.report("r2", {})  # r2 evicted a
-    assert board.residency() == {"a": "cpu", "b": "device"}
+    assert board.residency() == {"a": "warm", "b": "hot"}
     board.forget("r1")
     assert board.residency() == {}
 
 
 def test_a_replica_that_stops_reporting_drops_off():
     board = ResidencyBoard(stale_after_s=0.05)
-    board.report("gone", {"a": "device"})
+    board.report("gone", {"a": "hot"})
     time.sleep(0.1)
-    board.report("alive", {"b": "cpu"})
-    assert board.residency() == {"b": "cpu"}
+    board.report("alive", {"b": "warm"})
+    assert board.residency() == {"b": "warm"}
 
 
 def test_reports_go_out_in_the_background_and_a_board_that_hangs_costs_one_warning(caplog):
@@ -38,16 +38,16 @@ def test_reports_go_out_in_the_background_and_a_board_that_hangs_costs_one_warni
 
     async def go():
         reporter = Reporter(send, timeout_s=0.05)
-        reporter.changed({"a": "device"})  # returns at once: an answer never waits for the board
+        reporter.changed({"a": "hot"})  # returns at once: an answer never waits for the board
         assert sent == [] and not reporter._task.done()
         await reporter._task  # bounded by the timeout
-        reporter.changed({"a": "device", "b": "cpu"})
+        reporter.changed({"a": "hot", "b": "warm"})
         await reporter._task
-        reporter.changed({"a": "device", "b": "cpu"})  # unchanged since the last report: nothing sent
+        reporter.changed({"a": "hot", "b": "warm"})  # unchanged since the last report: nothing sent
         return reporter
 
     reporter = asyncio.run(go())
-    assert reporter.failures == 1 and sent == [{"a": "device"}, {"a": "device", "b": "cpu"}]
+    assert reporter.failures == 1 and sent == [{"a": "hot"}, {"a": "hot", "b": "warm"}]
     assert [r.getMessage() for r in caplog.records] == ["residency report failed: timed out"]
 
 
@@ -62,5 +62,5 @@ def test_a_report_that_raises_never_reaches_the_request():
 
     reporter = Reporter(send, before=lambda: faults.hit("report", ["lm"]))
     with faults.injected("report", "lm"):
-        asyncio.run(reporter.report({"x": "device"}))  # no exception escapes
+        asyncio.run(reporter.report({"x": "hot"}))  # no exception escapes
     assert reporter.failures == 1 and faults.hits["report"] >= 1

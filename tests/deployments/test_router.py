@@ -27,7 +27,7 @@ class _Replica:
         self.calls.append(items)
         if self.fails:
             raise self.fails
-        return [ModelInfo(name, kind, base, "disk", None) for name, base, _, kind in items]
+        return [ModelInfo(name, kind, base, "cold", None) for name, base, _, kind in items]
 
 
 class _Health:
@@ -40,7 +40,7 @@ class _Board:
         self.residency = _Remote(self._residency)
 
     async def _residency(self):
-        return {"b-1": "device"}
+        return {"b-1": "hot"}
 
 
 def _store(root, variants: dict[str, str]) -> Store:
@@ -56,9 +56,9 @@ def test_models_are_listed_per_base_and_rebuilt_only_when_the_manifest_changes(t
     store = _store(tmp_path, {"a-1": "a", "b-1": "b", "a-2": "a"})
     router = Router(tmp_path, {"a": _Replica("a"), "b": _Replica("b")}, _Board(), _Health())
     models = asyncio.run(router.models())
-    assert [(m.name, m.base, m.residency) for m in models] == [("a", None, "device"), ("a-1", "a", "disk"),
-                                                               ("a-2", "a", "disk"), ("b", None, "device"),
-                                                               ("b-1", "b", "device")]
+    assert [(m.name, m.base, m.residency) for m in models] == [("a", None, "hot"), ("a-1", "a", "cold"),
+                                                               ("a-2", "a", "cold"), ("b", None, "hot"),
+                                                               ("b-1", "b", "hot")]
     listing = router._listing()
     asyncio.run(router.models())
     assert router._listing() is listing

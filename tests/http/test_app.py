@@ -157,9 +157,29 @@ def test_models_show_kind_parent_and_residency(client):
     client.post("/v1/classify", json={"model": "minilm-clf", "input": "warm"}, headers=auth())
     cards = {m["id"]: m for m in client.get("/v1/models", headers=auth()).json()["data"]}
     assert cards["minilm-clf"]["kind"] == "full" and cards["minilm-clf"]["parent"] == "minilm"
-    assert cards["minilm-clf"]["residency"] == "device" and cards["minilm"]["kind"] == "base"
+    assert cards["minilm-clf"]["residency"] == "hot" and cards["minilm"]["kind"] == "base"
     bob = {m["id"] for m in client.get("/v1/models", headers=auth("bob")).json()["data"]}
     assert bob == {"tiny-lm"}
+
+
+def test_residency_tells_the_fast_tier_from_host_memory_from_disk_on_a_cpu_server(serving_store):
+    """On a CPU engine both cache tiers are host memory: the names say what a request needs, not which device."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    config = ServeConfig(store=serving_store[0])
+    engine = Engine(config)
+    body = {"prompt": "the cat", "max_tokens": 1}
+    with TestClient(build_http_app(engine, config)) as c:
+        assert c.post("/v1/completions", json={**body, "model": "tiny-lm-all"}).status_code == 200
+        engine.cache.device_bytes = max(e.nbytes for _, e in engine.cache.entries())  # room for tiny-lm-all alone
+        assert c.post("/v1/completions", json={**body, "model": "tiny-lm-top"}).status_code == 200  # demotes it
+        cards = {m["id"]: m["residency"] for m in c.get("/v1/models").json()["data"]}
+        families = text_string_to_metric_families(c.get("/metrics").text)
+    assert cards == {"tiny-lm": "hot", "tiny-lm-top": "hot", "tiny-lm-all": "warm", "minilm": "hot",
+                     "minilm-clf": "cold"}
+    gauge = {s.labels["model"]: s.labels["tier"] for f in families if f.name == "manyfold_variant_resident"
+             for s in f.samples if s.value == 1.0}
+    assert gauge == cards
 
 
 def test_models_page_through_with_limit_and_after(client):

@@ -1,15 +1,19 @@
 """The size limit at the edge: a body over limits.max_request_bytes is one 413 line, a chunked one (no
-Content-Length) as soon as its bytes pass the limit, so the rest is never read; a body within it is served."""
+Content-Length) as soon as its bytes pass the limit, so the rest is never read; a body within it is served.
+A handler cancelled because its client left (as Ray Serve's proxy cancels it), or a stream whose server can no
+longer hear from its client (Ray Serve's receive raises), is a 499 and one INFO line."""
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve.config import ServeConfig
-from serve.engine.types import Classifications
+from serve.engine.types import Classifications, TextDelta
 from serve.http.app import build_http_app
 
 LIMIT = 1024
@@ -96,3 +100,78 @@ def test_a_content_length_over_the_limit_is_refused_before_reading_anything(app)
     assert r.status_code == 413
     assert r.json()["error"]["message"] == f"request body of {100 * LIMIT} bytes exceeds {LIMIT}"
     assert body.pulled == 0
+
+
+class Stalled(FakeEngine):
+    """A classify that never ends: its request ends only when its client leaves."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
+        self.entered.set()
+        await asyncio.Event().wait()
+
+
+def test_a_handler_cancelled_when_its_client_left_is_a_499_and_one_info_line(tmp_path, caplog):
+    backend = Stalled()
+    app = build_http_app(backend, ServeConfig(store=tmp_path))
+
+    async def leave() -> None:  # httpx's ASGI transport runs the app in the caller's task, which is cancelled
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
+            call = asyncio.ensure_future(c.post("/v1/classify", json={"model": "clf", "input": "good"},
+                                                headers={"x-request-id": "req-9"}))
+            await backend.entered.wait()
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(leave())
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records] == [
+        ("INFO", "POST /v1/classify -> 499 the client closed the request (request req-9)", None)]
+    assert requests_counted(app) == {"499": 1.0}
+
+
+class Endless(FakeEngine):
+    """A stream that never ends by itself."""
+
+    async def complete_stream(self, model: str, params, prompt=None, messages=None):
+        while True:
+            yield TextDelta("a")
+            await asyncio.sleep(0)  # a turn of the event loop per piece
+
+
+def requests_counted(app) -> dict[str, float]:
+    text = app.state.http.metrics.render([], []).decode()
+    return {s.labels["status"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "manyfold_requests" for s in f.samples if s.name == "manyfold_requests_total"}
+
+
+def test_a_stream_whose_server_can_no_longer_hear_its_client_is_a_499_not_an_internal_error(tmp_path, caplog):
+    app = build_http_app(Endless(), ServeConfig(store=tmp_path))
+    body = json.dumps({"model": "lm", "prompt": "a", "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"x-request-id", b"req-10")]}
+    received = []
+
+    async def receive():
+        received.append(1)
+        if len(received) == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        if len(received) == 2:  # heard while the first piece comes: the client is still there
+            await asyncio.Event().wait()
+        raise RuntimeError("Task was cancelled.")  # as Ray Serve's TaskCancelledError, once its proxy dropped it
+
+    async def send(message) -> None:
+        pass
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(app(scope, receive, send))
+    lines = [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records]
+    assert lines == [("INFO", "POST /v1/completions -> 499 the client closed the request mid-response "
+                               "(request req-10)", None)]
+    assert requests_counted(app) == {"499": 1.0} and len(received) == 3

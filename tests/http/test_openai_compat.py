@@ -5,6 +5,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
@@ -174,3 +175,79 @@ def test_a_refused_request_is_one_log_line_with_its_request_id(client, caplog):
     lines = [rec for rec in caplog.records if rec.name == "manyfold.http"]
     assert len(lines) == 1 and lines[0].levelname == "INFO" and lines[0].exc_info is None
     assert "404" in lines[0].getMessage() and "req-42" in lines[0].getMessage()
+
+
+CHAT = {"model": "tiny-lm", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def words(n: int) -> list[dict]:
+    """A chat whose prompt is n + 2 tokens under the tiny model's template ("user:", the words, "assistant:")."""
+    return [{"role": "user", "content": " ".join(["the"] * n)}]
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ({**CHAT, "tools": [{"type": "function"}]}, 422, "tools: not supported by this server"),
+    ({**CHAT, "top_logprobs": 2}, 422, "top_logprobs: needs logprobs: true"),
+    ({**CHAT, "model": "minilm-clf"}, 400,
+     "model 'minilm-clf' is not a causal language model (its base 'minilm' is an encoder)"),
+    ({**CHAT, "model": "minilm"}, 400, "model 'minilm' is not a causal language model"),
+    ({**CHAT, "messages": words(298)}, 400, "prompt (300 tokens) exceeds the context of 256 tokens"),
+    ({**CHAT, "messages": words(254)}, 400,
+     "prompt (256 tokens) fills the context of 256 tokens, leaving no room for a completion"),
+    ({**CHAT, "messages": words(250), "max_tokens": 5}, 400,
+     "prompt (252 tokens) plus max_tokens (5) exceeds the context of 256 tokens"),
+])
+def test_chat_refusals_read_as_one_plain_sentence(client, body, status, message):
+    r = client.post("/v1/chat/completions", json=body)
+    assert (r.status_code, r.json()["error"]["message"]) == (status, message)
+
+
+def test_an_encoder_route_names_the_model_asked_for(client):
+    r = client.post("/v1/embeddings", json={"model": "tiny-lm-top", "input": "a"})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, "model 'tiny-lm-top' is not an encoder (its base 'tiny-lm' is a causal language model)")
+
+
+def test_a_body_that_is_not_json_says_where_it_breaks(client):
+    body = b'{"model": "tiny-lm",\n "prompt": "a" "max_tokens": 2}'
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        422, "request body is not valid JSON: Expecting ',' delimiter at line 2, column 16")
+
+
+ENDS_AT_ONCE = ["sat two", "sat moon", "on fish", "and fish", "to ten", "house on"]
+"""User messages after which the tiny random Llama's first greedy token is its end-of-turn token (found by
+trying; the test takes the first of them that still does)."""
+
+
+def completion_tokens_counted(client) -> float:
+    """manyfold_tokens_total{model="tiny-lm", kind="completion"}, read from /metrics."""
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return next((s.value for f in families if f.name == "manyfold_tokens" for s in f.samples
+                 if s.name == "manyfold_tokens_total" and s.labels == {"model": "tiny-lm", "kind": "completion"}), 0.0)
+
+
+def test_an_end_token_sampled_at_once_is_one_completion_token_in_usage_logprobs_and_metrics(client):
+    body = {"model": "tiny-lm", "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    for text in ENDS_AT_ONCE:
+        before = completion_tokens_counted(client)
+        r = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": text}]}).json()
+        if r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["message"]["content"] == "":
+            break
+    else:
+        pytest.fail("no message of ENDS_AT_ONCE ends at once on the tiny model any more: find others")
+    assert r["usage"]["completion_tokens"] == 1 == len(r["choices"][0]["logprobs"]["content"])
+    assert r["usage"]["total_tokens"] == r["usage"]["prompt_tokens"] + 1
+    assert completion_tokens_counted(client) - before == 1
+    streamed = sse(client.post("/v1/chat/completions", json={
+        **body, "messages": [{"role": "user", "content": text}], "stream": True,
+        "stream_options": {"include_usage": True}}))
+    assert streamed[-1]["usage"] == r["usage"]
+    assert sum(len(c["choices"][0]["logprobs"]["content"]) for c in streamed if c["choices"]) == 1
+
+
+@pytest.mark.parametrize("prompt", ["the cat sat on", "hello world", "one two three"])
+def test_completion_tokens_count_one_per_logprobs_entry(client, prompt):
+    r = client.post("/v1/completions", json={"model": "tiny-lm-all", "prompt": prompt, "max_tokens": 12,
+                                             "temperature": 0, "logprobs": 1}).json()
+    assert r["usage"]["completion_tokens"] == len(r["choices"][0]["logprobs"]["tokens"]) <= 12

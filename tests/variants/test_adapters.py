@@ -127,11 +127,11 @@ def test_an_adapter_added_over_http_is_served_without_restart(setup, tmp_path):
                    headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 201 and r.json()["kind"] == "lora" and r.json()["parent"] == "tiny-lm"
         card = next(m for m in c.get("/v1/models").json()["data"] if m["id"] == "new")
-        assert card["kind"] == "lora" and card["residency"] == "disk"
+        assert card["kind"] == "lora" and card["residency"] == "cold"
         out = c.post("/v1/completions", json={"model": "new", **prompt})
         assert out.status_code == 200
         card = next(m for m in c.get("/v1/models").json()["data"] if m["id"] == "new")
-        assert card["residency"] == "device"
+        assert card["residency"] == "hot"
 
 
 def test_adapter_train_then_store_add_then_serve(setup, tmp_path, capsys):
