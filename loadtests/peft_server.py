@@ -25,8 +25,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 @torch.no_grad()
 def generate_rows(model, rows: list[list[int]], max_new: list[int], pad_id: int, eos_ids: list[int],
                   adapter_names: list[str] | None = None) -> list[list[int]]:
-    """Greedy continuations of token-id rows in one left-padded batch, each cut to its own max_new and before
-    its first eos; adapter_names (one per row) is PEFT's mixed batch."""
+    """Greedy continuations of token-id rows in one left-padded batch, each cut to its own max_new and after
+    its first eos (which counts as a completion token, as Manyfold and vLLM count it); adapter_names (one per
+    row) is PEFT's mixed batch."""
     from transformers import GenerationConfig
 
     width = max(len(r) for r in rows)
@@ -42,7 +43,7 @@ def generate_rows(model, rows: list[list[int]], max_new: list[int], pad_id: int,
     result = []
     for i, n in enumerate(max_new):
         new = out[i, width:width + n].tolist()
-        cut = next((j for j, t in enumerate(new) if t in eos_ids), len(new))
+        cut = next((j + 1 for j, t in enumerate(new) if t in eos_ids), len(new))
         result.append(new[:cut])
     return result
 

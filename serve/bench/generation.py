@@ -38,7 +38,7 @@ async def _load(engine: Engine, models: list[str], rate: float, duration_s: floa
         t0 = time.perf_counter()
         gen = await engine.complete(model, params, messages=[{"role": "user", "content": prompt}])
         latencies.append(time.perf_counter() - t0)
-        tokens += len(gen.token_ids)
+        tokens += gen.completion_tokens
 
     forwards_before = (engine.batch_sizes.count, engine.batch_sizes.total)
     start = at = time.perf_counter()
