@@ -4,6 +4,7 @@ base dir + JSONL -> out_dir/{adapter_config.json, adapter_model.safetensors, tra
 adapter is written converted (rank 2r, relative to the original base), never raw.
 """
 
+import functools
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from serve.adapters.data import TrainExample, collate, read_jsonl, tokenize_examples
+from serve.adapters.validation import EarlyStopping
 from serve.errors import ConfigError
 from serve.store.writer import atomic_dir
 from serve.variants.lora import ADAPTER_CONFIG
@@ -82,8 +84,10 @@ def batches(features: list[dict[str, list[int]]], batch_size: int, seed: int,
 
 
 def train_steps(model, data: Iterator[dict[str, torch.Tensor]], steps: int, lr: float,
-                progress: Progress | None = None, desc: str = "train") -> list[dict[str, float]]:
-    """AdamW (no weight decay) on the trainable params, cosine schedule after a 10% warmup, grad norm <= 1."""
+                progress: Progress | None = None, desc: str = "train",
+                should_stop: Callable[[int, bool], bool] | None = None) -> list[dict[str, float]]:
+    """AdamW (no weight decay) on the trainable params, cosine schedule after a 10% warmup, grad norm <= 1.
+    should_stop(step, last) is asked after each step: True ends training there (early stopping)."""
     from tqdm import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -106,6 +110,8 @@ def train_steps(model, data: Iterator[dict[str, torch.Tensor]], steps: int, lr: 
             bar.update()
             if progress is not None:
                 progress(step, loss.item())
+            if should_stop is not None and should_stop(step, step == steps):
+                break
     model.eval()
     return log
 
@@ -128,12 +134,13 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
                   init: str = "pissa", rank: int = 16, alpha: float | None = None, steps: int = 100,
                   lr: float = 2e-4, batch_size: int = 4, max_length: int = 128,
                   target_modules: str | list[str] = "all-linear", seed: int = 0,
-                  progress: Progress | None = None) -> TrainResult:
+                  progress: Progress | None = None, early_stopping: EarlyStopping | None = None) -> TrainResult:
     """Train an adapter on base_dir and write its servable form to out_dir (atomically, a fresh directory).
 
     For a PiSSA init the untrained adapter (A0, B0) is saved in the staging dir, and peft's
     `save_pretrained(path_initial_model_for_weight_conversion=...)` writes the rank-2r LoRA
     ΔW = s [B1 | -B0] [A1 ; A0] on the original base (serve.adapters.convert.convert_pissa does the same).
+    With early_stopping, the adapter written is the one at its best validation, and the log holds the curve.
     """
     examples = read_jsonl(data) if isinstance(data, (str, Path)) else data
     if not examples or steps < 1 or batch_size < 1:
@@ -149,7 +156,14 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
         features = tokenize_examples(tok, examples, max_length)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         t0 = time.perf_counter()
-        log = train_steps(model, batches(features, batch_size, seed, pad), steps, lr, progress, f"{init} r={rank}")
+        stop = None
+        if early_stopping is not None:
+            early_stopping.check(model, 0)
+            stop = functools.partial(early_stopping.check, model)
+        log = train_steps(model, batches(features, batch_size, seed, pad), steps, lr, progress, f"{init} r={rank}",
+                          stop)
+        if early_stopping is not None:
+            early_stopping.restore(model)
         train_seconds = time.perf_counter() - t0
         save_servable(model, stage, initial)
         if initial is not None:
@@ -160,5 +174,7 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
                    "lr": lr, "batch_size": batch_size, "max_length": max_length, "seed": seed,
                    "target_modules": target_modules, "examples": len(examples), "trainable_params": trainable,
                    "init_seconds": init_seconds, "seconds": train_seconds, "log": log}
+        if early_stopping is not None:
+            summary["validation"] = {"curve": early_stopping.curve, "best_step": early_stopping.best_step}
         (stage / LOG_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return TrainResult(Path(out_dir), [e["loss"] for e in log], init_seconds, train_seconds, trainable)

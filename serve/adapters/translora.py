@@ -27,18 +27,21 @@ Choices the paper leaves open:
 import json
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
+from serve.adapters.load import load_lm  # noqa: F401  (callers load models through here)
 from serve.adapters.train import LOG_FILE, train_adapter
-from serve.errors import ArtifactError, ConfigError, ManyfoldError
+from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
+from serve.adapters.validation import (VALIDATION, EarlyStopping, completion_loss, read_validation, split_examples,
+                                       student_schedule, write_validation)
+from serve.errors import ArtifactError, ConfigError
 from serve.store.manifest import StrictModel
 from serve.store.writer import atomic_dir
 from serve.variants.lora import ADAPTER_CONFIG, TRANSLORA_DIR
@@ -66,11 +69,6 @@ class TaskInfo(StrictModel):
     """The adapter's rank as trained (a converted PiSSA adapter stores 2r): the student's rank by default."""
 
 
-class TransferFailed(ManyfoldError):
-    code = "transfer_failed"
-    http_status = 422
-
-
 def example_input(e: TrainExample) -> str:
     return e.prompt if isinstance(e, PromptExample) else " ".join(e.text.split()[:PREFIX_WORDS])
 
@@ -96,22 +94,6 @@ def generation_prompt(parts: list[str], name: str) -> str:
 
 def disc_prompt(x: str, name: str) -> str:
     return f"{x.strip()}\nIs the above text from the {name} data set?"
-
-
-def load_lm(base_dir: str | Path, adapter_dir: str | Path | None = None):
-    """A causal LM in fp32 (with a PEFT adapter if given) and its tokenizer, padding on the left for batches."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base_dir)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    return model.eval(), tok
 
 
 class _StopAfter:
@@ -215,16 +197,18 @@ def read_assets(adapter_dir: str | Path) -> tuple[TaskInfo, list[TrainExample], 
 
 
 def train_discriminator(base_dir: str | Path, adapter_dir: str | Path, examples: list[TrainExample], name: str,
-                        seeds: int = SEEDS, steps: int = DISC_STEPS, seed: int = 0) -> dict:
-    """Write TRANSLORA_DIR beside the adapter (atomically): the first `seeds` examples, the task's form, and a
-    discriminator trained on up to 32 real inputs against as many the base wrote from the seeds."""
+                        seeds: int = SEEDS, steps: int = DISC_STEPS, seed: int = 0, validation: int = VALIDATION
+                        ) -> dict:
+    """Write TRANSLORA_DIR beside the adapter (atomically): the first `seeds` examples, the next ones as a
+    validation set (validation.split_examples), the task's form, and a discriminator trained on up to 32 real
+    inputs (never the validation set's) against as many the base wrote from the seeds."""
     if len(examples) < seeds + 1:
         raise ConfigError(f"a discriminator needs more than {seeds} examples; got {len(examples)}")
     forms = {type(e) for e in examples}
     if len(forms) != 1:
         raise ConfigError("a discriminator needs examples of one form (all prompt-completion, or all text)")
-    kept = examples[:seeds]
-    real = [example_input(e) for e in examples[:32]]
+    kept, held, rest = split_examples(examples, seeds, validation)
+    real = [example_input(e) for e in (kept + rest)[:32]]
     model, tok = load_lm(base_dir)
     answer_tokens(tok)
     fake = generate_candidates(model, tok, [example_input(e) for e in kept], name, len(real), seed)
@@ -239,7 +223,9 @@ def train_discriminator(base_dir: str | Path, adapter_dir: str | Path, examples:
                                lr=5e-4, batch_size=8, max_length=160, seed=seed, progress=lambda *_: None)
         (stage / TASK_FILE).write_text(task.model_dump_json(indent=2) + "\n")
         (stage / SEEDS_FILE).write_text("".join(json.dumps(e.model_dump()) + "\n" for e in kept))
-    return {"real": len(real), "generated": len(fake), "losses": result.losses}
+        write_validation(stage, held)
+    return {"real": len(real), "generated": len(fake), "seeds": len(kept), "validation": len(held),
+            "losses": result.losses}
 
 
 def trained_rank(adapter_dir: str | Path) -> int | None:
@@ -271,6 +257,17 @@ class TransferReport:
     losses: list[float]
     seconds: dict[str, float]
     note: str = ""
+    steps: int = 0
+    """The student's planned steps (validation.student_schedule, or as given); early stopping may end it sooner."""
+    lr: float = 0.0
+    outcome: str = "student"
+    """What out_dir holds: "student" (trained on the target) or "unchanged" (the source adapter as it was, kept by
+    --keep-unchanged-if-better because it did better on validation; not transferred)."""
+    validation: dict = field(default_factory=dict)
+    """examples, from (the kept validation set, or the seeds for older assets), best_step, curve [{step, loss}]."""
+    compared: dict = field(default_factory=dict)
+    """transfer_guard.Comparison: validation losses on the target of the student, the target alone and the source
+    adapter unchanged (None where it does not fit; `unfit` says why)."""
 
 
 def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
@@ -300,14 +297,39 @@ def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed
     return accepted, counts
 
 
+def validation_set(adapter_dir: str | Path, seeds: list[TrainExample]) -> tuple[list[PromptExample], str]:
+    """(the real examples a transfer is validated on, as input -> completion pairs; which they are): the
+    validation set kept beside the adapter, or for assets kept before there were validation sets, the seeds."""
+    examples = read_validation(adapter_dir)
+    source = "validation set" if examples is not None else "seeds (kept before validation sets were)"
+    return [PromptExample(prompt=example_input(e), completion=example_output(e))
+            for e in (examples if examples is not None else seeds)], source
+
+
+def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inputs: list[str], seed: int,
+          tick: Progress) -> list[TrainExample]:
+    """The teacher's (source base + adapter) greedy completions of `inputs`: the student's training set."""
+    teacher, tok = load_lm(source_base, adapter_dir)
+    max_new = max(4, int(1.5 * task.max_output_words * 2))  # about two tokens a word
+    outputs: list[str] = []
+    for i in range(0, len(inputs), 8):
+        outputs += _generate(teacher, tok, inputs[i:i + 8], max_new, sample=False, seed=seed)
+        tick("teach", len(outputs), len(inputs))
+    return [PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
+            for x, y in zip(inputs, outputs) if y.strip()]
+
+
 def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,
              samples: int = 64, max_attempts: int | None = None, use_filter: bool = True, init: str = "pissa",
-             rank: int | None = None, steps: int = 100, lr: float = 5e-4, seed: int = 0,
-             progress: Progress | None = None) -> TransferReport:
+             rank: int | None = None, steps: int | None = None, lr: float | None = None, seed: int = 0,
+             keep_unchanged_if_better: bool = False, progress: Progress | None = None) -> TransferReport:
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
-    its report and the task's seeds, so that it can move again). rank: the new adapter's; by default the
-    source adapter's as trained."""
+    its report and the task's seeds, so that it can move again) only if it beats the target alone on the
+    validation set (transfer_guard; else TransferFailed and nothing is written). rank: the new adapter's; by
+    default the source adapter's as trained. steps, lr: by default scaled to the accepted inputs
+    (validation.student_schedule); the student stops early on its validation loss and keeps its best point."""
     task, seeds, disc_dir = read_assets(adapter_dir)
+    held, held_from = validation_set(adapter_dir, seeds)
     max_attempts = max_attempts if max_attempts is not None else 4 * samples
     if samples < 1 or max_attempts < 1:
         raise ConfigError(f"samples and max_attempts must be >= 1; got {samples} and {max_attempts}")
@@ -324,74 +346,35 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
         raise TransferFailed(f"no generated input passed the discriminator in {counts['attempts']} attempts "
                              f"({samples} wanted): raise --max-attempts, or transfer without the filter")
     t0 = time.perf_counter()
-    teacher, tok = load_lm(source_base, adapter_dir)
-    max_new = max(4, int(1.5 * task.max_output_words * 2))  # about two tokens a word
-    outputs: list[str] = []
-    for i in range(0, len(accepted), 8):
-        outputs += _generate(teacher, tok, accepted[i:i + 8], max_new, sample=False, seed=seed)
-        tick("teach", len(outputs), len(accepted))
-    del teacher
+    data = teach(source_base, adapter_dir, task, accepted, seed, tick)
     times["teacher"] = time.perf_counter() - t0
-    data = [PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
-            for x, y in zip(accepted, outputs) if y.strip()]
+    steps, lr = student_schedule(len(data), steps, lr)
     with atomic_dir(out_dir) as stage:
         t0 = time.perf_counter()
+        early = _early_stopping(target_base, held)
         result = train_adapter(target_base, data, stage, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
-                               progress=lambda step, loss: tick("train", step, steps))
+                               progress=lambda step, loss: tick("train", step, steps), early_stopping=early)
         times["train"] = time.perf_counter() - t0
+        comparison = compare(source_base, adapter_dir, target_base, stage, held)
+        outcome = choose(comparison, keep_unchanged_if_better)
+        if outcome == "unchanged":
+            keep_unchanged(adapter_dir, stage)
         note = "" if len(accepted) == samples else f"only {len(accepted)} of {samples} inputs accepted"
-        report = TransferReport(str(source_base), str(target_base), task.name, samples, counts["attempts"],
-                                len(accepted), counts["rejected"], counts["dropped"], counts["surplus"], use_filter,
-                                rank, result.losses, times, note)
+        report = TransferReport(
+            str(source_base), str(target_base), task.name, samples, counts["attempts"], len(accepted),
+            counts["rejected"], counts["dropped"], counts["surplus"], use_filter, rank, result.losses, times, note,
+            steps=steps, lr=lr, outcome=outcome,
+            validation={"examples": len(held), "from": held_from, "best_step": early.best_step, "curve": early.curve},
+            compared=asdict(comparison))
         shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, stage / TRANSLORA_DIR,
                         ignore=shutil.ignore_patterns(DISC_DIR))
         (stage / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
 
 
-def transferred_name(name: str, to_base: str) -> str:
-    """The store name of `name` moved to `to_base`."""
-    return f"{name}.{to_base}"
+def _early_stopping(target_base: str | Path, held: list[PromptExample]) -> EarlyStopping:
+    """Early stopping of a student on the target base by its loss on the real validation completions."""
+    from transformers import AutoTokenizer
 
-
-def transfer_store(store, from_base: str, to_base: str, **options) -> Iterator[tuple[str, str]]:
-    """Move every LoRA / PiSSA adapter of `from_base` to `to_base`: (outcome, one line of news) for each, the
-    outcome "moved", "done" (before), "skipped" (no discriminator beside it) or "failed" (the line says why; the
-    others still move). Each result is registered atomically as its own adapter, named by transferred_name; one
-    already there is not redone, so an interrupted run resumes."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from serve.store.manifest import Name
-    from serve.variants import variant_kind
-
-    store.base(from_base)
-    store.base(to_base)
-    adapters = sorted(v.name for v in store.manifest.variants.values()
-                      if v.base == from_base and v.kind in ("lora", "pissa"))
-    if not adapters:
-        yield "skipped", f"'{from_base}' has no adapters"
-    for name in adapters:
-        new = transferred_name(name, to_base)
-        if new in store.manifest.variants:
-            yield "done", f"{name}: done before, as '{new}'"
-            continue
-        try:
-            TypeAdapter(Name).validate_python(new)
-        except ValidationError:
-            yield "failed", f"{name}: failed: '{new}' is no valid variant name (at most 64 letters, digits, . _ -)"
-            continue
-        try:
-            read_assets(store.variant_dir(name))
-        except ArtifactError:
-            yield "skipped", f"{name}: skipped: no discriminator beside it (trained without --discriminator)"
-            continue
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                report = transfer(store.base_dir(from_base), store.variant_dir(name), store.base_dir(to_base),
-                                  Path(tmp) / "adapter", **options)
-                kind = "lora" if options.get("init") == "lora" else "pissa"
-                variant_kind(kind).add(store, new, to_base, Path(tmp) / "adapter")
-        except ManyfoldError as e:
-            yield "failed", f"{name}: failed: {e}"
-            continue
-        yield "moved", f"{name}: moved to '{new}' ({report.accepted} of {report.attempts} inputs accepted)"
+    tok = AutoTokenizer.from_pretrained(target_base)
+    return EarlyStopping(lambda model: completion_loss(model, tok, held))

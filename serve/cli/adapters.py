@@ -9,25 +9,30 @@ from serve.cli.console import progress
 
 
 def cmd_adapter_train(args: argparse.Namespace) -> None:
+    from serve.adapters.data import read_jsonl
     from serve.adapters.train import train_adapter
+    from serve.adapters.validation import split_examples
 
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
-    result = train_adapter(base_dir(args), Path(args.data), Path(args.out), init=args.init, rank=args.rank,
+    examples = read_jsonl(args.data)
+    if args.discriminator:  # the validation set is held out from the adapter too: nobody trains on it
+        seeds, held, rest = split_examples(examples, args.seeds, args.validation)
+        examples = seeds + rest
+    result = train_adapter(base_dir(args), examples, Path(args.out), init=args.init, rank=args.rank,
                            alpha=args.alpha, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                            max_length=args.max_length, target_modules=targets, seed=args.seed)
-    print(f"{result.out_dir}: {args.init} adapter, rank {args.rank}, {args.steps} steps, loss "
-          f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f} ({result.train_seconds:.0f} s); "
+    print(f"{result.out_dir}: {args.init} adapter, rank {args.rank}, {args.steps} steps on {len(examples)} "
+          f"examples, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} ({result.train_seconds:.0f} s); "
           f"train_log.json beside it")
     if args.discriminator:
-        from serve.adapters.data import read_jsonl
         from serve.adapters.translora import train_discriminator
 
         name = args.task_name or Path(args.data).stem
         d = train_discriminator(base_dir(args), result.out_dir, read_jsonl(args.data), name, seeds=args.seeds,
-                                seed=args.seed)
+                                seed=args.seed, validation=args.validation)
         print(f"{result.out_dir}/translora: a discriminator for '{name}' ({d['real']} real inputs against "
-              f"{d['generated']} generated, loss {d['losses'][0]:.3f} -> {d['losses'][-1]:.3f}) and "
-              f"{args.seeds} seed examples")
+              f"{d['generated']} generated, loss {d['losses'][0]:.3f} -> {d['losses'][-1]:.3f}); kept beside it: "
+              f"{d['seeds']} seed examples and {d['validation']} validation examples")
 
 
 def cmd_adapter_convert(args: argparse.Namespace) -> None:
@@ -38,18 +43,27 @@ def cmd_adapter_convert(args: argparse.Namespace) -> None:
 
 
 def _print_transfer(report, out: Path) -> None:
-    print(f"{out}: {report.accepted} of {report.attempts} generated inputs accepted"
+    from serve.adapters.transfer_guard import summary
+
+    kept = ("the source adapter unchanged (not transferred: it did better on validation)"
+            if report.outcome == "unchanged" else f"a student, best at step {report.validation['best_step']}")
+    print(f"{out}: {kept}; {report.accepted} of {report.attempts} generated inputs accepted"
           f"{'' if report.filtered else ' (no filter)'}; loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}; "
-          f"{out / 'translora_report.json'}" + (f"; {report.note}" if report.note else ""))
+          f"{summary(report.compared)}; {out / 'translora_report.json'}" + (f"; {report.note}" if report.note else ""))
 
 
 def cmd_translora(args: argparse.Namespace) -> None:
+    from serve.adapters.transfer_guard import TransferFailed
     from serve.adapters.translora import transfer
 
-    with progress("translora") as tick:
-        report = transfer(args.source_base, args.adapter, args.target_base, Path(args.out), samples=args.samples,
-                          max_attempts=args.max_attempts, use_filter=not args.no_filter, init=args.init,
-                          steps=args.steps, lr=args.lr, seed=args.seed, progress=lambda *a: tick(a))
+    try:
+        with progress("translora") as tick:
+            report = transfer(args.source_base, args.adapter, args.target_base, Path(args.out),
+                              samples=args.samples, max_attempts=args.max_attempts, use_filter=not args.no_filter,
+                              init=args.init, steps=args.steps, lr=args.lr, seed=args.seed,
+                              keep_unchanged_if_better=args.keep_unchanged_if_better, progress=lambda *a: tick(a))
+    except TransferFailed as e:
+        raise TransferFailed(f"{args.adapter}: failed: {e}; nothing written to {args.out}") from e
     _print_transfer(report, Path(args.out))
 
 
@@ -71,9 +85,13 @@ def add_adapter_commands(sub: argparse._SubParsersAction, default_store: str | N
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, help="a new directory")
     t.add_argument("--discriminator", action="store_true",
-                   help="also keep seed examples and train a Trans-LoRA discriminator beside the adapter")
+                   help="for Trans-LoRA: the data's owner consents to Manyfold keeping some of these examples beside "
+                        "the adapter (--seeds for the generator, --validation to check every transfer on, held out "
+                        "from training), and a discriminator is trained beside it")
     t.add_argument("--task-name", help="the task's name in the discriminator's prompt (default: the data file's)")
     t.add_argument("--seeds", type=int, default=5, help="seed examples kept for a later transfer")
+    t.add_argument("--validation", type=int, default=32,
+                   help="validation examples kept, at most (and at most half of those past the seeds)")
     cv = add_command(ad, "convert", cmd_adapter_convert,
                      "a trained PiSSA adapter -> a rank-2r LoRA on the original base")
     cv.add_argument("--adapter", required=True, help="the trained (raw) PiSSA adapter directory")
@@ -92,6 +110,17 @@ def add_translora_command(sub: argparse._SubParsersAction) -> None:
     tl.add_argument("--max-attempts", type=int, default=None, help="inputs generated at most (default: 4x samples)")
     tl.add_argument("--no-filter", action="store_true", help="keep every generated input (the ablation)")
     tl.add_argument("--init", default="pissa", help="the new adapter's init: pissa, pissa_niter_K or lora")
-    tl.add_argument("--steps", type=int, default=100)
-    tl.add_argument("--lr", type=float, default=5e-4)
-    tl.add_argument("--seed", type=int, default=0)
+    add_student_arguments(tl)
+
+
+def add_student_arguments(p: argparse.ArgumentParser) -> None:
+    """The student's options, shared by `translora` and `store translora`."""
+    p.add_argument("--steps", type=int, default=None,
+                   help="the student's steps at most (default: 10 epochs of the accepted inputs, 20 to 200); it "
+                        "stops early on its validation loss and keeps its best point")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the student's lr (default: 5e-4 x accepted / 64, at most 5e-4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-unchanged-if-better", action="store_true",
+                   help="where the source adapter applied unchanged to the target (same tokenizer and shapes) does "
+                        "better on validation than the student, keep that instead (marked as not transferred)")

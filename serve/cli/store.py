@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from serve.cli.adapters import add_student_arguments
 from serve.cli.args import add_command, open_store
 from serve.cli.codecs import neuzip_summary
 from serve.cli.console import human_bytes, progress
@@ -162,16 +163,19 @@ def cmd_store_extract(args: argparse.Namespace) -> None:
 
 
 def cmd_store_translora(args: argparse.Namespace) -> None:
-    from serve.adapters.translora import TransferFailed, transfer_store
+    from serve.adapters.transfer_guard import TransferFailed
+    from serve.adapters.translora_store import transfer_store
 
     failed = 0
     for outcome, line in transfer_store(open_store(args), args.from_base, args.to_base, samples=args.samples,
-                                        max_attempts=args.max_attempts, steps=args.steps, lr=args.lr, seed=args.seed):
+                                        max_attempts=args.max_attempts, steps=args.steps, lr=args.lr, seed=args.seed,
+                                        keep_unchanged_if_better=args.keep_unchanged_if_better):
         print(line, flush=True)
         failed += outcome == "failed"
     if failed:
-        raise TransferFailed(f"{failed} adapter{'s' if failed > 1 else ''} could not move (above); the others "
-                             f"did, and a second run retries only what is not done")
+        raise TransferFailed(f"{failed} adapter{'s' if failed > 1 else ''} could not move (above, each by name; "
+                             f"nothing was registered for them); the others did, and a second run retries only what "
+                             f"is not done")
 
 
 COMMANDS = [("list", cmd_store_list, "list bases and variants with their sizes"),
@@ -199,9 +203,7 @@ def add_store_commands(sub: argparse._SubParsersAction, default_store: str | Non
     tr.add_argument("--to", dest="to_base", required=True, help="the base they move to")
     tr.add_argument("--samples", type=int, default=64)
     tr.add_argument("--max-attempts", type=int, default=None)
-    tr.add_argument("--steps", type=int, default=100)
-    tr.add_argument("--lr", type=float, default=5e-4)
-    tr.add_argument("--seed", type=int, default=0)
+    add_student_arguments(tr)
 
 
 def _add_add_arguments(add: argparse.ArgumentParser) -> None:

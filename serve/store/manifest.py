@@ -107,6 +107,10 @@ class _AdapterEntry(_Labelled):
     """The largest rank over its modules, as served (a converted PiSSA adapter's 2r)."""
     target_modules: tuple[str, ...]
     """Base module names it corrects (a JSON list in the file)."""
+    translora: Literal["student", "unchanged"] | None = None
+    """Set by `store translora`: "student" for an adapter Trans-LoRA trained on this base; "unchanged" for the
+    source adapter kept as it was (not transferred: it beat the student on validation, --keep-unchanged-if-better).
+    None for an adapter added directly (and in manifests written before the field existed)."""
 
     @field_validator("target_modules", mode="before")
     @classmethod

@@ -8,9 +8,10 @@ import shutil
 import pytest
 import torch
 
-from serve.adapters import translora
+from serve.adapters import translora, translora_store
 from serve.adapters.data import PromptExample
 from serve.adapters.train import train_adapter
+from serve.adapters.validation import read_validation
 from serve.errors import ConfigError
 from serve.store.store import Store
 from serve.variants import variant_kind
@@ -41,17 +42,26 @@ def source_adapter(bases, tmp_path_factory):
     out = tmp_path_factory.mktemp("adapter") / "toy"
     train_adapter(bases[0], toy_task(), out, init="pissa", rank=4, steps=4, progress=lambda *_: None)
     info = translora.train_discriminator(bases[0], out, toy_task(), "toy", steps=4)
-    assert info["real"] == 24 and info["generated"] == 24 and len(info["losses"]) == 4
+    assert info["real"] == 15 and info["generated"] == 15 and len(info["losses"]) == 4  # 24 less 9 held out
+    assert info["seeds"] == 5 and info["validation"] == 9
     return out
 
 
-def test_discriminator_keeps_seeds_and_task_beside_the_adapter(source_adapter):
+@pytest.fixture
+def any_student_passes(monkeypatch):
+    """For tests of what a store-wide transfer does around each transfer (resuming, skipping, failing one): the
+    guard's choice is made to keep every student, whatever its figures (test_transfer_guard.py tests the guard)."""
+    monkeypatch.setattr(translora, "choose", lambda comparison, keep_unchanged: "student")
+
+
+def test_discriminator_keeps_seeds_a_validation_set_and_task_beside_the_adapter(source_adapter):
     task, seeds, disc = translora.read_assets(source_adapter)
     assert task.name == "toy" and task.form == "prompt" and seeds == toy_task()[:5]
+    assert read_validation(source_adapter) == toy_task()[5:14]
     assert (disc / "adapter_model.safetensors").is_file()
 
 
-def test_transfer_across_architectures_and_tokenizers(bases, source_adapter, tmp_path):
+def test_transfer_across_architectures_and_tokenizers(bases, source_adapter, tmp_path, any_student_passes):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,6 +70,8 @@ def test_transfer_across_architectures_and_tokenizers(bases, source_adapter, tmp
     assert 1 <= report.accepted <= 4 and report.attempts <= 48 and len(report.losses) == 3
     assert report.accepted + report.rejected + report.dropped + report.surplus == report.attempts
     assert report.rank == 4  # the source's rank as trained; its converted PiSSA form stores 2r
+    assert report.validation["examples"] == 9 and report.compared["unchanged"] is None
+    assert report.compared["unfit"] == "the two bases' tokenizers differ"  # no unchanged adapter to compare with
     assert json.loads((tmp_path / "moved" / "adapter_config.json").read_text())["r"] == 8
     written = json.loads((tmp_path / "moved" / translora.REPORT_FILE).read_text())
     assert written["accepted"] == report.accepted and written["task"] == "toy"
@@ -89,7 +101,7 @@ def test_a_generator_that_never_passes_stops_at_the_cap(bases, source_adapter, t
 
 
 def test_store_transfer_skips_adapters_without_a_discriminator_and_resumes(bases, source_adapter, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, any_student_passes):
     store = Store(tmp_path / "store", create=True)
     store.add_base("llama", bases[0])
     store.add_base("llama2", write_tiny_causal(tmp_path / "llama2", seed=7, hidden=48))
@@ -110,12 +122,12 @@ def test_store_transfer_skips_adapters_without_a_discriminator_and_resumes(bases
     monkeypatch.setattr(translora, "transfer", failing_second)
     lines = []
     with pytest.raises(KeyboardInterrupt):
-        for _, line in translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2):
+        for _, line in translora_store.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2):
             lines.append(line)
     assert lines == ["a: moved to 'a.llama2' (" + lines[0].split(" (", 1)[1]]
     store.reload()
     assert "a.llama2" in store.manifest.variants and "b.llama2" not in store.manifest.variants
-    lines = [line for _, line in translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48,
+    lines = [line for _, line in translora_store.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48,
                                                           steps=2)]
     assert lines[0] == "a: done before, as 'a.llama2'" and lines[1].startswith("b: moved to 'b.llama2'")
     assert lines[2] == "plain: skipped: no discriminator beside it (trained without --discriminator)"
@@ -140,7 +152,8 @@ def test_the_cli_refuses_an_adapter_it_cannot_move_in_one_line(bases, source_ada
     assert str(adapter) in err and not (tmp_path / "moved").exists()
 
 
-def test_one_adapter_that_cannot_move_does_not_stop_the_others(bases, source_adapter, tmp_path, monkeypatch):
+def test_one_adapter_that_cannot_move_does_not_stop_the_others(bases, source_adapter, tmp_path, monkeypatch,
+                                                              any_student_passes):
     store = Store(tmp_path / "store", create=True)
     store.add_base("llama", bases[0])
     store.add_base("llama2", write_tiny_causal(tmp_path / "llama2", seed=7, hidden=48))
@@ -154,7 +167,7 @@ def test_one_adapter_that_cannot_move_does_not_stop_the_others(bases, source_ada
         return real(*args, **kwargs)
 
     monkeypatch.setattr(translora, "transfer", a_fails)
-    out = list(translora.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2))
+    out = list(translora_store.transfer_store(store, "llama", "llama2", samples=2, max_attempts=48, steps=2))
     assert [o for o, _ in out] == ["failed", "moved"]
     assert out[0][1] == "a: failed: no generated input passed the discriminator"
     store.reload()
@@ -167,11 +180,11 @@ def test_a_name_too_long_once_moved_fails_before_any_work(bases, source_adapter,
     store.add_base("b" * 60, write_tiny_causal(tmp_path / "llama2", seed=7, hidden=48))
     variant_kind("pissa").add(store, "adapter", "llama", source_adapter)
     monkeypatch.setattr(translora, "transfer", lambda *a, **k: pytest.fail("transferred"))
-    [(outcome, line)] = translora.transfer_store(store, "llama", "b" * 60)
+    [(outcome, line)] = translora_store.transfer_store(store, "llama", "b" * 60)
     assert outcome == "failed" and "is no valid variant name" in line
 
 
-def test_a_lora_source_moves_at_its_own_rank(bases, tmp_path):
+def test_a_lora_source_moves_at_its_own_rank(bases, tmp_path, any_student_passes):
     src = tmp_path / "lora"
     train_adapter(bases[0], toy_task(), src, init="lora", rank=4, steps=2, progress=lambda *_: None)
     translora.train_discriminator(bases[0], src, toy_task(), "toy", steps=2)

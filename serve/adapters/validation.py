@@ -1,0 +1,124 @@
+"""Trans-LoRA's validation set: real examples kept beside an adapter that nobody trains on, the loss of their
+completions under a model, and the early stopping of a student on that loss.
+
+At `adapter train --discriminator` the owner's examples are split, in file order, into SEEDS seeds (shown to the
+generator), a validation set (at most VALIDATION, and at most half of what is left past the seeds) and the rest;
+the adapter and its discriminator train on the seeds and the rest, never on the validation set.
+"""
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from serve.adapters.data import IGNORE, PromptExample, TrainExample, collate, parse_example, tokenize_examples
+from serve.errors import ArtifactError
+from serve.variants.lora import TRANSLORA_DIR
+
+VALIDATION_FILE = "validation.jsonl"
+VALIDATION = 32
+EVAL_EVERY = 5
+"""Steps between two validations of a student (and always at its first and last step)."""
+PATIENCE = 4
+"""Validations without a new best before a student stops."""
+FULL_SET = 64
+"""Accepted examples at which a student gets the whole default lr; fewer get proportionally less."""
+EPOCHS, MIN_STEPS, MAX_STEPS = 10, 20, 200
+
+
+def validation_count(examples: int, seeds: int, most: int = VALIDATION) -> int:
+    """How many examples to hold out: half of those past the seeds, at most `most`, at least one."""
+    return max(1, min(most, (examples - seeds) // 2))
+
+
+def split_examples(examples: list[TrainExample], seeds: int, most: int = VALIDATION
+                   ) -> tuple[list[TrainExample], list[TrainExample], list[TrainExample]]:
+    """(seeds, validation, rest) in file order; training may use the seeds and the rest, never the validation."""
+    v = validation_count(len(examples), seeds, most)
+    return examples[:seeds], examples[seeds:seeds + v], examples[seeds + v:]
+
+
+def write_validation(root: Path, examples: list[TrainExample]) -> None:
+    (root / VALIDATION_FILE).write_text("".join(json.dumps(e.model_dump()) + "\n" for e in examples))
+
+
+def read_validation(adapter_dir: str | Path) -> list[TrainExample] | None:
+    """The validation examples kept beside an adapter; None for assets kept before validation sets were."""
+    path = Path(adapter_dir) / TRANSLORA_DIR / VALIDATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        examples = [parse_example(json.loads(line)) for line in path.read_text().splitlines() if line]
+    except ValueError as e:
+        raise ArtifactError(f"{path}: malformed validation examples ({str(e).splitlines()[0]})") from None
+    if not examples:
+        raise ArtifactError(f"{path}: no validation examples")
+    return examples
+
+
+@torch.no_grad()
+def completion_loss(model, tok, examples: list[PromptExample], max_length: int = 128, batch: int = 8) -> float:
+    """Mean cross-entropy per completion token (eos included) over every example: lower is better, and it
+    compares models of one tokenizer on the same texts."""
+    features = tokenize_examples(tok, examples, max_length)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    total, count = 0.0, 0
+    for i in range(0, len(features), batch):
+        b = collate(features[i:i + batch], pad)
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]  # [rows, t-1, vocab]
+        labels = b["labels"][:, 1:]  # [rows, t-1]
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                   ignore_index=IGNORE, reduction="sum").item()
+        count += int((labels != IGNORE).sum())
+    return total / max(count, 1)
+
+
+def student_schedule(accepted: int, steps: int | None, lr: float | None,
+                     default_lr: float = 5e-4) -> tuple[int, float]:
+    """(steps, lr) of a student trained on `accepted` examples, where not given: EPOCHS epochs of batches of 4
+    (within MIN_STEPS..MAX_STEPS), and default_lr scaled by accepted / FULL_SET (at most 1): a few examples are
+    learnt by heart at a high rate, and early stopping only picks the best point of the path it is given."""
+    if steps is None:
+        steps = min(MAX_STEPS, max(MIN_STEPS, EPOCHS * math.ceil(accepted / 4)))
+    if lr is None:
+        lr = default_lr * min(1.0, accepted / FULL_SET)
+    return steps, lr
+
+
+@dataclass
+class EarlyStopping:
+    """Validate a training model at step 0, every `every` steps and at the last; keep a copy of its trainable
+    weights at the best loss, and say stop after `patience` validations without a new best. restore() puts the
+    best weights back, so what is saved is the best point, not the last."""
+
+    evaluate: Callable[[object], float]
+    """Called with the model in eval mode: the loss to minimise."""
+    every: int = EVAL_EVERY
+    patience: int = PATIENCE
+    curve: list[dict[str, float]] = field(default_factory=list)
+    best_step: int = 0
+    best_loss: float = math.inf
+    _best: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def check(self, model, step: int, last: bool = False) -> bool:
+        """Validate if this step is due; True when training should stop."""
+        if step % self.every and not last:
+            return False
+        was_training = model.training
+        model.eval()
+        loss = self.evaluate(model)
+        model.train(was_training)
+        self.curve.append({"step": step, "loss": loss})
+        if loss < self.best_loss:
+            self.best_step, self.best_loss = step, loss
+            self._best = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        return step - self.best_step >= self.every * self.patience
+
+    @torch.no_grad()
+    def restore(self, model) -> None:
+        for n, p in model.named_parameters():
+            if n in self._best:
+                p.copy_(self._best[n])
