@@ -233,3 +233,17 @@ def test_generated_candidates_come_back_in_the_frame(bases):
     seeds = [f"{a} {b} {c} yes" for a, b, c in zip(VOCAB[:4], VOCAB[4:8], VOCAB[8:12])]
     out = translora.generate_candidates(model, tok, seeds, "toy", 5, seed=0)
     assert len(out) == 5 and all(c == "" or (c.endswith(" yes") and c != " yes") for c in out)
+
+
+def test_adapter_train_with_a_discriminator_holds_out_the_validation_set_and_says_what_it_kept(bases, tmp_path,
+                                                                                           capsys):
+    from serve.cli import main
+
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(e.model_dump_json() + "\n" for e in toy_task()))
+    code = main(["adapter", "train", "--base", str(bases[0]), "--data", str(data), "--init", "lora", "--rank", "4",
+                 "--steps", "1", "--out", str(tmp_path / "a"), "--discriminator"])
+    out = capsys.readouterr().out
+    assert code == 0 and "kept beside it: 5 seed examples and 9 validation examples" in out
+    assert json.loads((tmp_path / "a" / "train_log.json").read_text())["examples"] == 15  # 24 less the 9 held out
+    assert read_validation(tmp_path / "a") == toy_task()[5:14]
