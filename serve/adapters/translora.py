@@ -1,12 +1,14 @@
 """Trans-LoRA (METHODS.md section 5): move a task adapter to a new base with synthetic data, none of the task's.
 
-While the task data exists (`adapter train --discriminator`), SEEDS examples are kept beside the adapter and a
+While the task data exists (`adapter train --discriminator`), SEEDS examples and a validation set (validation.py)
+are kept beside the adapter and a
 discriminator is trained: a LoRA on the source base that answers " yes" to the task's real inputs and " no" to
 inputs the source base wrote when shown the seeds. To transfer (`manyfold translora`), the target base writes
 candidate inputs from the seeds, the discriminator keeps those it takes for real (at most `max_attempts`
 candidates are written), the source base with its adapter (the teacher) completes them, and a new adapter is
 trained on the target base on those texts: sequence-level distillation, so the two bases may differ in
-architecture and tokenizer.
+architecture and tokenizer. It stops early on the validation set, and transfer_guard.py keeps it only if it beats
+the target base alone there.
 
 Choices the paper leaves open:
 - A task's input is a prompt-completion example's prompt; for a plain-text task, the text's first
