@@ -175,8 +175,9 @@ def test_residency_tells_the_fast_tier_from_host_memory_from_disk_on_a_cpu_serve
         assert c.post("/v1/completions", json={**body, "model": "tiny-lm-top"}).status_code == 200  # demotes it
         cards = {m["id"]: m["residency"] for m in c.get("/v1/models").json()["data"]}
         families = text_string_to_metric_families(c.get("/metrics").text)
-    assert cards == {"tiny-lm": "hot", "tiny-lm-top": "hot", "tiny-lm-all": "warm", "minilm": "hot",
-                     "minilm-clf": "cold"}
+    named = {"tiny-lm": "hot", "tiny-lm-top": "hot", "tiny-lm-all": "warm", "minilm": "hot", "minilm-clf": "cold"}
+    assert {m: cards[m] for m in named} == named  # other tests' variants in the shared store: never loaded here
+    assert set(cards.values()) <= {"hot", "warm", "cold"}
     gauge = {s.labels["model"]: s.labels["tier"] for f in families if f.name == "manyfold_variant_resident"
              for s in f.samples if s.value == 1.0}
     assert gauge == cards
