@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from serve.store.store import is_tokenizer_file
+from serve.store.store import is_causal_lm, is_tokenizer_file
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "system:", "user:", "assistant:"] + (
     "the a cat dog sat on mat and ran to house tree big small red blue green one two three four five six "
@@ -46,7 +46,7 @@ def write_perturbed(src: Path, dst: Path, seed: int, scale: float = 0.02, only: 
         model = AutoModelForSequenceClassification.from_pretrained(
             src, num_labels=len(labels), id2label=dict(enumerate(labels)),
             label2id={label: i for i, label in enumerate(labels)})
-    elif any(a.endswith("ForCausalLM") for a in config.architectures or []):
+    elif is_causal_lm(config.architectures):
         model = AutoModelForCausalLM.from_pretrained(src)
     else:
         model = AutoModel.from_pretrained(src)
@@ -73,7 +73,7 @@ def write_lora(src: Path, dst: Path, seed: int, r: int, targets: list[str], clas
         model = AutoModelForSequenceClassification.from_pretrained(
             src, num_labels=len(classes), id2label=dict(enumerate(classes)))
         options.setdefault("task_type", "SEQ_CLS")
-    elif any(a.endswith("ForCausalLM") for a in AutoConfig.from_pretrained(src).architectures or []):
+    elif is_causal_lm(AutoConfig.from_pretrained(src).architectures):
         model = AutoModelForCausalLM.from_pretrained(src)
     else:
         model = AutoModel.from_pretrained(src)
@@ -103,19 +103,20 @@ def write_tiny_bert(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def write_tiny_gpt2(path: Path, seed: int = 0) -> Path:
+def write_tiny_gpt2(path: Path, seed: int = 0, pad: bool = True) -> Path:
     """A tiny random GPT-2 whose tokenizer numbers the words in another order than write_tiny_causal's: another
-    architecture and another tokenizer, for moving adapters between bases."""
+    architecture and another tokenizer, for moving adapters between bases. pad=False: no pad token, as the real
+    GPT-2 has none."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     words = WORDS[:4] + WORDS[:3:-1]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            **({"pad_token": "<pad>"} if pad else {})).save_pretrained(path)
     cfg = GPT2Config(vocab_size=len(words), n_embd=48, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
-                     eos_token_id=2, pad_token_id=0, initializer_range=0.5)
+                     eos_token_id=2, pad_token_id=0 if pad else None, initializer_range=0.5)
     torch.manual_seed(seed)
     GPT2LMHeadModel(cfg).save_pretrained(path)
     return path

@@ -29,7 +29,7 @@ from serve.bench.report import machine
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
-from serve.store.store import Store
+from serve.store.store import Store, is_causal_lm
 from serve.variants.full import extract_full_variant
 
 TEXT = "The central bank raised interest rates again as inflation stayed high."
@@ -144,7 +144,7 @@ def run_coldstart_bench(store_dir: Path | None, out: Path, repeats: int = 3) -> 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in store.manifest.variants.values():
-            causal = v.architecture.endswith("ForCausalLM")
+            causal = is_causal_lm(v.architecture)
             ref_dir = extract_full_variant(store, v.name, Path(tmp) / v.name)
             rows.append(asyncio.run(_measure(engine, store, v.name, v.base, causal, ref_dir, repeats)))
     _print_table(rows, repeats)

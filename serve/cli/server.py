@@ -42,7 +42,7 @@ def _serve_config(args: argparse.Namespace, store: Path | None):
 
 
 def _print_examples(url: str, config) -> None:
-    from serve.store.store import Store
+    from serve.store.store import Store, is_causal_lm
 
     store = Store(config.store)
     lines = [f"serving {config.store} at {url}  (Ctrl-C to stop)", "", "try:"]
@@ -51,7 +51,7 @@ def _print_examples(url: str, config) -> None:
         lines.append(f"  curl -s {url}/v1/classify -H 'Content-Type: application/json' "
                      f"-d '{{\"model\": \"{classifiers[0]}\", \"input\": \"a short text to classify\"}}'")
     for b in store.manifest.bases.values():
-        if b.architecture.endswith("ForCausalLM"):
+        if is_causal_lm(b.architecture):
             lines.append(f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
                          f"-d '{{\"model\": \"{b.name}\", \"messages\": [{{\"role\": \"user\", "
                          f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")

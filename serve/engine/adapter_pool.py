@@ -40,7 +40,7 @@ class Bucket:
 
     def __init__(self, key: BucketKey, base: BaseView, device: torch.device):
         self.rank, self.modules = key
-        self.weights = {m: base.modules[m].weight for m in self.modules}
+        self.modules_of = {m: base.modules[m] for m in self.modules}
         self.device = device
         self.a: dict[str, torch.Tensor] = {}
         """module -> [rows, R, in]: each row's A, zero beyond its own rank."""
@@ -82,10 +82,11 @@ class Bucket:
         left unwritten: no segment reads them, and `put` writes every element of a row it takes."""
         prefix = keep == list(range(len(keep)))  # growing: the old rows stay where they are
         idx = None if prefix else torch.tensor(keep, dtype=torch.long, device=self.device)
-        for m, w in self.weights.items():
-            out_f, in_f = w.shape
-            a = torch.empty((rows, self.rank, in_f), dtype=w.dtype, device=self.device)
-            bt = torch.empty((rows, self.rank, out_f), dtype=w.dtype, device=self.device)
+        for m, module in self.modules_of.items():
+            in_f, out_f = matmul_dims(module)
+            dtype = module.weight.dtype
+            a = torch.empty((rows, self.rank, in_f), dtype=dtype, device=self.device)
+            bt = torch.empty((rows, self.rank, out_f), dtype=dtype, device=self.device)
             scale = torch.zeros(rows, dtype=torch.float32, device=self.device)
             for new, old in ((a, self.a), (bt, self.bt), (scale, self.scale)):
                 if keep:
@@ -109,6 +110,18 @@ class Bucket:
         for scale in self.scale.values():
             scale[row] = 0.0
         self.owners[row] = None
+
+
+def matmul_dims(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a layer computing x W^T (Linear: W is [out, in]) or x W (GPT-2's Conv1D: W is [in, out]);
+    None for any other module, which an adapter cannot target."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return None
 
 
 def bucket_key(variant: LoadedVariant) -> BucketKey:
@@ -149,8 +162,13 @@ class AdapterPool(TableSlots):
             if rank > self.max_rank:
                 raise VariantIncompatible(f"adapter '{variant.name}' has rank {rank} at '{module}'; the slot "
                                           f"maximum is {self.max_rank}")
-            if not isinstance(self.base.modules.get(module), torch.nn.Linear):
+            dims = matmul_dims(self.base.modules.get(module))
+            if dims is None:
                 raise VariantIncompatible(f"adapter '{variant.name}': '{module}' is no linear layer of the base")
+            got = (variant.tensors[f"{module}.A"].shape[1], variant.tensors[f"{module}.B"].shape[0])
+            if got != dims:
+                raise VariantIncompatible(f"adapter '{variant.name}' maps {got[0]} -> {got[1]} at '{module}'; the "
+                                          f"base's layer maps {dims[0]} -> {dims[1]}")
         need = bucket_row_bytes(bucket_key(variant), self.base)
         if need > self.budget:
             raise VariantIncompatible(f"adapter '{variant.name}' needs {need / MIB:.1f} MiB in the adapter pool; "

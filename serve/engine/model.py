@@ -25,6 +25,7 @@ from serve.engine.prompts import Prompts, token_counts
 from serve.engine.stats import Seconds
 from serve.errors import BadRequest
 from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile
+from serve.store.store import is_causal_lm
 from serve.store.tensors import SafetensorsSource, tensor_digest
 from serve.variants.base import BaseView, LoadedVariant
 
@@ -38,7 +39,7 @@ class BaseModelRuntime:
         self.name = name
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(model_dir)
-        self.causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+        self.causal = is_causal_lm(config.architectures)
         cls = AutoModelForCausalLM if self.causal else AutoModel
         nzp_path = Path(model_dir) / NEUZIP_FILE
         streams = {}

@@ -307,6 +307,16 @@ def architecture_of(config: dict, where: Path) -> str:
     return archs[0]
 
 
+def is_causal_lm(architectures: list[str] | str | None) -> bool:
+    """Whether AutoModelForCausalLM builds any of these architectures, by transformers' own mapping: GPT-2's
+    GPT2LMHeadModel is causal though its name does not end in ForCausalLM. The class name decides, not the
+    config's model type: the mapping also holds a causal head for encoders (bert: BertLMHeadModel)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = [architectures] if isinstance(architectures, str) else architectures or []
+    return any(a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for a in names)
+
+
 TOKENIZER_FILES = ("vocab.txt", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
 
 

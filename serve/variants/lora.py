@@ -1,8 +1,9 @@
 """PEFT LoRA adapters (kind "lora"): validated against their base, stored as given, applied per row.
 
-For the rows of an adapter each targeted Linear adds `s (x A^T) B^T` with PEFT's conventions: A is
-(r, in), B is (out, r), s = alpha / r (alpha / sqrt(r) with rslora), r and alpha per module through
-`rank_pattern` / `alpha_pattern`. A classifier adapter may carry its head through `modules_to_save`
+For the rows of an adapter each targeted Linear (or GPT-2 Conv1D) adds `s (x A^T) B^T` with PEFT's
+conventions: A is (r, in), B is (out, r), s = alpha / r (alpha / sqrt(r) with rslora), r and alpha per module
+through `rank_pattern` / `alpha_pattern`. fan_in_fan_out (PEFT sets it for Conv1D) only says the base weight
+is stored (in, out); the correction is the same. A classifier adapter may carry its head through `modules_to_save`
 (classifier or score): heads are per row. Every other PEFT option that changes the maths is refused by name.
 """
 
@@ -45,7 +46,7 @@ kept with the adapter in the store."""
 _MUTATED_BASE_INITS = ("olora", "corda", "loftq", "lora_ga")
 """init_lora_weights whose adapter is relative to a changed base, not the one it names."""
 _UNSUPPORTED = {  # option: the value that means "not used"
-    "use_dora": False, "lora_bias": False, "bias": "none", "fan_in_fan_out": False, "layer_replication": None,
+    "use_dora": False, "lora_bias": False, "bias": "none", "layer_replication": None,
     "trainable_token_indices": None, "target_parameters": None, "use_qalora": False,
     "alora_invocation_tokens": None, "use_bdlora": None, "megatron_config": None,
 }
@@ -127,7 +128,8 @@ def parse_adapter(path: Path, shapes: dict[str, list[int]], base: str, max_rank:
                   ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, float]], dict[str, torch.Tensor]]:
     """A PEFT adapter directory against its base's tensor shapes -> ({base module: (A, B, scale)}, head).
 
-    Every module must be a 2-D weight of the base with A (r, in) and B (out, r), r <= max_rank."""
+    Every module must be a 2-D weight of the base with A (r, in) and B (out, r), r <= max_rank; the weight is
+    (out, in), or (in, out) where the adapter says fan_in_fan_out (Conv1D)."""
     cfg, tensors = read_peft_adapter(path)
     check_servable(path, cfg)
     heads = tuple(cfg.get("modules_to_save") or ())
@@ -159,7 +161,7 @@ def _check_module(module: str, a: torch.Tensor, b: torch.Tensor, cfg: dict, shap
     target = match_base_name(f"{module}.weight", set(shapes))
     if target is None or len(shapes[target]) != 2:
         raise VariantIncompatible(f"adapter module '{module}' is no linear layer of base '{base}'")
-    out_f, in_f = shapes[target]
+    out_f, in_f = reversed(shapes[target]) if cfg.get("fan_in_fan_out") else shapes[target]
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or not a.is_floating_point():
         raise VariantIncompatible(f"adapter module '{module}': lora_A {list(a.shape)} and lora_B {list(b.shape)} "
                                   f"are no rank-r pair")
