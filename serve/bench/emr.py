@@ -11,7 +11,9 @@ SMS spam: full fine-tunes of every weight), against the alternatives METHODS.md 
    weights; tau_uni once per group.
 3. Time of one forward of `--rows` rows of 64 tokens mixing the three EMR tasks and the base (rows round robin),
    against the base alone and against dense forwards of the reconstructed task models (one a task, plus the
-   base rows' own), and where EMR's extra time goes (kernels.emr_delta over every Linear, its unpacking alone).
+   base rows' own), and the same forward with the masked delta for every EMR row (no task's weights formed:
+   serve/engine/emr_slots.py DENSE_MIN_TOKENS), and where that delta's time goes (kernels.emr_delta over every
+   Linear, its unpacking alone).
 """
 
 import random
@@ -27,6 +29,7 @@ from serve.bench.report import NO_GPU, finish, machine, median_time
 from serve.codecs import emr
 from serve.data.datasets import CLASSIFICATION
 from serve.demo import EMR_GROUPS, TASKS, build_demo_store, examples_accuracy
+from serve.engine import emr_slots
 from serve.engine.batch import BASE_ROW, BatchPlan
 from serve.engine.model import BaseModelRuntime
 from serve.store.tensors import SafetensorsSource
@@ -150,6 +153,8 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
         times = {
             "base alone": median_time(lambda: rt.call(base_plan, input_ids=ids), repeats, warmup=True),
             "EMR: 3 tasks + base, one forward": median_time(lambda: rt.call(plan, input_ids=ids), repeats, warmup=True),
+            "EMR, masked delta only (no task formed)": _masked_only(lambda: median_time(
+                lambda: rt.call(plan, input_ids=ids), repeats, warmup=True)),
             "dense: one forward a task + the base's": median_time(lambda: (
                 rt.call(base_rows_plan, input_ids=ids[base_rows]),
                 [dense[m.name](input_ids=ids[rows_of[m.name]]) for m in members]), repeats, warmup=True),
@@ -177,6 +182,17 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
         for s in slots:
             rt.detach(s)
     return {k: v * 1e3 for k, v in times.items()}
+
+
+def _masked_only(measure):
+    """measure() with no task's weights formed (serve/engine/emr_slots.py DENSE_MIN_TOKENS): the masked delta
+    for every EMR row, as served before tasks were formed."""
+    saved = dict(emr_slots.DENSE_MIN_TOKENS)
+    emr_slots.DENSE_MIN_TOKENS.update({k: None for k in saved})
+    try:
+        return measure()
+    finally:
+        emr_slots.DENSE_MIN_TOKENS.update(saved)
 
 
 def run_emr_bench(out: Path, examples: int = 500, rows: int = 16, repeats: int = 5) -> dict:

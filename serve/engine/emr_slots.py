@@ -4,7 +4,7 @@ serve/engine/slots.py for what a family is, serve/codecs/emr.py for the maths)."
 import torch
 from torch.func import functional_call
 
-from kernels import emr_delta, masked, unpack_bits
+from kernels import NO_SLOT, emr_delta, masked, unpack_bits
 from serve.config import SlotsConfig
 from serve.codecs.emr import reconstruct
 from serve.engine.batch import BatchPlan
@@ -13,11 +13,25 @@ from serve.errors import VariantIncompatible
 from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
 
 
+DENSE_MIN_TOKENS: dict[str, int | None] = {"cpu": 1}
+"""Per device type, the tokens of one task in a forward from which its Linear weights are formed (W_t_hat, one
+module at a time, dropped after it) and its rows run through them instead of the base plus the masked delta;
+None: never. Chosen by measurement (MiniLM's three Linear shapes, fp32, 2-core AMD EPYC shared with other work,
+median of 7): base matmul + masked delta against forming + one matmul, in ms, for 1 / 16 / 256 tokens of a task:
+384x384 0.32/0.33/0.93 against 0.16/0.24/0.49; 1536x384 0.51/0.65/6.35 against 0.27/0.45/2.01; 384x1536
+0.33/0.63/3.49 against 0.25/0.44/1.86. On CPU the masked delta unpacks the mask (the same pass over the
+weights as forming) and then adds a matmul as large as the base's, so forming wins from one token: K = 1. CUDA
+keeps the masked delta (its Triton kernel unpacks in registers and reads tau_uni once for every task of a tile;
+not measured here)."""
+
+
 @register_family
 class EmrSlots(Slots):
     """Family "emr:<group>": the tasks of one EMR group, slot = the task's index in its bundle. Rows of task t add
     lambda_t x (M_t * tau_uni)^T in every module the group merged (serve/codecs/emr.py):
-    - Linear weights through kernels.emr_delta (masks read packed; tau_uni shared by all the group's rows);
+    - Linear modules, for a task with at least DENSE_MIN_TOKENS tokens in the forward (see there): the task's
+      weights W_t_hat = W + lambda_t M_t * tau_uni formed for the module and its rows run through them whole
+      (claims: the base skips them); for the other tasks' rows, kernels.emr_delta (masks read packed);
     - Embedding weights per token: tau_uni's rows for the token ids, under the task's mask rows;
     - every other merged tensor (norms, biases elsewhere) is small: the task's W_t_hat is formed for the
       forward and the module run on the task's rows with it, as a full variant's.
@@ -84,13 +98,23 @@ class EmrSlots(Slots):
     def touches(self, name: str, plan: BatchPlan) -> bool:
         return name in self.merged
 
+    def claims(self, name: str, plan: BatchPlan, tokens_per_row: int) -> list[int]:
+        return [r for _, rows in self._dense_groups(name, plan, tokens_per_row) for r in rows.tolist()]
+
+    def _dense_groups(self, name: str, plan: BatchPlan, tokens_per_row: int) -> list[tuple[int, torch.Tensor]]:
+        """(slot, rows) of the tasks whose rows run module `name` with their own formed weights (DENSE_MIN_TOKENS)."""
+        k = DENSE_MIN_TOKENS.get(self.device.type)
+        if k is None or name not in self.merged or not isinstance(self.base.modules.get(name), torch.nn.Linear):
+            return []
+        return [(slot, rows) for slot, rows in plan.groups(self.family) if rows.numel() * tokens_per_row >= k]
+
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
         merged = self.merged[name]
         if isinstance(module, torch.nn.Embedding):
             return self._embedding(merged, x, y, plan)
         if isinstance(module, torch.nn.Linear):
-            return self._linear(merged, x, y, plan)
+            return self._linear(name, module, merged, x, y, plan)
         for slot, rows in plan.groups(self.family):  # norms and the like: small, formed per task
             params = {local: reconstruct(getattr(module, local), tau, _unpacked(masks[slot], tau), self._scale(slot))
                       for local, tau, masks in merged}
@@ -100,10 +124,27 @@ class EmrSlots(Slots):
     def _scale(self, slot: int) -> float:
         return float(self.scale[slot])
 
-    def _linear(self, merged, x: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+    def _formed(self, w: torch.Tensor, tau: torch.Tensor, packed: torch.Tensor, slot: int) -> torch.Tensor:
+        """W_t_hat = W + lambda_t (M_t * tau_uni), summed in fp32, in W's dtype: reconstruct's value (what `emr
+        extract` writes), with the mask unpacked through kernels.masked's table (several times faster)."""
+        delta = masked(packed, tau).float().mul_(self._scale(slot))  # [*tau.shape]
+        return delta.add_(w.float()).to(w.dtype)
+
+    def _linear(self, name: str, module: torch.nn.Linear, merged, x: torch.Tensor, y: torch.Tensor,
+                plan: BatchPlan) -> torch.Tensor:
+        per_row = x[0].numel() // x.shape[-1]
+        dense = self._dense_groups(name, plan, per_row)
+        for slot, rows in dense:  # the rows the base skipped (claims): y[rows] is still to be written
+            params = {local: self._formed(getattr(module, local), tau, masks[slot], slot) for local, tau, masks in merged}
+            y[rows] = torch.nn.functional.linear(x[rows], params.get("weight", module.weight),
+                                                 params.get("bias", module.bias))  # [n, ..., out]
+        if len(dense) == len(plan.groups(self.family)):
+            return y
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]
         y2 = y.view(-1, y.shape[-1])  # [tokens, out]
-        seg = plan.segments(self.family, x2.shape[0])
+        formed = frozenset(slot for slot, _ in dense)
+        seg = plan.remapped_segments(self.family, ("masked", formed), lambda s: NO_SLOT if s in formed else s,
+                                     x2.shape[0])
         for local, tau, masks in merged:
             if local == "weight":
                 emr_delta(x2, tau, masks, self.scale, seg, y2)

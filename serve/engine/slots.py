@@ -58,6 +58,11 @@ class Slots(ABC):
     def forget(self, name: str) -> None:
         """The variant was removed or replaced: its slot must not serve the old contents again."""
 
+    def claims(self, name: str, plan: BatchPlan, tokens_per_row: int) -> list[int]:
+        """Rows whose output of module `name` this family computes whole in `apply` (the base's forward skips
+        them: their base matmul would be thrown away). Default: none, the family corrects the base's output."""
+        return []
+
     @abstractmethod
     def touches(self, name: str, plan: BatchPlan) -> bool:
         """Whether some slot of this forward corrects module `name` (if not, the module runs as the base)."""
