@@ -41,6 +41,9 @@ class SlotsConfig(StrictModel):
     """Memory for LoRA / PiSSA adapters in a base's adapter pool on the engine's device (serve/engine/adapter_pool.py):
     each costs what its rank costs; rows of adapters beyond it wait until others leave. Idle adapters stay until
     their room is needed (LRU)."""
+    emr_formed_mib: Annotated[float, Field(ge=0)] = 512
+    """Memory for EMR tasks' formed weights (W + lambda M * tau, serve/engine/emr_slots.py) kept between forwards,
+    per group: a hot task's rows run at dense speed without forming its weights again. 0: formed every forward."""
     max_rank: Annotated[int, Field(ge=1, le=1024)] = 64
     """Largest adapter rank a slot takes (a converted PiSSA adapter of rank r has 2r); larger ones are refused."""
 

@@ -153,6 +153,8 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
         times = {
             "base alone": median_time(lambda: rt.call(base_plan, input_ids=ids), repeats, warmup=True),
             "EMR: 3 tasks + base, one forward": median_time(lambda: rt.call(plan, input_ids=ids), repeats, warmup=True),
+            "EMR, formed every forward (none held)": _none_held(rt, lambda: median_time(
+                lambda: rt.call(plan, input_ids=ids), repeats, warmup=True)),
             "EMR, masked delta only (no task formed)": _masked_only(lambda: median_time(
                 lambda: rt.call(plan, input_ids=ids), repeats, warmup=True)),
             "dense: one forward a task + the base's": median_time(lambda: (
@@ -182,6 +184,19 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
         for s in slots:
             rt.detach(s)
     return {k: v * 1e3 for k, v in times.items()}
+
+
+def _none_held(rt: BaseModelRuntime, measure):
+    """measure() with no formed weights held between forwards (slots.emr_formed_mib 0): each forward forms its
+    tasks' weights, as the first forward of a task does."""
+    family = next(f for k, f in rt.families.items() if k.startswith("emr:"))
+    saved = family.formed.budget
+    family.formed.budget = 0
+    family.formed.clear()
+    try:
+        return measure()
+    finally:
+        family.formed.budget = saved
 
 
 def _masked_only(measure):

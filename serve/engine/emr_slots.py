@@ -1,6 +1,9 @@
 """EMR-Merging's correction family, "emr:<group>": the tasks of one EMR group sit in slots of their own (see
 serve/engine/slots.py for what a family is, serve/codecs/emr.py for the maths)."""
 
+from collections import OrderedDict
+from collections.abc import Callable
+
 import torch
 from torch.func import functional_call
 
@@ -15,7 +18,8 @@ from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
 
 DENSE_MIN_TOKENS: dict[str, int | None] = {"cpu": 1}
 """Per device type, the tokens of one task in a forward from which its Linear weights are formed (W_t_hat, one
-module at a time, dropped after it) and its rows run through them instead of the base plus the masked delta;
+module at a time, held between forwards in FormedWeights) and its rows run through them instead of the base plus
+the masked delta;
 None: never. Chosen by measurement (MiniLM's three Linear shapes, fp32, 2-core AMD EPYC shared with other work,
 median of 7): base matmul + masked delta against forming + one matmul, in ms, for 1 / 16 / 256 tokens of a task:
 384x384 0.32/0.33/0.93 against 0.16/0.24/0.49; 1536x384 0.51/0.65/6.35 against 0.27/0.45/2.01; 384x1536
@@ -23,6 +27,48 @@ median of 7): base matmul + masked delta against forming + one matmul, in ms, fo
 weights as forming) and then adds a matmul as large as the base's, so forming wins from one token: K = 1. CUDA
 keeps the masked delta (its Triton kernel unpacks in registers and reads tau_uni once for every task of a tile;
 not measured here)."""
+
+
+FormedKey = tuple[int, str, str]
+"""(task slot, module, parameter)."""
+
+
+class FormedWeights:
+    """Tasks' formed Linear weights kept between forwards within a byte budget (slots.emr_formed_mib): a decode
+    batch, or one classify batch after another, runs the same hot tasks forward after forward, and forming is a
+    pass over the module's weights. When the budget is full, the weights of tasks that have no row in this
+    forward leave first (least recently used first); if every holder runs now, the new one is used and dropped,
+    so tasks that take turns never push each other out on every forward."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.nbytes = 0
+        self.formed = 0
+        """Weights formed so far (held or not): what a held weight saves."""
+        self._held: OrderedDict[FormedKey, torch.Tensor] = OrderedDict()
+
+    def get(self, key: FormedKey, running: frozenset[int], form: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The held weight for key, or form() (held if the budget allows; `running`: slots with rows now)."""
+        held = self._held.get(key)
+        if held is not None:
+            self._held.move_to_end(key)
+            return held
+        w = form()
+        self.formed += 1
+        size = w.numel() * w.element_size()
+        for victim in [k for k in self._held if k[0] not in running]:
+            if self.nbytes + size <= self.budget:
+                break
+            gone = self._held.pop(victim)
+            self.nbytes -= gone.numel() * gone.element_size()
+        if self.nbytes + size <= self.budget:
+            self._held[key] = w
+            self.nbytes += size
+        return w
+
+    def clear(self) -> None:
+        self._held.clear()
+        self.nbytes = 0
 
 
 @register_family
@@ -51,6 +97,13 @@ class EmrSlots(Slots):
         """module -> [(parameter, tau_uni [shape], masks uint8 [tasks, *shape[:-1], ceil(shape[-1] / 8)])]."""
         self.scale: torch.Tensor | None = None
         """[tasks] fp32: each task's lambda."""
+        self.formed = FormedWeights(int(config.emr_formed_mib * (1 << 20)))
+        self._formed_of: LoadedVariant | None = None
+        """The group the held formed weights come from: they outlive its rows (the next batch uses them)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.formed.nbytes
 
     def check(self, variant: LoadedVariant) -> None:
         for name in variant.tensors:
@@ -81,11 +134,16 @@ class EmrSlots(Slots):
     def forget(self, name: str) -> None:
         if not any(self.refs.values()):
             self._use(None)
+            self.formed.clear()  # replaced or removed: no formed weight of it serves again
+            self._formed_of = None
 
     def _use(self, group: LoadedVariant | None) -> None:
         self.group, self.refs, self.merged, self.scale = group, {}, {}, None
         if group is None:
             return
+        if group is not self._formed_of:  # another load of the group (after an eviction) forms its own again
+            self.formed.clear()
+            self._formed_of = group
         for name, tau in group.tensors.items():
             if name.endswith(MASKS_SUFFIX):
                 continue
@@ -134,8 +192,12 @@ class EmrSlots(Slots):
                 plan: BatchPlan) -> torch.Tensor:
         per_row = x[0].numel() // x.shape[-1]
         dense = self._dense_groups(name, plan, per_row)
+        running = frozenset(slot for slot, _ in plan.groups(self.family))
         for slot, rows in dense:  # the rows the base skipped (claims): y[rows] is still to be written
-            params = {local: self._formed(getattr(module, local), tau, masks[slot], slot) for local, tau, masks in merged}
+            params = {local: self.formed.get((slot, name, local), running,
+                                             lambda w=getattr(module, local), tau=tau, m=masks[slot], s=slot:
+                                             self._formed(w, tau, m, s))
+                      for local, tau, masks in merged}
             y[rows] = torch.nn.functional.linear(x[rows], params.get("weight", module.weight),
                                                  params.get("bias", module.bias))  # [n, ..., out]
         if len(dense) == len(plan.groups(self.family)):

@@ -35,7 +35,8 @@ class SlotLayers:
         self._claimed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """module -> (its full input, [rows] bool: rows a family claimed) while its forward runs."""
         self._handles = [h for name, m in modules.items()
-                         for h in (m.register_forward_pre_hook(self._narrow(name)), m.register_forward_hook(self._hook(name)))]
+                         for h in (m.register_forward_pre_hook(self._narrow(name)),
+                                   m.register_forward_hook(self._hook(name)))]
 
     @contextmanager
     def planned(self, plan: BatchPlan | None) -> Iterator[None]:

@@ -67,3 +67,21 @@ def test_the_base_skips_rows_a_family_claims(group, monkeypatch):
     finally:
         handle.remove()
     assert seen == [2]  # the two base rows; the task rows ran through their formed weights
+
+
+def test_formed_weights_are_held_between_forwards_within_their_budget(group, monkeypatch):
+    """The next batch of a hot task runs on the weights the last one formed; a budget too small for them all
+    holds what fits and forms the rest each forward, with the same answers."""
+    rt, loaded, _ = group
+    monkeypatch.setitem(emr_slots.DENSE_MIN_TOKENS, "cpu", 1)
+    who = ["a", None, "b"]
+    ids = torch.randint(0, rt.tokenizer.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
+    first = _mixed_logits(rt, loaded, who, ids)
+    held = rt.families["emr:g"].formed
+    before = held.formed
+    assert torch.equal(_mixed_logits(rt, loaded, who, ids), first) and held.formed == before and held.nbytes > 0
+    one = max(w.numel() * w.element_size() for w in held._held.values())
+    monkeypatch.setattr(held, "budget", one)
+    held.clear()
+    assert torch.equal(_mixed_logits(rt, loaded, who, ids), first)
+    assert 0 < held.nbytes <= one and held.formed > before
