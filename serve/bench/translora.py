@@ -4,10 +4,11 @@ Source base: SmolLM2-135M-Instruct. Target base: the same model after NeuZip wit
 decoded back to a plain model): every weight rounded to a power of two, a genuinely different model that an
 operator might switch to to save memory. Tasks from the packaged data: SMS spam (" yes" / " no": held-out
 accuracy, answer by the larger next-token logit) and BBC headlines from an article's opening (held-out loss of
-the headline tokens, lower is better). For each task: the source adapter (PiSSA, trained with a discriminator)
-on the source base; the target base alone; the source adapter applied unchanged to the target; the Trans-LoRA
-adapter; the same without the discriminator's filter; and an upper bound trained on the target with the real
-data. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps and learning rate:
+the headline tokens, lower is better). For each task: the source adapter (PiSSA, trained with a discriminator,
+on the task's examples less the validation set `adapter train --discriminator` holds out) on the source base;
+the target base alone; the source adapter applied unchanged to the target; the Trans-LoRA adapter (its guard
+reads that validation set); the same without the discriminator's filter; and an upper bound trained on the
+target with the same real data. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps and learning rate:
 their loss curves (PNG + JSON) and held-out metric. Prints tables, writes JSON.
 """
 
@@ -20,8 +21,9 @@ import torch
 from serve.adapters.data import PromptExample, TrainExample, tokenize_examples
 from serve.adapters.tasks import heldout_examples, task_examples
 from serve.adapters.train import train_adapter
-from serve.adapters.translora import (YES, TransferFailed, answer_tokens, load_lm, next_token_logits,
+from serve.adapters.translora import (SEEDS, YES, TransferFailed, answer_tokens, load_lm, next_token_logits,
                                       train_discriminator, transfer)
+from serve.adapters.validation import split_examples
 from serve.bench.report import finish, machine
 
 TASKS = ("spam", "headlines")
@@ -90,15 +92,16 @@ def transfer_table(work: Path, source: Path, target: Path) -> dict:
     out = {}
     for task in TASKS:
         train, held = task_examples(task, "train", TRAIN), heldout_examples(task, HELDOUT)
-        src = work / f"{task}-source"
-        _train(source, train, src, "pissa")
+        seeds, _, rest = split_examples(train, SEEDS)  # as `adapter train --discriminator`: nobody trains on
+        src = work / f"{task}-source-heldout"  # the validation set the transfer's guard reads
+        _train(source, seeds + rest, src, "pissa")
         if not (src / "translora").exists():
             _log(f"training {task}'s discriminator")
-            train_discriminator(source, src, train, task)
-        _train(target, train, work / f"{task}-target-real", "pissa")
+            train_discriminator(source, src, train, task, seeds=SEEDS)
+        _train(target, seeds + rest, work / f"{task}-target-real-heldout", "pissa")
         reports, failures = {}, {}
         for name, use_filter in (("Trans-LoRA", True), ("Trans-LoRA, no filter", False)):
-            moved = work / f"{task}-{'filtered' if use_filter else 'unfiltered'}"
+            moved = work / f"{task}-{'filtered' if use_filter else 'unfiltered'}-heldout"
             if not moved.exists():
                 _log(f"{task}: {name}, {SAMPLES} synthetic inputs")
                 try:
@@ -109,8 +112,9 @@ def transfer_table(work: Path, source: Path, target: Path) -> dict:
                     continue
             reports[name] = json.loads((moved / "translora_report.json").read_text())
         _log(f"{task}: evaluating on {len(held)} held-out examples")
-        runs = dict(zip(ROWS, ((source, src), (target, None), (target, src), (target, work / f"{task}-filtered"),
-                               (target, work / f"{task}-unfiltered"), (target, work / f"{task}-target-real"))))
+        moved = {f: work / f"{task}-{f}-heldout" for f in ("filtered", "unfiltered", "target-real")}
+        runs = dict(zip(ROWS, ((source, src), (target, None), (target, src), (target, moved["filtered"]),
+                               (target, moved["unfiltered"]), (target, moved["target-real"]))))
         rows = {name: None if name in failures else evaluate(task, base, adapter, held)
                 for name, (base, adapter) in runs.items()}
         out[task] = {"metric": primary(task)[0], "heldout": len(held), "rows": rows, "reports": reports,
