@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
-from serve.adapters.load import load_lm  # noqa: F401  (callers load models through here)
+from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
 from serve.adapters.validation import (VALIDATION, EarlyStopping, completion_loss, read_validation, split_examples,

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from serve.adapters import translora
-from serve.adapters.transfer_guard import summary
+from serve.adapters.transfer_guard import Comparison, summary
 from serve.errors import ArtifactError, ManyfoldError
 
 
@@ -74,7 +74,8 @@ def _move(store, name: str, new: str, from_base: str, to_base: str, options: dic
         else:
             kind = "lora" if options.get("init") == "lora" else "pissa"
             register(store, new, to_base, Path(tmp) / "adapter", kind, "student")
-    figures = summary(report.compared)
     if report.outcome == "unchanged":
-        return "kept", f"{name}: kept unchanged as '{new}', not transferred ({figures.split('; ')[0]})"
-    return "moved", f"{name}: moved to '{new}' ({report.accepted} of {report.attempts} inputs accepted; {figures})"
+        figures = f"validation loss: {Comparison(**report.compared).figures()}"
+        return "kept", f"{name}: kept unchanged as '{new}', not transferred ({figures})"
+    return "moved", (f"{name}: moved to '{new}' ({report.accepted} of {report.attempts} inputs accepted; "
+                     f"{summary(report.compared)})")

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from serve.adapters.data import PromptExample, TrainExample, tokenize_examples
+from serve.adapters.data import PromptExample, TrainExample
 from serve.adapters.tasks import heldout_examples, task_examples
 from serve.adapters.train import train_adapter
-from serve.adapters.translora import (SEEDS, YES, TransferFailed, answer_tokens, load_lm, next_token_logits,
+from serve.adapters.load import load_lm
+from serve.adapters.translora import (SEEDS, YES, TransferFailed, answer_tokens, next_token_logits,
                                       train_discriminator, transfer)
-from serve.adapters.validation import split_examples
+from serve.adapters.validation import completion_loss, split_examples
 from serve.bench.report import finish, machine
 
 TASKS = ("spam", "headlines")
@@ -50,13 +51,7 @@ def evaluate(task: str, base: Path, adapter: Path | None, examples: list[PromptE
     """Held-out metrics: "loss" (mean loss per completion token, both tasks) and, for spam, "accuracy" (the
     larger next-token logit of " yes" and " no" after the prompt)."""
     model, tok = load_lm(base, adapter)
-    total, count = 0.0, 0
-    for f in tokenize_examples(tok, examples, 128):
-        ids, labels = torch.tensor([f["input_ids"]]), torch.tensor([f["labels"]])
-        n = int((labels[:, 1:] != -100).sum())
-        total += model(input_ids=ids, labels=labels).loss.item() * n
-        count += n
-    out = {"loss": total / count}
+    out = {"loss": completion_loss(model, tok, examples)}  # the transfer guard's validation loss, on held-out data
     if task == "spam":
         yes, no = answer_tokens(tok)
         correct = 0

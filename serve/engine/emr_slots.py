@@ -19,8 +19,7 @@ from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
 DENSE_MIN_TOKENS: dict[str, int | None] = {"cpu": 1}
 """Per device type, the tokens of one task in a forward from which its Linear weights are formed (W_t_hat, one
 module at a time, held between forwards in FormedWeights) and its rows run through them instead of the base plus
-the masked delta;
-None: never. Chosen by measurement (MiniLM's three Linear shapes, fp32, 2-core AMD EPYC shared with other work,
+the masked delta; None: never. Chosen by measurement (MiniLM's three Linear shapes, fp32, 2-core AMD EPYC shared with other work,
 median of 7): base matmul + masked delta against forming + one matmul, in ms, for 1 / 16 / 256 tokens of a task:
 384x384 0.32/0.33/0.93 against 0.16/0.24/0.49; 1536x384 0.51/0.65/6.35 against 0.27/0.45/2.01; 384x1536
 0.33/0.63/3.49 against 0.25/0.44/1.86. On CPU the masked delta unpacks the mask (the same pass over the
