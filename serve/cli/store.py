@@ -25,11 +25,12 @@ def cmd_store_list(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'name':<24} {'kind':<6} {'base':<10} {'architecture':<34} {'stored':>10} {'raw':>10} {'ratio':>7}")
+    print(f"{'name':<24} {'kind':<6} {'base':<10} {'architecture':<34} {'stored':>10} {'raw':>10} {'ratio':>7}  form")
     for r in rows:
         ratio = f"{r['stored_bytes'] / r['raw_bytes']:.1%}" if r["raw_bytes"] else "-"
+        forms = "; ".join(sorted({f for f in r.get("forms", {}).values() if f != r["kind"]})) or "-"
         print(f"{r['name']:<24} {r['kind']:<6} {r['base']:<10} {r['architecture']:<34} "
-              f"{human_bytes(r['stored_bytes']):>10} {human_bytes(r['raw_bytes']):>10} {ratio:>7}")
+              f"{human_bytes(r['stored_bytes']):>10} {human_bytes(r['raw_bytes']):>10} {ratio:>7}  {forms}")
 
 
 def cmd_store_add(args: argparse.Namespace) -> None:
@@ -50,6 +51,9 @@ def cmd_store_add(args: argparse.Namespace) -> None:
         entry = store.add_base(args.name, args.model)
         print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params)")
         return
+    if args.kind == "auto":
+        _add_auto(args, store)
+        return
     from serve.config import SlotsConfig
     from serve.variants import variant_kind
 
@@ -60,6 +64,28 @@ def cmd_store_add(args: argparse.Namespace) -> None:
     stored = sum(f.bytes for f in entry.files)
     print(f"added {entry.kind} variant '{entry.name}' of '{entry.base}': {human_bytes(entry.raw_bytes)} stored as "
           f"{human_bytes(stored)} ({stored / max(entry.raw_bytes, 1):.1%})")
+
+
+def _add_auto(args: argparse.Namespace, store: "Store") -> None:
+    """A full fine-tune in the form `auto` chooses: every candidate it weighed, then the one it registered."""
+    from serve.config import SlotsConfig
+    from serve.forms.auto import add_auto, parse_tolerance
+
+    tolerance = parse_tolerance(args.tolerance)
+    calibration = Path(args.calibration) if args.calibration else None
+    with progress("auto") as tick:
+        entry, model = add_auto(store, args.name, args.base, Path(args.model), tolerance, calibration,
+                                SlotsConfig(max_rank=args.max_rank), progress=tick)
+    record = entry.form if entry.form else next(t.form for t in entry.tasks if model.endswith(f"/{t.name}"))
+    print(f"{'form':<24} {'resident':>10} {'stored':>10} {'agreement':>10}")
+    for c in record.candidates:
+        agreed = "exact" if c.agreement is None and c.form == "fmdelta" else (
+            "-" if c.agreement is None else f"{c.agreement:.2%}")
+        print(f"{c.form:<24} {human_bytes(c.resident_bytes):>10} {human_bytes(c.stored_bytes):>10} {agreed:>10}")
+    why = "exact forms only at tolerance 0" if record.tolerance == 0 else f"tolerance {record.tolerance:.1%}"
+    note = "; the group was re-merged, which changes what it serves for its other tasks" if "/" in model else ""
+    print(f"added '{model}' of '{args.base}' as {record.chosen} ({why}; calibration: "
+          f"{record.calibration or 'none needed'}){note}")
 
 
 def _check_add_arguments(args: argparse.Namespace) -> None:
@@ -76,6 +102,10 @@ def _check_add_arguments(args: argparse.Namespace) -> None:
             raise ConfigError("store add needs --name and --model (or, for adapters, --from-dir DIR)")
     if args.kind != "base" and args.neuzip_bits is not None:
         raise ConfigError("--neuzip-bits is for --kind base")
+    if args.kind != "auto" and (args.tolerance is not None or args.calibration):
+        raise ConfigError("--tolerance and --calibration go with --kind auto")
+    if args.kind == "auto" and args.tolerance is None:
+        args.tolerance = "0"
     if args.kind != "base" and not args.base:
         raise ConfigError(f"store add --kind {args.kind} needs --base NAME (a base in the store)")
 
@@ -208,7 +238,8 @@ def add_store_commands(sub: argparse._SubParsersAction, default_store: str | Non
 
 def _add_add_arguments(add: argparse.ArgumentParser) -> None:
     add.add_argument("--kind", required=True,
-                     help="base, or a variant kind: full, lora, pissa, emr (see serve/variants/)")
+                     help="base, or a variant kind: full, lora, pissa, emr (see serve/variants/); auto: a full "
+                          "fine-tune in the form with the least resident bytes within --tolerance (serve/forms/)")
     add.add_argument("--name", help="the name it is served under (not with --from-dir)")
     add.add_argument("--model",
                      help="a HF model directory (base, full), a PEFT adapter directory (lora, pissa) "
@@ -221,5 +252,11 @@ def _add_add_arguments(add: argparse.ArgumentParser) -> None:
     add.add_argument("--base", help="for a variant: the store base it was fine-tuned from")
     add.add_argument("--neuzip-bits", type=int, choices=[0, 1, 3, 7], default=None,
                      help="for a base: serve it in NeuZip form keeping this many mantissa bits (7: lossless)")
+    add.add_argument("--tolerance", default=None,
+                     help="auto: the share of labels (or greedy tokens) of the calibration set a form may answer "
+                          "differently from the fine-tune, as 0.02 or 2%% (default 0: exact forms only)")
+    add.add_argument("--calibration", help="auto: the fine-tune's task data as JSONL ({\"text\": ...} or "
+                                           "{\"prompt\": ..., \"completion\": ...}); a language model without "
+                                           "one is measured on text its base generates")
     add.add_argument("--max-rank", type=int, default=64,
                      help="adapters: the largest rank the server's slots take (slots.max_rank)")

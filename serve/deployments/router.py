@@ -29,7 +29,7 @@ class Router:
         self.board = board
         self.health = health
         self._listed: object = None
-        self._by_base: dict[str, list[tuple[str, str, str, list[str] | None]]] = {}
+        self._by_base: dict[str, list[tuple[str, str, str, list[str] | None, str]]] = {}
 
     async def _handle(self, model: str) -> DeploymentHandle:
         self.store.refresh()
@@ -101,18 +101,19 @@ class Router:
             state = states.get(base, BaseState(True))
             status = "ready" if state.running else "unavailable"
             out.append(ModelInfo(base, "base", None, "hot" if state.running else "cold", None, status))
-            out += [ModelInfo(model, kind, base, held.get(entry, "cold"), labels, status)
-                    for model, kind, entry, labels in variants]
+            out += [ModelInfo(model, kind, base, held.get(entry, "cold"), labels, status, form)
+                    for model, kind, entry, labels, form in variants]
         return out
 
-    def _listing(self) -> dict[str, list[tuple[str, str, str, list[str] | None]]]:
-        """(model, kind, entry, labels) of every variant, by served base: built once per manifest read, not per
+    def _listing(self) -> dict[str, list[tuple[str, str, str, list[str] | None, str]]]:
+        """(model, kind, entry, labels, form) of every variant, by served base: built once per manifest read, not per
         request, so that /v1/models and /metrics stay linear in the variants however many bases there are."""
         if self._listed is not self.store.manifest:
             by_base: dict[str, list] = {base: [] for base in self.handles}
             for v in self.store.manifest.variants.values():
                 if v.base in by_base:
-                    by_base[v.base] += [(model, v.kind, v.name, labels) for model, labels in v.models().items()]
+                    by_base[v.base] += [(model, v.kind, v.name, labels, v.form_of(model))
+                                        for model, labels in v.models().items()]
             self._listed, self._by_base = self.store.manifest, by_base
         return self._by_base
 

@@ -21,6 +21,7 @@ from serve.engine.batch import BatchPlan
 from serve.engine.slots import TableSlots, register_family
 from serve.errors import VariantIncompatible
 from serve.variants.base import BaseView, LoadedVariant
+from serve.variants.lora import matmul_dims
 
 MIN_RANK = 8
 MIB = 1 << 20
@@ -110,18 +111,6 @@ class Bucket:
         for scale in self.scale.values():
             scale[row] = 0.0
         self.owners[row] = None
-
-
-def matmul_dims(module: torch.nn.Module) -> tuple[int, int] | None:
-    """(in, out) of a layer computing x W^T (Linear: W is [out, in]) or x W (GPT-2's Conv1D: W is [in, out]);
-    None for any other module, which an adapter cannot target."""
-    from transformers.pytorch_utils import Conv1D
-
-    if isinstance(module, torch.nn.Linear):
-        return module.in_features, module.out_features
-    if isinstance(module, Conv1D):
-        return module.nx, module.nf
-    return None
 
 
 def bucket_key(variant: LoadedVariant) -> BucketKey:

@@ -97,7 +97,7 @@ class Engine:
 
     def model_infos(self) -> list[ModelInfo]:
         out = [ModelInfo(n, "base", None, "hot", None) for n in self.bases]
-        out += [ModelInfo(model, v.kind, v.base, self.cache.residency(v.name), labels)
+        out += [ModelInfo(model, v.kind, v.base, self.cache.residency(v.name), labels, form=v.form_of(model))
                 for v in self.store.manifest.variants.values() if v.base in self.bases
                 for model, labels in v.models().items()]
         return out

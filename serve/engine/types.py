@@ -97,3 +97,5 @@ class ModelInfo:
     labels: list[str] | None
     status: Literal["ready", "unavailable"] = "ready"
     """"unavailable": its base has no running replica (its requests get 503 saying why)."""
+    form: str | None = None
+    """How a variant is held: its kind, or what `store add --kind auto` chose and measured."""

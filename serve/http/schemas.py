@@ -283,12 +283,14 @@ class ModelCard(BaseModel):
     labels: list[str] | None = None
     status: Literal["ready", "unavailable"] = "ready"
     """"unavailable": its base has no running replica now (requests to it get 503 with the reason)."""
+    form: str | None = None
+    """A variant's form: its kind, or what `store add --kind auto` chose ("lora r8 (auto, agreement 99.0%, ...)")."""
 
     @classmethod
     def of(cls, info) -> "ModelCard":
         """A ModelInfo (serve/engine/types.py, from an engine or the router) as the API shows a model."""
         return cls(id=info.name, kind=info.kind, parent=info.base, residency=info.residency, labels=info.labels,
-                   status=info.status)
+                   status=info.status, form=info.form)
 
 
 class ModelList(BaseModel):

@@ -60,6 +60,36 @@ class BaseEntry(StrictModel):
     """Served in NeuZip form with this many mantissa bits (its weights stay stored lossless beside it)."""
 
 
+class FormCandidate(StrictModel):
+    """One form `store add --kind auto` weighed: its bytes and, where measured, its agreement."""
+
+    form: str
+    """"fmdelta" (exact), "lora r8" (the delta cut to rank 8), "emr GROUP" (a task of that group, re-merged)."""
+    resident_bytes: Annotated[int, Field(ge=0)]
+    """What serving it holds in memory beyond the base (for an EMR task, what the group grows by)."""
+    stored_bytes: Annotated[int, Field(ge=0)]
+    agreement: float | None = None
+    """With the fine-tune on the calibration set (labels, or greedy tokens); None: exact, nothing to measure."""
+    kl: float | None = None
+    """Mean token KL(fine-tune || form), language models."""
+
+
+class FormRecord(StrictModel):
+    """Why a variant is in the form it is: what `store add --kind auto` measured, and what it chose."""
+
+    chosen: str
+    tolerance: Annotated[float, Field(ge=0, le=1)]
+    """Disagreement with the fine-tune allowed (0: exact forms only)."""
+    calibration: str | None = None
+    """What agreement was measured on; None when nothing needed measuring (tolerance 0)."""
+    candidates: list[FormCandidate]
+
+    def summary(self) -> str:
+        chosen = next(c for c in self.candidates if c.form == self.chosen)
+        agreed = "exact" if chosen.agreement is None else f"agreement {chosen.agreement:.1%}"
+        return f"{self.chosen} (auto, {agreed}, tolerance {self.tolerance:.1%})"
+
+
 class VariantEntryBase(StrictModel):
     """What every variant kind's entry holds. A kind's entry class narrows `kind` to its own Literal, adds its
     fields and is registered (register_entry): the manifest reads each entry with the class its kind registered."""
@@ -71,10 +101,21 @@ class VariantEntryBase(StrictModel):
     raw_bytes: int
     """Size of the fine-tune's tensors (or files) uncompressed."""
     files: list[FileEntry]
+    form: FormRecord | None = None
+    """Set by `store add --kind auto`: the forms it weighed and why this one."""
 
     def models(self) -> dict[str, list[str] | None]:
         """Model id -> class labels, for every model the entry serves."""
         return {self.name: None}
+
+    def form_records(self) -> dict[str, FormRecord]:
+        """Model id -> how `store add --kind auto` chose its form, for the models it chose."""
+        return {self.name: self.form} if self.form else {}
+
+    def form_of(self, model: str) -> str:
+        """How a model of this entry is served, as /v1/models and `store list` show it."""
+        record = self.form_records().get(model)
+        return record.summary() if record else self.kind
 
     @property
     def directory(self) -> str:
@@ -151,6 +192,8 @@ def shared_names(names: tuple[str, ...]) -> tuple[str, ...]:
 class EmrTaskEntry(StrictModel):
     name: Name
     labels: list[str] | None = None
+    form: FormRecord | None = None
+    """Set when `store add --kind auto` chose to merge the fine-tune into the group as this task."""
 
 
 class EmrVariantEntry(VariantEntryBase):
@@ -165,6 +208,9 @@ class EmrVariantEntry(VariantEntryBase):
 
     def models(self) -> dict[str, list[str] | None]:
         return {f"{self.name}{MEMBER_SEP}{t.name}": t.labels for t in self.tasks}
+
+    def form_records(self) -> dict[str, FormRecord]:
+        return {f"{self.name}{MEMBER_SEP}{t.name}": t.form for t in self.tasks if t.form}
 
     @property
     def directory(self) -> str:

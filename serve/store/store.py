@@ -136,7 +136,9 @@ class Store:
                 for b in self.manifest.bases.values()]
         rows += [{"name": v.name, "kind": v.kind, "base": v.base, "architecture": v.architecture,
                   "stored_bytes": sum(f.bytes for f in v.files), "raw_bytes": v.raw_bytes,
-                  "models": v.models()} for v in self.manifest.variants.values()]
+                  "models": v.models(), "forms": {m: v.form_of(m) for m in v.models()},
+                  "form_records": {m: r.model_dump() for m, r in v.form_records().items()}}
+                 for v in self.manifest.variants.values()]
         return rows
 
     # ---- writing

@@ -26,19 +26,26 @@ class EmrVariant(VariantKind):
 
     def add(self, store: Store, name: str, base: str, path: Path, progress: Progress | None = None,
             slots: SlotsConfig = SlotsConfig()) -> EmrVariantEntry:
+        with store.stage() as staged:
+            return store.commit(staged, self.stage(store, name, base, path, staged), replace=True)
+
+    def stage(self, store: Store, name: str, base: str, path: Path, staged: Path) -> EmrVariantEntry:
+        """Copy the bundle at `path` into `staged`; -> the group's entry. Tasks the group held before keep the
+        form `store add --kind auto` recorded for them."""
         bundle = read_bundle(path)  # every file against the bundle's sha256
         m = bundle.manifest
         if m.base_fingerprint != store.base(base).fingerprint:
             raise VariantIncompatible(f"{path}: merged against another base than '{base}' (fingerprints differ)")
-        directory = f"{name}@{file_sha256(path / BUNDLE_JSON)[:12]}"  # a new bundle, a new directory
-        with store.stage() as staged:
-            for rel in [*m.files, BUNDLE_JSON]:
-                (staged / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path / rel, staged / rel)
-            entry = EmrVariantEntry(name=name, base=base, architecture=m.tasks[0].architecture,
-                                    raw_bytes=sum(f.bytes for f in m.files.values()), bundle=directory,
-                                    tasks=[EmrTaskEntry(name=t.name, labels=t.labels) for t in m.tasks], files=[])
-            return store.commit(staged, entry, replace=True)
+        old = store.manifest.variants.get(name)
+        forms = {t.name: t.form for t in old.tasks} if isinstance(old, EmrVariantEntry) else {}
+        for rel in [*m.files, BUNDLE_JSON]:
+            (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path / rel, staged / rel)
+        return EmrVariantEntry(name=name, base=base, architecture=m.tasks[0].architecture,
+                               raw_bytes=sum(f.bytes for f in m.files.values()),
+                               bundle=f"{name}@{file_sha256(path / BUNDLE_JSON)[:12]}",  # a new bundle, a new dir
+                               tasks=[EmrTaskEntry(name=t.name, labels=t.labels, form=forms.get(t.name))
+                                      for t in m.tasks], files=[])
 
     def load(self, store: Store, entry: EmrVariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
         store.verify(entry)

@@ -4,6 +4,7 @@ In the shared forward a full variant is a weight set: its rows run each module i
 tensors (family "weights"); every module it left alone is the base's, shared with all other rows.
 """
 
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,23 +32,33 @@ _CONFIG_FILES = ("config.json", "generation_config.json")
 def add_full_variant(store: Store, name: str, base: str, finetuned: str | Path, workers: int | None = None,
                      progress: Callable[[str], None] | None = None) -> tuple[FullVariantEntry, CompressStats]:
     """Store the HF model directory `finetuned` as an FM-Delta variant of the store's base `base`."""
-    finetuned = Path(finetuned)
+    with store.stage() as staged:
+        entry, stats = stage_full_variant(store, name, base, Path(finetuned), staged, workers, progress)
+        return store.commit(staged, entry), stats
+
+
+def stage_full_variant(store: Store, name: str, base: str, finetuned: Path, staged: Path, workers: int | None = None,
+                       progress: Callable[[str], None] | None = None) -> tuple[FullVariantEntry, CompressStats]:
+    """Code the fine-tune's FM-Delta file into `staged`; -> its entry, which the store's commit completes."""
     config = read_model_config(finetuned)
     base_entry = store.base(base)
-    base_tensors = SafetensorsSource(store.base_dir(base))
     fine = SafetensorsSource(finetuned)
-    labels = classifier_labels(config)
-    with store.stage() as staged:
-        stats = compress(base_tensors, fine, staged / DELTA_FILE, metadata=fine.metadata, workers=workers,
-                         progress=progress)
-        if stats.base_fingerprint != base_entry.fingerprint:
-            raise VariantIncompatible(f"store base '{base}' changed on disk since it was added")
-        for f in _CONFIG_FILES:
-            if (finetuned / f).is_file():
-                shutil.copy2(finetuned / f, staged / f)
-        entry = FullVariantEntry(name=name, base=base, architecture=architecture_of(config, finetuned),
-                                 raw_bytes=stats.raw_bytes, labels=labels, files=[])
-        return store.commit(staged, entry), stats
+    stats = compress(SafetensorsSource(store.base_dir(base)), fine, staged / DELTA_FILE, metadata=fine.metadata,
+                     workers=workers, progress=progress)
+    if stats.base_fingerprint != base_entry.fingerprint:
+        raise VariantIncompatible(f"store base '{base}' changed on disk since it was added")
+    for f in _CONFIG_FILES:
+        if (finetuned / f).is_file():
+            shutil.copy2(finetuned / f, staged / f)
+    entry = FullVariantEntry(name=name, base=base, architecture=architecture_of(config, finetuned),
+                             raw_bytes=stats.raw_bytes, labels=classifier_labels(config), files=[])
+    return entry, stats
+
+
+def resident_bytes(delta_file: Path) -> int:
+    """What serving an FM-Delta variant holds in memory: the tensors it changed, decoded (the rest are the base's)."""
+    fmd = FmdFile(delta_file)
+    return sum(math.prod(r.shape) * DTYPES[r.dtype].itemsize for r in fmd.records.values() if r.codec != "same")
 
 
 HEAD_PREFIXES = ("classifier.",)

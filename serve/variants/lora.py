@@ -52,6 +52,18 @@ _UNSUPPORTED = {  # option: the value that means "not used"
 }
 
 
+def matmul_dims(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a layer computing x W^T (Linear: W is [out, in]) or x W (GPT-2's Conv1D: W is [in, out]);
+    None for any other module, which an adapter cannot target."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return None
+
+
 def convert_hint(path: Path) -> str:
     return (f"{path} is a raw PiSSA adapter, relative to its residual base, not to the base it names; convert "
             f"it first: manyfold adapter convert --adapter {path} --initial INITIAL_ADAPTER_DIR --out OUT")
