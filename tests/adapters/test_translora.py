@@ -95,7 +95,8 @@ def test_a_generator_that_never_passes_stops_at_the_cap(bases, source_adapter, t
 
     monkeypatch.setattr(translora, "generate_candidates", counting)
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [False] * len(xs))
-    with pytest.raises(translora.TransferFailed, match="no generated input passed the discriminator in 20 attempts"):
+    with pytest.raises(translora.TransferFailed, match=r"only 0 of 20 generated inputs accepted \(0.0%\), short of the "
+                                                       r"1 a student needs \(--min-accepted\), after --max-attempts 20"):
         translora.transfer(bases[0], source_adapter, bases[1], tmp_path / "never", samples=4, max_attempts=20)
     assert len(written) == 20 and not (tmp_path / "never").exists()
 
