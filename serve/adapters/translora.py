@@ -6,8 +6,8 @@ discriminator is trained: a LoRA on the source base that answers " yes" to the t
 inputs the source base wrote when shown the seeds. To transfer (`manyfold translora`), the target base writes
 candidate inputs from the seeds, the discriminator keeps those it takes for real (generation_schedule.py: how
 many candidates, at what temperatures; at most `max_attempts`, and a transfer with fewer than `min_accepted`
-kept fails), the source base with its adapter (the teacher) completes them, and a new adapter is
-trained on the target base on those texts: sequence-level distillation, so the two bases may differ in
+kept fails), the source base with its adapter (the teacher) completes them, and a new adapter is trained on the
+target base on those texts: sequence-level distillation, so the two bases may differ in
 architecture and tokenizer. It stops early on the validation set, and transfer_guard.py keeps it only if it beats
 the target base alone there.
 
@@ -19,8 +19,7 @@ Choices the paper leaves open:
   generator is shown only the seeds' varying parts (each prompt its own shuffled subset), each after a SEP line,
   then SEP; it writes one more (top-p 0.95, the batch's temperature from generation_schedule.TEMPERATURES,
   stopped at the next SEP), and the frame is put back around it, so that every candidate is an input the teacher
-  answers as a task input. Blank or repeated candidates are dropped without
-  asking the discriminator.
+  answers as a task input. Blank or repeated candidates are dropped without asking the discriminator.
 - The discriminator: rank 8 on every linear layer, DISC_STEPS steps on equal numbers of real and generated
   inputs, prompt "<x>\\nIs the above text from the <name> data set?"; a candidate is kept iff the next-token
   logit of " yes" beats " no".
