@@ -4,9 +4,10 @@ While the task data exists (`adapter train --discriminator`), SEEDS examples and
 are kept beside the adapter and a
 discriminator is trained: a LoRA on the source base that answers " yes" to the task's real inputs and " no" to
 inputs the source base wrote when shown the seeds. To transfer (`manyfold translora`), the target base writes
-candidate inputs from the seeds, the discriminator keeps those it takes for real (at most `max_attempts`
-candidates are written), the source base with its adapter (the teacher) completes them, and a new adapter is
-trained on the target base on those texts: sequence-level distillation, so the two bases may differ in
+candidate inputs from the seeds, the discriminator keeps those it takes for real (generation_schedule.py: how
+many candidates, at what temperatures; at most `max_attempts`, and a transfer with fewer than `min_accepted`
+kept fails), the source base with its adapter (the teacher) completes them, and a new adapter is trained on the
+target base on those texts: sequence-level distillation, so the two bases may differ in
 architecture and tokenizer. It stops early on the validation set, and transfer_guard.py keeps it only if it beats
 the target base alone there.
 
@@ -15,10 +16,10 @@ Choices the paper leaves open:
   PREFIX_WORDS words (the teacher writes the rest).
 - Candidates: the seeds' inputs often share a frame (a prompt task's fixed words around its varying part, as
   "Is this message spam? " ... "\nAnswer:"), found as their common prefix and suffix cut at whitespace. The
-  generator is shown only the seeds' varying parts, each after a SEP line, then SEP; it writes one more
-  (temperature 0.9, top-p 0.95, stopped at the next SEP), and the frame is put back around it, so that every
-  candidate is an input the teacher answers as a task input. Blank or repeated candidates are dropped without
-  asking the discriminator.
+  generator is shown only the seeds' varying parts (each prompt its own shuffled subset), each after a SEP line,
+  then SEP; it writes one more (top-p 0.95, the batch's temperature from generation_schedule.TEMPERATURES,
+  stopped at the next SEP), and the frame is put back around it, so that every candidate is an input the teacher
+  answers as a task input. Blank or repeated candidates are dropped without asking the discriminator.
 - The discriminator: rank 8 on every linear layer, DISC_STEPS steps on equal numbers of real and generated
   inputs, prompt "<x>\\nIs the above text from the <name> data set?"; a candidate is kept iff the next-token
   logit of " yes" beats " no".
@@ -27,7 +28,9 @@ Choices the paper leaves open:
 """
 
 import json
+import math
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -38,6 +41,7 @@ from typing import Literal
 import torch
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
+from serve.adapters.generation_schedule import TEMPERATURES, AttemptPlan, Sampling, sample_inputs, shown_seeds
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
@@ -111,12 +115,14 @@ class _StopAfter:
 
 
 @torch.no_grad()
-def _generate(model, tok, prompts: list[str], max_new_tokens: int, sample: bool, seed: int,
+def _generate(model, tok, prompts: list[str], max_new_tokens: int, temperature: float | None, seed: int,
               stop: str | None = None) -> list[str]:
-    """Each prompt's continuation; with `stop`, a row ends once it has written it (the batch, once all have)."""
+    """Each prompt's continuation, sampled at `temperature` (greedy where None); with `stop`, a row ends once it
+    has written it (the batch, once all have)."""
     torch.manual_seed(seed)
     enc = tok(prompts, return_tensors="pt", padding=True)
-    kwargs = {"do_sample": True, "temperature": 0.9, "top_p": 0.95} if sample else {"do_sample": False}
+    kwargs = ({"do_sample": False} if temperature is None else
+              {"do_sample": True, "temperature": temperature, "top_p": 0.95})
     if stop is not None:
         kwargs["stopping_criteria"] = [_StopAfter(tok, stop, enc["input_ids"].shape[1])]
     out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kwargs)
@@ -128,17 +134,20 @@ def _tokens(tok, texts: list[str]) -> int:
 
 
 def generate_candidates(model, tok, seeds: list[str], name: str, count: int, seed: int,
-                        batch: int = 8) -> list[str]:
+                        temperatures: tuple[float, ...] = TEMPERATURES, batch: int = 8) -> list[str]:
     """`count` candidate inputs written by `model` after the seeds, in the seeds' frame ("" where it wrote
-    nothing)."""
+    nothing): batches take `temperatures` in turn, and each row's prompt shows its own subset of the seeds
+    (generation_schedule.shown_seeds); the same `seed` writes the same candidates."""
     prefix, suffix = input_frame(seeds)
     parts = [s[len(prefix): len(s) - len(suffix)] for s in seeds]
-    prompt = generation_prompt(parts, name)
     max_new = max(8, int(1.5 * _tokens(tok, parts)))
     out: list[str] = []
-    while len(out) < count:
+    for b in range(math.ceil(count / batch)):
         n = min(batch, count - len(out))
-        texts = _generate(model, tok, [prompt] * n, max_new, sample=True, seed=seed + len(out), stop=SEP)
+        rng = random.Random(seed + len(out))
+        prompts = [generation_prompt(shown_seeds(parts, rng), name) for _ in range(n)]
+        texts = _generate(model, tok, prompts, max_new, temperatures[b % len(temperatures)], seed + len(out),
+                          stop=SEP)
         out += [f"{prefix}{t}{suffix}" if t else "" for t in (t.split(SEP)[0].strip() for t in texts)]
     return out
 
@@ -267,36 +276,26 @@ class TransferReport:
     --keep-unchanged-if-better because it did better on validation; not transferred)."""
     validation: dict = field(default_factory=dict)
     """examples, from (the kept validation set, or the seeds for older assets), best_step, curve [{step, loss}]."""
+    generation: dict = field(default_factory=dict)
+    """generation_schedule.Sampling.summary: min_accepted, max_attempts, planned_attempts (sized by the first
+    round's acceptance rate), acceptance_rate, the temperatures used, and each batch's temperature and fates."""
     compared: dict = field(default_factory=dict)
     """transfer_guard.Comparison: validation losses on the target of the student, the target alone and the source
     adapter unchanged (None where it does not fit; `unfit` says why)."""
 
 
 def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
-                     samples: int, max_attempts: int, seed: int, tick: Progress) -> tuple[list[str], dict[str, int]]:
-    """(inputs the target base wrote after the seeds and the discriminator took, counts of every fate)."""
+                     plan: AttemptPlan, seed: int, tick: Progress) -> Sampling:
+    """The inputs the target base wrote after the seeds and the discriminator took (all that are fresh without
+    one), batch by batch as generation_schedule plans, with every batch's fates."""
     target, tok = load_lm(target_base)
-    accepted: list[str] = []
-    seen: set[str] = set(seed_inputs)
-    counts = {"attempts": 0, "rejected": 0, "dropped": 0, "surplus": 0}
-    while len(accepted) < samples and counts["attempts"] < max_attempts:
-        n = min(8, max_attempts - counts["attempts"])
-        cands = generate_candidates(target, tok, seed_inputs, name, n, seed + counts["attempts"])
-        counts["attempts"] += n
-        fresh = []
-        for c in cands:
-            if c and c not in seen:
-                seen.add(c)
-                fresh.append(c)
-        counts["dropped"] += len(cands) - len(fresh)
-        keep = disc.accepts(fresh) if disc is not None and fresh else [True] * len(fresh)
-        passed = [c for c, k in zip(fresh, keep) if k]
-        counts["rejected"] += len(fresh) - len(passed)
-        room = samples - len(accepted)
-        accepted += passed[:room]
-        counts["surplus"] += max(0, len(passed) - room)
-        tick("generate", counts["attempts"], max_attempts)
-    return accepted, counts
+
+    def write(n: int, temperature: float, at: int) -> list[str]:
+        return generate_candidates(target, tok, seed_inputs, name, n, at, temperatures=(temperature,))
+
+    judge = disc.accepts if disc is not None else (lambda xs: [True] * len(xs))
+    return sample_inputs(write, judge, plan, set(seed_inputs), seed,
+                         lambda done, total: tick("generate", done, total))
 
 
 def validation_set(adapter_dir: str | Path, seeds: list[TrainExample]) -> tuple[list[PromptExample], str]:
@@ -315,7 +314,7 @@ def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inpu
     max_new = max(4, int(1.5 * task.max_output_words * 2))  # about two tokens a word
     outputs: list[str] = []
     for i in range(0, len(inputs), 8):
-        outputs += _generate(teacher, tok, inputs[i:i + 8], max_new, sample=False, seed=seed)
+        outputs += _generate(teacher, tok, inputs[i:i + 8], max_new, None, seed)
         tick("teach", len(outputs), len(inputs))
     return [PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
             for x, y in zip(inputs, outputs) if y.strip()]
@@ -324,29 +323,28 @@ def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inpu
 def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,
              samples: int = 64, max_attempts: int | None = None, use_filter: bool = True, init: str = "pissa",
              rank: int | None = None, steps: int | None = None, lr: float | None = None, seed: int = 0,
-             keep_unchanged_if_better: bool = False, progress: Progress | None = None) -> TransferReport:
+             keep_unchanged_if_better: bool = False, progress: Progress | None = None,
+             min_accepted: int | None = None) -> TransferReport:
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
-    validation set (transfer_guard; else TransferFailed and nothing is written). rank: the new adapter's; by
-    default the source adapter's as trained. steps, lr: by default scaled to the accepted inputs
+    validation set (transfer_guard; else TransferFailed and nothing is written). Fewer than min_accepted inputs
+    kept (generation_schedule.AttemptPlan's defaults) is TransferFailed too, with the figures. rank: the new
+    adapter's; by default the source adapter's as trained. steps, lr: by default scaled to the accepted inputs
     (validation.student_schedule); the student stops early on its validation loss and keeps its best point."""
+    plan = AttemptPlan.build(samples, max_attempts, min_accepted)
     task, seeds, disc_dir = read_assets(adapter_dir)
     held, held_from = validation_set(adapter_dir, seeds)
-    max_attempts = max_attempts if max_attempts is not None else 4 * samples
-    if samples < 1 or max_attempts < 1:
-        raise ConfigError(f"samples and max_attempts must be >= 1; got {samples} and {max_attempts}")
     rank = rank or task.rank or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
     tick = progress or (lambda *_: None)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     disc = Discriminator(source_base, disc_dir, task.name) if use_filter else None
-    accepted, counts = synthetic_inputs(target_base, disc, [example_input(e) for e in seeds], task.name, samples,
-                                        max_attempts, seed, tick)
+    sampling = synthetic_inputs(target_base, disc, [example_input(e) for e in seeds], task.name, plan, seed, tick)
     del disc
     times["generate_and_filter"] = time.perf_counter() - t0
-    if not accepted:
-        raise TransferFailed(f"no generated input passed the discriminator in {counts['attempts']} attempts "
-                             f"({samples} wanted): raise --max-attempts, or transfer without the filter")
+    accepted = sampling.accepted
+    if len(accepted) < plan.floor:
+        raise TransferFailed(sampling.shortfall())
     t0 = time.perf_counter()
     data = teach(source_base, adapter_dir, task, accepted, seed, tick)
     times["teacher"] = time.perf_counter() - t0
@@ -363,9 +361,9 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
             keep_unchanged(adapter_dir, stage)
         note = "" if len(accepted) == samples else f"only {len(accepted)} of {samples} inputs accepted"
         report = TransferReport(
-            str(source_base), str(target_base), task.name, samples, counts["attempts"], len(accepted),
-            counts["rejected"], counts["dropped"], counts["surplus"], use_filter, rank, result.losses, times, note,
-            steps=steps, lr=lr, outcome=outcome,
+            str(source_base), str(target_base), task.name, samples, sampling.attempts, len(accepted),
+            sampling.count("rejected"), sampling.count("dropped"), sampling.count("surplus"), use_filter, rank,
+            result.losses, times, note, steps=steps, lr=lr, outcome=outcome, generation=sampling.summary(),
             validation={"examples": len(held), "from": held_from, "best_step": early.best_step, "curve": early.curve},
             compared=asdict(comparison))
         shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, stage / TRANSLORA_DIR,

@@ -47,9 +47,10 @@ def _print_transfer(report, out: Path) -> None:
 
     kept = ("the source adapter unchanged (not transferred: it did better on validation)"
             if report.outcome == "unchanged" else f"a student, best at step {report.validation['best_step']}")
-    print(f"{out}: {kept}; {report.accepted} of {report.attempts} generated inputs accepted"
-          f"{'' if report.filtered else ' (no filter)'}; loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}; "
-          f"{summary(report.compared)}; {out / 'translora_report.json'}" + (f"; {report.note}" if report.note else ""))
+    filtered = f" ({report.generation['acceptance_rate']:.1%} passed the filter)" if report.filtered else " (no filter)"
+    print(f"{out}: {kept}; {report.accepted} of {report.attempts} generated inputs accepted{filtered}; "
+          f"loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}; {summary(report.compared)}; "
+          f"{out / 'translora_report.json'}" + (f"; {report.note}" if report.note else ""))
 
 
 def cmd_translora(args: argparse.Namespace) -> None:
@@ -59,7 +60,8 @@ def cmd_translora(args: argparse.Namespace) -> None:
     try:
         with progress("translora") as tick:
             report = transfer(args.source_base, args.adapter, args.target_base, Path(args.out),
-                              samples=args.samples, max_attempts=args.max_attempts, use_filter=not args.no_filter,
+                              samples=args.samples, max_attempts=args.max_attempts,
+                              min_accepted=args.min_accepted, use_filter=not args.no_filter,
                               init=args.init, steps=args.steps, lr=args.lr, seed=args.seed,
                               keep_unchanged_if_better=args.keep_unchanged_if_better, progress=lambda *a: tick(a))
     except TransferFailed as e:
@@ -106,11 +108,21 @@ def add_translora_command(sub: argparse._SubParsersAction) -> None:
     tl.add_argument("--adapter", required=True, help="an adapter trained with --discriminator")
     tl.add_argument("--target-base", required=True, help="the HF model directory to move it to")
     tl.add_argument("--out", required=True, help="a new directory")
-    tl.add_argument("--samples", type=int, default=64, help="synthetic inputs to keep")
-    tl.add_argument("--max-attempts", type=int, default=None, help="inputs generated at most (default: 4x samples)")
+    add_sampling_arguments(tl)
     tl.add_argument("--no-filter", action="store_true", help="keep every generated input (the ablation)")
     tl.add_argument("--init", default="pissa", help="the new adapter's init: pissa, pissa_niter_K or lora")
     add_student_arguments(tl)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """How many synthetic inputs a transfer wants, writes and needs; shared by `translora` and `store translora`."""
+    p.add_argument("--samples", type=int, default=64, help="synthetic inputs to keep")
+    p.add_argument("--max-attempts", type=int, default=None,
+                   help="inputs generated at most (default: 16x --samples); fewer are written when the acceptance "
+                        "rate measured on the first batches fills --samples sooner")
+    p.add_argument("--min-accepted", type=int, default=None,
+                   help="the fewest accepted inputs a student is trained on (default: a quarter of --samples); a "
+                        "transfer that cannot reach it fails with one line and writes nothing")
 
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:

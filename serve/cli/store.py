@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from serve.cli.adapters import add_student_arguments
+from serve.cli.adapters import add_sampling_arguments, add_student_arguments
 from serve.cli.args import add_command, open_store
 from serve.cli.codecs import neuzip_summary
 from serve.cli.console import human_bytes, progress
@@ -193,12 +193,15 @@ def cmd_store_extract(args: argparse.Namespace) -> None:
 
 
 def cmd_store_translora(args: argparse.Namespace) -> None:
+    from serve.adapters.generation_schedule import AttemptPlan
     from serve.adapters.transfer_guard import TransferFailed
     from serve.adapters.translora_store import transfer_store
 
+    AttemptPlan.build(args.samples, args.max_attempts, args.min_accepted)  # a bad flag: one line, not one per adapter
     failed = 0
     for outcome, line in transfer_store(open_store(args), args.from_base, args.to_base, samples=args.samples,
-                                        max_attempts=args.max_attempts, steps=args.steps, lr=args.lr, seed=args.seed,
+                                        max_attempts=args.max_attempts, min_accepted=args.min_accepted,
+                                        steps=args.steps, lr=args.lr, seed=args.seed,
                                         keep_unchanged_if_better=args.keep_unchanged_if_better):
         print(line, flush=True)
         failed += outcome == "failed"
@@ -231,8 +234,7 @@ def add_store_commands(sub: argparse._SubParsersAction, default_store: str | Non
     tr = st.choices["translora"]
     tr.add_argument("--from", dest="from_base", required=True, help="the base whose adapters move")
     tr.add_argument("--to", dest="to_base", required=True, help="the base they move to")
-    tr.add_argument("--samples", type=int, default=64)
-    tr.add_argument("--max-attempts", type=int, default=None)
+    add_sampling_arguments(tr)
     add_student_arguments(tr)
 
 

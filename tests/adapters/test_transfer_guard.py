@@ -6,6 +6,7 @@ The source is a tiny Llama with a LoRA that learnt the toy task; the target a pe
 tokenizer and shapes, so the unchanged adapter fits). A student that learnt nothing is made with lr 0; one that
 learns is taught by a teacher that knows the task's rule. The comparison itself always runs for real."""
 
+import json
 import re
 
 import pytest
@@ -69,7 +70,7 @@ def test_a_student_that_beats_the_target_alone_is_registered_as_a_student(store,
     monkeypatch.setattr(translora, "teach", an_oracle_teacher)
     code = store_translora(store, "--steps", "30", "--lr", "1e-2")
     out = capsys.readouterr().out
-    assert code == 0 and out.startswith("toy: moved to 'toy.new' (8 of ")
+    assert code == 0 and re.match(r"toy: moved to 'toy.new' \(\d of 16 inputs accepted; ", out)  # blanks dropped
     student, target_alone, _ = map(float, re.search(FIGURES, out).groups())
     assert student < target_alone
     store.reload()
@@ -125,3 +126,16 @@ def test_the_student_kept_is_its_best_point_on_the_validation_curve(bases, sourc
     assert report.validation["best_step"] == best["step"] > 0
     assert report.compared["student"] == pytest.approx(best["loss"], abs=1e-3)  # as served, not as trained
     assert curve[0]["loss"] == pytest.approx(report.compared["target_alone"], abs=1e-3)  # PiSSA starts as the target
+
+
+def test_translora_says_how_many_inputs_passed_the_filter(bases, source_adapter, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [True] * len(xs))
+    monkeypatch.setattr(translora, "teach", an_oracle_teacher)
+    code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(source_adapter), "--target-base",
+                 str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "8", "--max-attempts", "16",
+                 "--steps", "30", "--lr", "1e-2"])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "moved" / translora.REPORT_FILE).read_text())
+    line = (f"{report['accepted']} of {report['attempts']} generated inputs accepted "
+            f"({report['generation']['acceptance_rate']:.1%} passed the filter); ")
+    assert code == 0 and line in out and report["generation"]["temperatures"] == [0.7, 1.0]  # two batches of 8

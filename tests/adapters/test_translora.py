@@ -69,12 +69,19 @@ def test_transfer_across_architectures_and_tokenizers(bases, source_adapter, tmp
                                 steps=3)  # the default student: PiSSA
     assert 1 <= report.accepted <= 4 and report.attempts <= 48 and len(report.losses) == 3
     assert report.accepted + report.rejected + report.dropped + report.surplus == report.attempts
+    gen = report.generation  # the real discriminator's verdicts, batch by batch
+    assert gen["min_accepted"] == 1 and gen["max_attempts"] == 48 and report.attempts <= gen["planned_attempts"]
+    assert sum(b["attempts"] for b in gen["batches"]) == report.attempts
+    assert sum(b["accepted"] for b in gen["batches"]) == report.accepted
+    assert gen["acceptance_rate"] == round((report.accepted + report.surplus) / report.attempts, 4)
+    assert gen["temperatures"] == sorted({b["temperature"] for b in gen["batches"]})
     assert report.rank == 4  # the source's rank as trained; its converted PiSSA form stores 2r
     assert report.validation["examples"] == 9 and report.compared["unchanged"] is None
     assert report.compared["unfit"] == "the two bases' tokenizers differ"  # no unchanged adapter to compare with
     assert json.loads((tmp_path / "moved" / "adapter_config.json").read_text())["r"] == 8
     written = json.loads((tmp_path / "moved" / translora.REPORT_FILE).read_text())
     assert written["accepted"] == report.accepted and written["task"] == "toy"
+    assert written["generation"] == report.generation
     target = AutoModelForCausalLM.from_pretrained(bases[1])
     before = target.lm_head.weight.clone()
     model = PeftModel.from_pretrained(target, tmp_path / "moved").eval()
@@ -95,9 +102,61 @@ def test_a_generator_that_never_passes_stops_at_the_cap(bases, source_adapter, t
 
     monkeypatch.setattr(translora, "generate_candidates", counting)
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [False] * len(xs))
-    with pytest.raises(translora.TransferFailed, match="no generated input passed the discriminator in 20 attempts"):
+    short = (r"only 0 of 20 generated inputs accepted \(0.0%\), short of the 1 a student needs \(--min-accepted\), "
+             r"after ")
+    with pytest.raises(translora.TransferFailed, match=short + "--max-attempts 20"):
         translora.transfer(bases[0], source_adapter, bases[1], tmp_path / "never", samples=4, max_attempts=20)
     assert len(written) == 20 and not (tmp_path / "never").exists()
+
+
+def test_generation_varies_temperature_and_the_seeds_shown_and_a_seed_repeats_it(bases, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    calls = []
+    real = translora._generate
+
+    def spying(model, tok, prompts, max_new_tokens, temperature, seed, stop=None):
+        calls.append((temperature, prompts))
+        return real(model, tok, prompts, max_new_tokens, temperature, seed, stop)
+
+    monkeypatch.setattr(translora, "_generate", spying)
+    tok = AutoTokenizer.from_pretrained(bases[0])
+    model = AutoModelForCausalLM.from_pretrained(bases[0]).eval()
+    seeds = [" ".join(VOCAB[i:i + 3]) for i in range(0, 15, 3)]
+    first = translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3)
+    assert [t for t, _ in calls] == [0.7, 1.0, 1.3]
+    prompts = [p for _, batch in calls for p in batch]
+    assert len(set(prompts)) > 12  # each row its own subset and order of the seeds
+    assert translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3) == first
+
+
+def test_a_transfer_short_of_the_floor_fails_in_one_line_with_its_figures(bases, source_adapter, tmp_path, capsys,
+                                                                          monkeypatch):
+    from serve.cli import main
+
+    shown = iter(range(1000))
+    monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [next(shown) == 0 for _ in xs])
+    code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(source_adapter), "--target-base",
+                 str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "8", "--max-attempts", "16",
+                 "--min-accepted", "3"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and not (tmp_path / "moved").exists()
+    assert err.startswith(f"manyfold: error: {source_adapter}: failed: only 1 of 16 generated inputs accepted "
+                          f"(6.2%), short of the 3 a student needs (--min-accepted), after --max-attempts 16: add seed "
+                          f"examples")
+    assert err.rstrip().endswith(f"or lower --min-accepted; nothing written to {tmp_path / 'moved'}")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-accepted", "0"], "min_accepted must be between 1 and samples (64); got 0"),
+    (["--samples", "8", "--max-attempts", "1"], "max_attempts (1) must be >= min_accepted (2)")])
+def test_a_floor_or_cap_that_cannot_work_is_refused_in_one_line(bases, source_adapter, tmp_path, capsys, flags,
+                                                                 message):
+    from serve.cli import main
+
+    code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(source_adapter), "--target-base",
+                 str(bases[1]), "--out", str(tmp_path / "moved"), *flags])
+    assert code == 2 and capsys.readouterr().err == f"manyfold: error: {message}\n"
 
 
 def test_store_transfer_skips_adapters_without_a_discriminator_and_resumes(bases, source_adapter, tmp_path,
@@ -172,6 +231,26 @@ def test_one_adapter_that_cannot_move_does_not_stop_the_others(bases, source_ada
     assert out[0][1] == "a: failed: no generated input passed the discriminator"
     store.reload()
     assert "a.llama2" not in store.manifest.variants and "b.llama2" in store.manifest.variants
+
+
+def test_store_transfer_names_an_adapter_short_of_the_floor_and_registers_nothing(bases, source_adapter, tmp_path,
+                                                                                 monkeypatch, capsys):
+    from serve.cli import main
+
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("llama", bases[0])
+    store.add_base("llama2", write_tiny_causal(tmp_path / "llama2", seed=7, hidden=48))
+    variant_kind("pissa").add(store, "a", "llama", source_adapter)
+    monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [False] * len(xs))
+    args = ["store", "translora", "--store", str(store.root), "--from", "llama", "--to", "llama2", "--samples", "4"]
+    assert main([*args, "--min-accepted", "5"]) == 2  # refused once, before any adapter is tried
+    assert capsys.readouterr() == ("", "manyfold: error: min_accepted must be between 1 and samples (4); got 5\n")
+    assert main([*args, "--max-attempts", "8"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("a: failed: only 0 of 8 generated inputs accepted (0.0%), short of the 1 a student needs "
+                          "(--min-accepted), after --max-attempts 8: ")
+    store.reload()
+    assert "a.llama2" not in store.manifest.variants
 
 
 def test_a_name_too_long_once_moved_fails_before_any_work(bases, source_adapter, tmp_path, monkeypatch):
