@@ -40,6 +40,12 @@ def cmd_bench_emr(args: argparse.Namespace) -> None:
     run_emr_bench(Path(args.out), args.examples, args.rows, args.repeats)
 
 
+def cmd_bench_forms(args: argparse.Namespace) -> None:
+    from serve.bench.forms import run_forms_bench
+
+    run_forms_bench(Path(args.out), args.examples, args.repeats, args.only, args.mergekit)
+
+
 def cmd_bench_translora(args: argparse.Namespace) -> None:
     from serve.bench.translora import run_translora_bench
 
@@ -89,6 +95,14 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--examples", type=int, default=500, help="held-out examples per task at most")
     be.add_argument("--rows", type=int, default=16, help="rows of the timed forward (a multiple of 4)")
     be.add_argument("--repeats", type=int, default=5)
+    bf = add_command(bench, "forms", cmd_bench_forms, "the forms store add --kind auto weighs for the demo's and the "
+                     "load test's fine-tunes: bytes, agreement, held-out quality, auto's choice, a mixed forward")
+    bf.add_argument("--out", default="bench-results/forms.json")
+    bf.add_argument("--examples", type=int, default=300, help="held-out examples (or LM texts) per fine-tune")
+    bf.add_argument("--repeats", type=int, default=5)
+    bf.add_argument("--only", help="only the fine-tunes whose name contains this")
+    bf.add_argument("--mergekit", help="a mergekit-extract-lora command (mergekit in a venv of its own) to compare "
+                                       "against at the same ranks")
     bt = add_command(bench, "translora", cmd_bench_translora, "Trans-LoRA on two real tasks; PiSSA against LoRA")
     bt.add_argument("--out", default="bench-results/translora.json")
     bt.add_argument("--work", help="where adapters and the target base are kept (default: "

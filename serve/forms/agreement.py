@@ -18,6 +18,10 @@ from serve.errors import ConfigError
 MAX_CALIBRATION = 128
 """Calibration texts used at most (the first ones of the file): enough to see 0.5% disagreement."""
 MAX_TOKENS = 128
+LM_TEXTS = 32
+LM_TOKENS = 64
+"""A language model is compared on its first LM_TEXTS calibration texts, LM_TOKENS tokens each: every position's
+distribution is kept for the KL."""
 GENERATED_TEXTS = 32
 GENERATED_TOKENS = 48
 BATCH = 16
@@ -71,28 +75,42 @@ def generated_calibration(model, tokenizer, base: str, seed: int = 0) -> Calibra
                               f"seed {seed})")
 
 
-def _batches(tokenizer, texts: tuple[str, ...]):
+def _batches(tokenizer, texts: tuple[str, ...], max_tokens: int):
     for i in range(0, len(texts), BATCH):
-        yield tokenizer(list(texts[i:i + BATCH]), truncation=True, max_length=MAX_TOKENS, padding=True,
+        yield tokenizer(list(texts[i:i + BATCH]), truncation=True, max_length=max_tokens, padding=True,
                         return_tensors="pt")
 
 
-@torch.no_grad()
-def measure(reference, candidate, tokenizer, calibration: Calibration, causal: bool) -> Agreement:
-    """The candidate model against the fine-tune (`reference`), both transformers models in eval mode."""
-    agree = total = 0
-    kl_sum = 0.0
-    for enc in _batches(tokenizer, calibration.texts):
-        ref, cand = reference(**enc).logits.float(), candidate(**enc).logits.float()
-        if not causal:
+class Reference:
+    """The fine-tune's outputs on the calibration set, computed once for every candidate measured against them
+    (a language model's: at most LM_TEXTS texts of LM_TOKENS tokens, about 400 MB of logits for a 49k vocabulary)."""
+
+    def __init__(self, model, tokenizer, calibration: Calibration, causal: bool):
+        self.tokenizer, self.causal = tokenizer, causal
+        texts = calibration.texts[:LM_TEXTS] if causal else calibration.texts
+        self.source = (f"{calibration.source}; compared on {len(texts)} texts, {LM_TOKENS} tokens each" if causal
+                       else calibration.source)
+        self.batches = list(_batches(tokenizer, texts, LM_TOKENS if causal else MAX_TOKENS))
+        with torch.no_grad():
+            self.outputs = [self._log_probs(model, enc) for enc in self.batches]
+        if sum(int(o.shape[0]) for o in self.outputs) == 0:
+            raise ConfigError(f"calibration set {calibration.source} holds no tokens")
+
+    def _log_probs(self, model, enc) -> torch.Tensor:
+        logits = model(**enc).logits.float()
+        if not self.causal:
+            return logits  # [batch, labels]
+        return logits.log_softmax(-1)[enc["attention_mask"].bool()]  # [positions, vocab]
+
+    @torch.no_grad()
+    def measure(self, candidate) -> Agreement:
+        """The candidate model (a transformers model in eval mode) against the fine-tune."""
+        agree = total = 0
+        kl_sum = 0.0
+        for enc, ref in zip(self.batches, self.outputs):
+            cand = self._log_probs(candidate, enc)
             agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
             total += ref.shape[0]
-            continue
-        keep = enc["attention_mask"].bool()  # [batch, tokens]
-        ref_lp, cand_lp = ref.log_softmax(-1)[keep], cand.log_softmax(-1)[keep]  # [positions, vocab]
-        agree += int((ref_lp.argmax(-1) == cand_lp.argmax(-1)).sum())
-        kl_sum += float((ref_lp.exp() * (ref_lp - cand_lp)).sum())
-        total += ref_lp.shape[0]
-    if total == 0:
-        raise ConfigError(f"calibration set {calibration.source} holds no tokens")
-    return Agreement(agree / total, kl_sum / total if causal else None, total)
+            if self.causal:
+                kl_sum += float((ref.exp() * (ref - cand)).sum())
+        return Agreement(agree / total, kl_sum / total if self.causal else None, total)

@@ -17,7 +17,7 @@ import torch
 
 from serve.config import SlotsConfig
 from serve.errors import ConfigError
-from serve.forms.agreement import Agreement, Calibration, generated_calibration, measure, read_calibration
+from serve.forms.agreement import Agreement, Calibration, Reference, generated_calibration, read_calibration
 from serve.forms.emr_member import Remerged, groups_for, remerge
 from serve.forms.lowrank import DeltaFactors, factor_delta, lowrank_state, write_lora
 from serve.store.manifest import FormCandidate, FormRecord, VariantEntry, check_name
@@ -116,18 +116,19 @@ def calibration_for(fine: Fine, base: str, given: Calibration | None) -> Calibra
     return generated_calibration(fine.model, fine.tokenizer, base)
 
 
-def choose(candidates: list[Candidate], fine: Fine, calibration: Calibration | None, tolerance: float,
+def choose(candidates: list[Candidate], fine: Fine, reference: Reference | None, tolerance: float,
            progress: Progress) -> Candidate:
     """Measure from the lightest up; the first within tolerance (an exact one always is) is chosen."""
     probe = None
     for c in sorted(candidates, key=lambda c: c.resident_bytes):
         if c.state is None:
             return c
-        if probe is None:
-            probe = type(fine.model).from_pretrained(fine.path, dtype=torch.float32).eval()
-        probe.load_state_dict(c.state())
-        c.agreement = measure(fine.model, probe, fine.tokenizer, calibration, fine.causal)
-        progress(f"{c.form}: agreement {c.agreement.agreement:.2%}")
+        if c.agreement is None:  # a benchmark measures every candidate first
+            if probe is None:
+                probe = type(fine.model).from_pretrained(fine.path, dtype=torch.float32).eval()
+            probe.load_state_dict(c.state())
+            c.agreement = reference.measure(probe)
+            progress(f"{c.form}: agreement {c.agreement.agreement:.2%}")
         if c.agreement.disagreement <= tolerance:
             return c
     raise AssertionError("the exact form is always a candidate")
@@ -148,18 +149,18 @@ def add_auto(store: Store, name: str, base: str, finetuned: Path, tolerance: flo
     with store.stage() as staged_full, tempfile.TemporaryDirectory(dir=store.root / "staging") as work:
         full_entry, stats = stage_full_variant(store, name, base, finetuned, staged_full)
         candidates = [Candidate("fmdelta", resident_bytes(staged_full / DELTA_FILE), stats.file_bytes)]
-        cal = None
+        reference = None
         if tolerance > 0:
             fine = load_fine(finetuned)
-            cal = calibration_for(fine, base, given)
+            reference = Reference(fine.model, fine.tokenizer, calibration_for(fine, base, given), fine.causal)
             factors = factor_delta(store.base_dir(base), finetuned)
             candidates += lowrank_candidates(factors, fine, store.base_dir(base), candidates[0].resident_bytes,
                                              slots.max_rank)
             candidates += emr_candidates(store, base, name, fine, Path(work))
-            chosen = choose(candidates, fine, cal, tolerance, progress)
+            chosen = choose(candidates, fine, reference, tolerance, progress)
         else:
             chosen = candidates[0]
-        record = FormRecord(chosen=chosen.form, tolerance=tolerance, calibration=cal.source if cal else None,
+        record = FormRecord(chosen=chosen.form, tolerance=tolerance, calibration=reference.source if reference else None,
                             candidates=[c.record() for c in sorted(candidates, key=lambda c: c.resident_bytes)])
         if chosen.form == "fmdelta":
             return store.commit(staged_full, full_entry.model_copy(update={"form": record})), name

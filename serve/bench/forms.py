@@ -1,0 +1,252 @@
+"""`manyfold bench forms`: the forms `store add --kind auto` weighs, for the demo's fine-tunes and the load test's.
+
+For each fine-tune: every candidate's resident and stored bytes, its agreement with the fine-tune on the
+calibration set (the first CALIBRATION texts of the task's train split, half as many for a language model: what
+--calibration would be given),
+its held-out accuracy (classifiers, the test split) or held-out loss (language models, the corpus's test split),
+and the form `auto` chooses at tolerance 0, 0.5% and 2% (serve/forms/auto.py's rule, on the same measurements).
+Then the cost of one forward of ROWS rows x SEQ tokens, half base rows and half a form's, per form, against the
+base alone. The load test's fine-tunes are trained here by its recipe (loadtests/variants.py: 64 examples, one
+epoch, seed = index; every weight, or the top two layers and the head), one per task.
+"""
+
+import random
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serve.bench.report import NO_GPU, finish, machine, median_time
+from serve.data.cache import home
+from serve.data.datasets import CLASSIFICATION, bbc_topics, fortunes
+from serve.demo import BASE, EMR_GROUPS, build_demo_store, finetune_classifier
+from serve.forms.agreement import MAX_TOKENS, Calibration, Reference
+from serve.forms.auto import Candidate, choose, emr_candidates, load_fine, lowrank_candidates
+from serve.forms.lowrank import factor_delta
+from serve.store.store import Store
+from serve.variants.full import DELTA_FILE, extract_full_variant, resident_bytes, stage_full_variant
+
+TOLERANCES = (0.0, 0.005, 0.02)
+CALIBRATION = 128
+ROWS, SEQ = 16, 64
+LM_HELD_OUT = 32
+"""A language model's held-out loss: on this many test texts (128 tokens each at most; two forwards a form)."""
+
+
+@dataclass(frozen=True)
+class FineTune:
+    name: str
+    source: str
+    base: str
+    path: Path
+    task: str
+    """A CLASSIFICATION key, or an LM corpus ("fortunes", "news")."""
+
+
+def _texts(task: str, split: str) -> list[str]:
+    if task == "fortunes":
+        return fortunes(split)
+    if task == "news":
+        return [e.text for e in bbc_topics(split).examples]
+    return [e.text for e in CLASSIFICATION[task](split).examples]
+
+
+def fine_tunes(demo: Store, work: Path, log) -> list[FineTune]:
+    out = []
+    for group in EMR_GROUPS:
+        for task, variant in group.tasks:
+            if not (work / variant / "config.json").is_file():
+                extract_full_variant(demo, variant, work / variant)
+            out.append(FineTune(variant, "demo", group.base, work / variant, task))
+    for scenario, top in (("full", None), ("top2", 2)):
+        for seed, task in enumerate(("topic", "sentiment", "spam")):
+            name = f"lt-{scenario}-{task}"
+            if not (work / name / "config.json").is_file():
+                log(f"fine-tuning {name} by the load test's recipe")
+                finetune_classifier(demo.base_dir(BASE), CLASSIFICATION[task]("train"), work / name, 64, 64,
+                                    seed=seed, top_layers=top, log=lambda m: None)
+            out.append(FineTune(name, f"load test ({scenario})", BASE, work / name, task))
+    return out
+
+
+@torch.no_grad()
+def held_out(model, tok, ft: FineTune, causal: bool, n: int) -> float:
+    """Accuracy on n seeded test examples (classifier), or mean token loss on LM_HELD_OUT test texts."""
+    from serve.demo import examples_accuracy
+
+    if not causal:
+        examples = CLASSIFICATION[ft.task]("test").examples
+        return examples_accuracy(model, tok, random.Random(0).sample(examples, min(n, len(examples))), 128)
+    texts = random.Random(0).sample(_texts(ft.task, "test"), min(n, LM_HELD_OUT))
+    losses = []
+    for i in range(0, len(texts), 16):
+        enc = tok(texts[i:i + 16], truncation=True, max_length=MAX_TOKENS, padding=True, return_tensors="pt")
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        losses.append(model(**enc, labels=labels).loss.item())
+    return statistics.fmean(losses)
+
+
+def group_store(demo: Store, ft: FineTune, fine_tunes_dir: Path, root: Path) -> Store:
+    """A store of the fine-tune's base and one EMR group of the demo's other fine-tunes of that base."""
+    from serve.codecs.emr import merge
+    from serve.variants import variant_kind
+
+    store = Store(root, create=True)
+    store.add_base(ft.base, demo.base_dir(ft.base))
+    group = next(g for g in EMR_GROUPS if g.base == ft.base)
+    others = {t: fine_tunes_dir / v for t, v in group.tasks if v != ft.name}
+    merge(demo.base_dir(ft.base), others, root / "bundle")
+    variant_kind("emr").add(store, "others", ft.base, root / "bundle")
+    return store
+
+
+def place(demo: Store, ft: FineTune, work: Path, cache: Path, examples: int, log, mergekit: str | None = None
+          ) -> dict:
+    """Every candidate measured (agreement and held-out quality) and auto's choice at each tolerance."""
+    store = group_store(demo, ft, cache, work / f"store-{ft.name}")
+    fine = load_fine(ft.path)
+    calibration = Calibration(tuple(_texts(ft.task, "train")[:CALIBRATION]), f"{ft.task} train")
+    reference = Reference(fine.model, fine.tokenizer, calibration, fine.causal)
+    with store.stage() as staged:
+        _, stats = stage_full_variant(store, ft.name, ft.base, ft.path, staged)
+        candidates = [Candidate("fmdelta", resident_bytes(staged / DELTA_FILE), stats.file_bytes)]
+    factors = factor_delta(store.base_dir(ft.base), ft.path)
+    candidates += lowrank_candidates(factors, fine, store.base_dir(ft.base), candidates[0].resident_bytes, 64)
+    candidates += emr_candidates(store, ft.base, ft.name, fine, work / f"emr-{ft.name}")
+    probe = type(fine.model).from_pretrained(ft.path, dtype=torch.float32).eval()
+    rows = [{"form": "fine-tune itself", "held_out": held_out(fine.model, fine.tokenizer, ft, fine.causal, examples)}]
+    for c in sorted(candidates, key=lambda c: c.resident_bytes):
+        if c.state is not None:
+            probe.load_state_dict(c.state())
+            c.agreement = reference.measure(probe)
+        quality = rows[0]["held_out"] if c.state is None else held_out(probe, fine.tokenizer, ft, fine.causal,
+                                                                        examples)
+        rows.append({**c.record().model_dump(), "held_out": quality})
+        log(f"  {ft.name} {c.form}: {rows[-1]}")
+    chosen = {f"{t:.1%}": choose(candidates, fine, reference, t, log).form for t in TOLERANCES}
+    if mergekit:
+        ranks = sorted({8, *(int(f.split("r")[-1]) for f in chosen.values() if f.startswith("lora r"))})
+        rows += [mergekit_row(mergekit, store, ft, fine, reference, r, cache, examples) for r in ranks]
+    return {"name": ft.name, "source": ft.source, "base": ft.base, "causal": fine.causal,
+            "calibration": reference.source, "dropped_by_lora": len(factors.dropped), "candidates": rows,
+            "auto": chosen}
+
+
+def mergekit_row(tool: str, store: Store, ft: FineTune, fine, reference: Reference, rank: int, work: Path,
+                 examples: int) -> dict:
+    """mergekit-extract-lora's adapter at `rank`, measured as the candidates are (serve/bench/mergekit.py)."""
+    from serve.bench import mergekit
+
+    base = mergekit.base_like(store.base_dir(ft.base), ft.path, work / f"mk-base-{ft.name}", fine.causal)
+    adapter = mergekit.extract(tool, ft.path, base, rank, work / f"mk-{ft.name}-r{rank}")
+    model, nbytes = mergekit.load(adapter, base, fine.architecture, work)
+    agreement = reference.measure(model)
+    return {"form": f"mergekit r{rank}", "resident_bytes": nbytes, "stored_bytes": nbytes,
+            "agreement": round(agreement.agreement, 6), "kl": None if agreement.kl is None else round(agreement.kl, 6),
+            "held_out": held_out(model, fine.tokenizer, ft, fine.causal, examples)}
+
+
+def step_costs(demo: Store, ft: FineTune, forms: list[str], work: Path, cache: Path, repeats: int
+               ) -> dict[str, float]:
+    """Milliseconds of one forward of ROWS x SEQ: half base rows, half rows of each form, against the base alone."""
+    from serve.engine.batch import BASE_ROW, BatchPlan
+    from serve.engine.model import BaseModelRuntime
+    from serve.forms.auto import add_auto
+    from serve.variants import variant_kind
+
+    store = group_store(demo, ft, cache, work / f"timing-{ft.name}")
+    rt = BaseModelRuntime(ft.base, store.base_dir(ft.base))
+    ids = torch.randint(1000, rt.tokenizer.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    times = {"base alone": median_time(lambda: rt.call(BatchPlan([BASE_ROW] * ROWS, rt.device), input_ids=ids),
+                                       repeats, warmup=True)}
+    for k, form in enumerate(forms):
+        entry, model = _register(store, ft, form, k, add_auto)
+        loaded = variant_kind(entry.kind).load(store, entry, rt.view, torch.empty)
+        variant = loaded.members[model] if loaded.members else loaded
+        slots = [rt.attach(variant if i % 2 else None) for i in range(ROWS)]
+        try:
+            plan = BatchPlan(slots, rt.device)
+            times[form] = median_time(lambda: rt.call(plan, input_ids=ids), repeats, warmup=True)
+        finally:
+            for s in slots:
+                rt.detach(s)
+    return {k: v * 1e3 for k, v in times.items()}
+
+
+def _register(store: Store, ft: FineTune, form: str, k: int, add_auto):
+    """The form registered in the timing store, as `auto` registers it (a tolerance that picks it)."""
+    from serve.forms.auto import register_member
+    from serve.forms.emr_member import remerge
+    from serve.forms.lowrank import write_lora
+    from serve.store.manifest import FormCandidate, FormRecord
+    from serve.variants import variant_kind
+
+    name = f"f{k}"
+    if form == "fmdelta":
+        return add_auto(store, name, ft.base, ft.path)
+    record = FormRecord(chosen=form, tolerance=0.5, candidates=[FormCandidate(form=form, resident_bytes=0,
+                                                                              stored_bytes=0)])
+    with tempfile.TemporaryDirectory() as tmp:
+        if form.startswith("emr "):
+            return register_member(store, remerge(store, store.variant("others"), name, ft.path, Path(tmp)),
+                                   name, ft.base, record)
+        adapter = write_lora(factor_delta(store.base_dir(ft.base), ft.path), int(form.split("r")[-1]), ft.path,
+                             Path(tmp) / "a")
+        return variant_kind("lora").add(store, name, ft.base, adapter), name
+
+
+def run_forms_bench(out: Path, examples: int = 300, repeats: int = 5, only: str | None = None,
+                    mergekit: str | None = None) -> dict:
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    demo = build_demo_store(log=log)
+    cache = home() / "bench-forms"  # the fine-tunes and mergekit's adapters, kept for the next run
+    fts = [f for f in fine_tunes(demo, cache, log) if only is None or only in f.name]
+    with tempfile.TemporaryDirectory(prefix="manyfold-forms-") as tmp:
+        work = Path(tmp)
+        placed = [place(demo, ft, work, cache, examples, log, mergekit) for ft in fts]
+        timing = {}
+        for ft, p in zip(fts, placed):
+            if ft.name in ("minilm-topic", "smollm2-fortunes"):
+                forms = [c["form"] for c in p["candidates"][1:] if c["form"] in ("fmdelta", *p["auto"].values())
+                         or c["form"].startswith("emr ") or c["form"] == "lora r64"]
+                timing[ft.name] = step_costs(demo, ft, list(dict.fromkeys(forms)), work, cache, repeats)
+    report = {"machine": machine(), "torch_threads": torch.get_num_threads(), "examples": examples,
+              "tolerances": list(TOLERANCES), "fine_tunes": placed,
+              "forward_ms_median": timing, "rows": ROWS, "tokens": SEQ, "repeats": repeats, "gpu": NO_GPU,
+              "mergekit": mergekit_version(mergekit) if mergekit else "not run (--mergekit PATH)"}
+    return finish(report, out, print_report)
+
+
+def mergekit_version(tool: str) -> str:
+    import subprocess
+
+    pip = Path(tool).parent / "pip"
+    shown = subprocess.run([str(pip), "show", "mergekit"], capture_output=True, text=True).stdout
+    version = next((line.split(":", 1)[1].strip() for line in shown.splitlines() if line.startswith("Version:")), "?")
+    return f"mergekit {version} ({tool})"
+
+
+def print_report(r: dict) -> None:
+    print(f"\nforms of each fine-tune on {r['machine']} (held-out: accuracy on {r['examples']} test examples, or "
+          f"a language model's mean token loss on as many test texts)")
+    for ft in r["fine_tunes"]:
+        print(f"\n{ft['name']} ({ft['source']}, base {ft['base']}; agreement on {ft['calibration']}); auto chooses "
+              + ", ".join(f"{f} at {t}" for t, f in ft["auto"].items()))
+        print(f"  {'form':<16}{'resident':>11}{'stored':>11}{'agreement':>11}{'KL':>9}{'held-out':>10}")
+        for c in ft["candidates"]:
+            agree = "-" if c.get("agreement") is None else f"{c['agreement']:.2%}"
+            kl = "-" if c.get("kl") is None else f"{c['kl']:.4f}"
+            quality = f"{c['held_out']:.4f}" if ft["causal"] else f"{c['held_out']:.1%}"
+            size = (lambda b: f"{b / 1e6:.2f} MB" if b is not None else "-")
+            print(f"  {c['form']:<16}{size(c.get('resident_bytes')):>11}{size(c.get('stored_bytes')):>11}"
+                  f"{agree:>11}{kl:>9}{quality:>10}")
+    for name, times in r["forward_ms_median"].items():
+        base = times["base alone"]
+        print(f"\n{name}: one forward of {r['rows']} rows x {r['tokens']} tokens, half base rows and half the "
+              f"form's (median of {r['repeats']})")
+        for form, ms in times.items():
+            print(f"  {form:<16}{ms:>9.1f} ms{ms / base:>7.2f}x base")
+    print(f"mergekit-extract-lora: {r['mergekit']}")
+    print(f"GPU: {r['gpu']}")
