@@ -257,8 +257,8 @@ def _add_add_arguments(add: argparse.ArgumentParser) -> None:
     add.add_argument("--tolerance", default=None,
                      help="auto: the share of labels (or greedy tokens) of the calibration set a form may answer "
                           "differently from the fine-tune, as 0.02 or 2%% (default 0: exact forms only)")
-    add.add_argument("--calibration", help="auto: the fine-tune's task data as JSONL ({\"text\": ...} or "
-                                           "{\"prompt\": ..., \"completion\": ...}); a language model without "
-                                           "one is measured on text its base generates")
+    add.add_argument("--calibration", help="auto: task data the fine-tune did not train on (its validation set), "
+                                           "as JSONL ({\"text\": ...} or {\"prompt\": ..., \"completion\": ...}); "
+                                           "a language model without one is measured on text its base generates")
     add.add_argument("--max-rank", type=int, default=64,
                      help="adapters: the largest rank the server's slots take (slots.max_rank)")
