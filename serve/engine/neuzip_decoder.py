@@ -8,8 +8,10 @@ place. Two ways to run them, chosen per forward (`forward`):
 - ahead, for forwards of few tokens (decode steps) when torch has two threads or more: a decode thread decodes
   the weight expected next (the module that followed this one last time) into the other of two buffers while
   this one computes, and torch computes on one thread fewer, so that the two never fight over a core (torch's
-  OpenMP threads spin between regions, and a third busy thread on their cores stalls every barrier). A step
-  then costs about max(decoding, compute). A guess that turns out wrong costs only time: the weight asked for
+  OpenMP threads spin between regions, and a third busy thread on their cores stalls every barrier). The
+  weight is decoded in two halves of its lanes; a compute thread that needs it before the decode thread is
+  done takes the half not yet started, so a step costs about max(decoding, compute), decoding on two cores
+  wherever compute leaves one idle. A guess that turns out wrong costs only time: the weight asked for
   is then decoded on the spot. The decode thread writes only the buffer no running module reads (modules that
   decode are leaves: one runs at a time), so outputs are bit for bit those of inline decoding.
 - inline, for long forwards (prefill), where compute needs every core and decoding is a small share: the
@@ -17,11 +19,11 @@ place. Two ways to run them, chosen per forward (`forward`):
 On another device each weight is decoded by the kernels' device form (Triton on CUDA), into one buffer.
 """
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,13 +35,30 @@ AHEAD_MAX_TOKENS = 256
 """Forwards of at most this many tokens decode ahead (measured on 2 cores: serve/bench/neuzip_steps.py)."""
 
 
-@dataclass
 class _Pending:
-    """A weight being decoded ahead: its module, the buffer it goes to, the decode thread's job."""
+    """A weight being decoded ahead: its module, its buffer, its decode calls (lanes in parts) and which parts a
+    thread has taken."""
 
-    module: str
-    buffer: int
-    job: Future
+    def __init__(self, module: str, buffer: int, fn: Callable, parts: list[tuple]):
+        self.module, self.buffer, self.fn, self.parts = module, buffer, fn, parts
+        self.seconds = 0.0
+        """Spent decoding its parts, on either thread."""
+        self.job: Future | None = None
+        self._taken = 0
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        """Decode the parts no thread has taken yet, one at a time: the decode thread runs this, and so does the
+        compute thread once it needs the weight, so that the two split what is left (disjoint lanes)."""
+        while True:
+            with self._lock:
+                i, self._taken = self._taken, self._taken + 1
+            if i >= len(self.parts):
+                return
+            t0 = time.perf_counter()
+            self.fn(*self.parts[i])
+            with self._lock:
+                self.seconds += time.perf_counter() - t0
 
 
 class WeightDecoder:
@@ -93,7 +112,7 @@ class WeightDecoder:
 
     def _plan(self, threads: int) -> dict[str, list[list[tuple]]]:
         """(module -> per buffer, the argument tuples of decode_lanes, one per thread): every view built once."""
-        exps = np.empty(self.buffers[0].numel(), np.uint8)  # one decode at a time: one scratch
+        exps = np.empty(self.buffers[0].numel(), np.uint8)  # one weight at a time (parts: disjoint lanes)
         status = np.zeros(max(s.offsets.numel() - 1 for s in self.streams.values()), np.int32)
         outs = [b.view(torch.int16).numpy().view(np.uint16) for b in self.buffers]
         calls = {}
@@ -111,7 +130,7 @@ class WeightDecoder:
         self._last = module
         b = self._take(module)
         if self.ahead and module in self._next:
-            self._start(self._next[module], 1 - b, self._threads)
+            self._start(self._next[module], 1 - b)
         self.wait_s += time.perf_counter() - t0
         return self.params[module][b]
 
@@ -121,22 +140,32 @@ class WeightDecoder:
         pending, self._pending = self._pending, None
         b = 0
         if pending is not None:
+            if pending.module == module:
+                pending.run()
             pending.job.result()
+            self.decode_s += pending.seconds
             if pending.module == module:
                 return pending.buffer
             b = 1 - pending.buffer
         self._decode(module, b, self._threads)
         return b
 
-    def _start(self, module: str, b: int, threads: int) -> None:
-        self._pending = _Pending(module, b, self._thread.submit(self._decode, module, b, threads))
+    def _start(self, module: str, b: int) -> None:
+        """Decode `module`'s weight into buffer b on the decode thread, in two parts (the compute thread may take
+        the second)."""
+        pending = _Pending(module, b, decode_lanes(self.streams[module].bits), self._calls_for(2)[module][b])
+        pending.job = self._thread.submit(pending.run)
+        self._pending = pending
+
+    def _calls_for(self, threads: int) -> dict[str, list[list[tuple]]]:
+        if threads not in self._calls:
+            self._calls[threads] = self._plan(threads)
+        return self._calls[threads]
 
     def _decode(self, module: str, b: int, threads: int) -> None:
         t0 = time.perf_counter()
         if self.cpu:
-            if threads not in self._calls:
-                self._calls[threads] = self._plan(threads)
-            run_split(decode_lanes(self.streams[module].bits), self._calls[threads][module][b])
+            run_split(decode_lanes(self.streams[module].bits), self._calls_for(threads)[module][b])
         else:
             decode(self.streams[module], self.params[module][b].data, check=False)
         self.decode_s += time.perf_counter() - t0
