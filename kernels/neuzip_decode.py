@@ -139,31 +139,41 @@ def _exponents(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: 
         status[l] = 0 if ok else 1
 
 
-def _make_compose(bits: int):
-    """The pass that joins exponents with sign and mantissa, its field layout baked in as constants."""
+def _make_decode_lanes(bits: int):
+    """The rANS pass over lanes [lo, hi), then the pass that joins their exponents with sign and mantissa, the
+    field layout baked in as constants. The second pass reads the elements of the same lanes (at step j, the
+    run j * lanes + [lo, hi)), so one thread's share of a tensor needs no other thread's: one call a thread."""
     width = bits + 1
     log_per = log_fields_per_byte(bits)
     per_mask = (1 << log_per) - 1
     field_mask = (1 << width) - 1
 
     @njit(nogil=True)
-    def compose(exps: np.ndarray, sm: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
-        for i in range(np.uint64(lo), np.uint64(hi)):
-            f = (np.uint32(sm[i >> np.uint64(log_per)]) >> np.uint32((i & np.uint64(per_mask)) * np.uint64(width))) \
-                & np.uint32(field_mask)
-            out[i] = ((f >> np.uint32(bits)) << np.uint32(15)) | (np.uint32(exps[i]) << np.uint32(7)) \
-                | ((f & np.uint32((1 << bits) - 1)) << np.uint32(7 - bits))
+    def decode_lanes(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, sm: np.ndarray, exps: np.ndarray,
+                     out: np.ndarray, lo: int, hi: int, status: np.ndarray) -> None:
+        _exponents(words, offsets, table, exps, lo, hi, status)
+        n = np.uint64(out.size)
+        lanes = np.uint64(offsets.size - 1)
+        for j in range((out.size + offsets.size - 2) // (offsets.size - 1)):
+            base = np.uint64(j) * lanes
+            for i in range(base + np.uint64(lo), min(base + np.uint64(hi), n)):
+                f = (np.uint32(sm[i >> np.uint64(log_per)]) >> np.uint32((i & np.uint64(per_mask)) * np.uint64(width))) \
+                    & np.uint32(field_mask)
+                out[i] = ((f >> np.uint32(bits)) << np.uint32(15)) | (np.uint32(exps[i]) << np.uint32(7)) \
+                    | ((f & np.uint32((1 << bits) - 1)) << np.uint32(7 - bits))
 
-    return compose
+    return decode_lanes
 
 
-_COMPOSE = {}
+_DECODE_LANES = {}
 
 
-def _compose(bits: int):
-    if bits not in _COMPOSE:
-        _COMPOSE[bits] = _make_compose(bits)
-    return _COMPOSE[bits]
+def decode_lanes(bits: int):
+    """The compiled one-thread decoder of (bits + 1)-bit fields: (words, offsets, table, sm, exps, out, lo, hi,
+    status), numpy arrays (uint16, int64, uint32, uint8, uint8 scratch of n, uint16 out, lanes [lo, hi), int32)."""
+    if bits not in _DECODE_LANES:
+        _DECODE_LANES[bits] = _make_decode_lanes(bits)
+    return _DECODE_LANES[bits]
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -176,7 +186,17 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _split(fn, parts: list[tuple]) -> None:
+def lane_cuts(n: int, lanes: int, threads: int) -> list[tuple[int, int]]:
+    """Each thread's lanes: `threads` (at most every core and every lane; 1 under 2^16 elements, where handing
+    work to another thread costs more than it saves) even shares."""
+    threads = max(1, min(threads, lanes, os.cpu_count() or 1))
+    if n < (1 << 16):
+        threads = 1
+    cuts = [lanes * t // threads for t in range(threads + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def run_split(fn, parts: list[tuple]) -> None:
     """fn(*part) for every part: the first on this thread, the rest on the pool (numba releases the GIL)."""
     jobs = [_pool().submit(fn, *part) for part in parts[1:]]
     fn(*parts[0])
@@ -186,22 +206,16 @@ def _split(fn, parts: list[tuple]) -> None:
 
 def neuzip_decode_numba(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor,
                         bits: int, out: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """CPU serving's form, in two passes (the rANS pass writes exponent bytes, a second pass joins them with
-    sign and mantissa: a quarter faster than one pass doing both); `threads` (default: torch's thread count,
-    at most every core) split the lanes, then the elements."""
+    """CPU serving's form, in two passes per thread (the rANS pass writes exponent bytes, a second pass joins
+    them with sign and mantissa: a quarter faster than one pass doing both); `threads` (default: torch's thread
+    count, at most every core) split the lanes."""
     _check(words, offsets, table, sm, bits, out)
     n, lanes = out.numel(), offsets.numel() - 1
-    w, o = words.numpy().view(np.uint16), offsets.numpy()
-    tab, s, dst = table.numpy().view(np.uint32), sm.numpy(), out.numpy().view(np.uint16)
+    args = (words.numpy().view(np.uint16), offsets.numpy(), table.numpy().view(np.uint32), sm.numpy(),
+            np.empty(n, np.uint8), out.numpy().view(np.uint16))
     status = np.zeros(lanes, np.int32)
-    exps = np.empty(n, np.uint8)
-    threads = max(1, min(threads or torch.get_num_threads(), lanes, os.cpu_count() or 1))
-    if n < (1 << 16):
-        threads = 1
-    cuts = [lanes * t // threads for t in range(threads + 1)]
-    _split(_exponents, [(w, o, tab, exps, a, b, status) for a, b in zip(cuts, cuts[1:])])
-    cuts = [min(n, (n * t // threads) // 8 * 8) if t < threads else n for t in range(threads + 1)]
-    _split(_compose(bits), [(exps, s, dst, a, b) for a, b in zip(cuts, cuts[1:])])
+    cuts = lane_cuts(n, lanes, threads or torch.get_num_threads())
+    run_split(decode_lanes(bits), [(*args, lo, hi, status) for lo, hi in cuts])
     return torch.from_numpy(status)
 
 

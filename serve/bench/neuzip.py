@@ -5,8 +5,10 @@ SmolLM2-135M and all-MiniLM-L6-v2, both cast to bf16, served as: bf16 uncompress
 that its memory is its own: resident weight bytes (counted from the tensors, and measured as the process's RSS
 growth over loading and one small forward, numba's compiled code already in the baseline), peak RSS, quality (SmolLM2: perplexity on held-out BBC articles; MiniLM: cosine of its
 sentence embeddings to the bf16 model's), and throughput at decoded-layer budgets 0 and the default (SmolLM2:
-generated tokens/s, 8 rows; MiniLM: tokens encoded/s). Then decode speed on one core and on all, and the sizes
-of two anchors on the same tensors: zstd -19 and the order-0 entropy of the exponents. Prints tables, writes JSON.
+generated tokens/s, 8 rows; MiniLM: tokens encoded/s). Before those, the engine's own decode steps and prefill,
+bf16 against k = 7, split into decoding, matmul and the rest (serve/bench/neuzip_steps.py). Then decode speed on
+one core and on all, and the sizes of two anchors on the same tensors: zstd -19 and the order-0 entropy of the
+exponents. Prints tables, writes JSON.
 """
 
 import gc
@@ -293,14 +295,21 @@ def anchors(path: Path) -> dict:
             "exponent_entropy_bits": order0_bits(exps) / exps.sum()}
 
 
-def run_neuzip_bench(out: Path, work: Path | None = None) -> dict:
+def run_neuzip_bench(out: Path, work: Path | None = None, steps_only: bool = False) -> dict:
+    """steps_only: only the engine's forwards, split (serve/bench/neuzip_steps.py)."""
+    from serve.bench.neuzip_steps import run_steps
     from serve.data.cache import home
 
     work = work or home() / "bench-neuzip"
     work.mkdir(parents=True, exist_ok=True)
     print("preparing bf16 and NeuZip copies of the models ...", flush=True)
     dirs = prepare(work)
-    print("decode speed ...", flush=True)  # first, on a quiet process
+    print("engine forwards, bf16 and k7 taking turns ...", flush=True)
+    steps = run_steps(dirs["smollm2"])
+    if steps_only:
+        report = {"machine": machine(), "torch_threads": torch.get_num_threads(), "engine_steps_ms": steps}
+        return finish(report, out, print_report)
+    print("decode speed ...", flush=True)
     speed = {k: decode_speed(dirs["smollm2"][k]) for k in ("k7", "k3", "k0")}
     rows = []
     for model in MODELS:
@@ -310,14 +319,19 @@ def run_neuzip_bench(out: Path, work: Path | None = None) -> dict:
     report = {"machine": machine(), "torch_threads": torch.get_num_threads(),
               "default_decoded_mib": NEUZIP_DECODED_MIB, "rows": rows,
               "anchors": {m: anchors(dirs[m]["k7"]) for m in MODELS},
-              "decode_gb_per_s": speed,
+              "decode_gb_per_s": speed, "engine_steps_ms": steps,
               "gpu": NO_GPU}
     return finish(report, out, print_report)
 
 
 def print_report(r: dict) -> None:
+    from serve.bench.neuzip_steps import print_steps
+
     print(f"\nNeuZip on {r['machine']} ({r['torch_threads']} torch threads); default decoded-layer budget "
-          f"{r['default_decoded_mib']} MiB")
+          f"{r.get('default_decoded_mib', NEUZIP_DECODED_MIB)} MiB")
+    print_steps(r["engine_steps_ms"])
+    if "rows" not in r:
+        return
     for model in MODELS:
         rows = [x for x in r["rows"] if x["model"] == model]
         base = rows[0]

@@ -55,7 +55,7 @@ def cmd_bench_translora(args: argparse.Namespace) -> None:
 def cmd_bench_neuzip(args: argparse.Namespace) -> None:
     from serve.bench.neuzip import run_neuzip_bench
 
-    run_neuzip_bench(Path(args.out), Path(args.work) if args.work else None)
+    run_neuzip_bench(Path(args.out), Path(args.work) if args.work else None, args.steps_only)
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> None:
@@ -111,6 +111,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bn.add_argument("--out", default="bench-results/neuzip.json")
     bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "
                                    "(default: $MANYFOLD_HOME/bench-neuzip)")
+    bn.add_argument("--steps-only", action="store_true",
+                    help="only the engine's decode steps and prefill, bf16 against k7, split (a few minutes)")
     so = add_command(bench, "soak", cmd_bench_soak, "a long mixed-kind run at a share of saturation with variants "
                      "added and removed over the admin API: errors, hung requests, latency, RSS over time")
     so.add_argument("--store", help="where the soak's small store is built once and reused "

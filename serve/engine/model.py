@@ -8,6 +8,7 @@ generate in serve.engine.generation.
 """
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -125,7 +126,10 @@ class BaseModelRuntime:
         return {f: s.in_use for f, s in self.families.items() if s.in_use}
 
     def call(self, plan: BatchPlan, **kwargs):
-        with self.seconds.timing("forward"), self.layers.planned(plan):
+        ids = kwargs.get("input_ids")
+        tokens = ids.numel() if ids is not None else plan.rows * self.max_length  # embeddings given: assume long
+        decoding = self.coded.decoder.forward(tokens) if self.coded else nullcontext()
+        with self.seconds.timing("forward"), self.layers.planned(plan), decoding:
             return self.model(**kwargs)
 
     # ---- encoders

@@ -4,12 +4,13 @@ The model is built without weights (accelerate's init_empty_weights); raw tensor
 serve/codecs/neuzip_file.py says which) are loaded as they are, and every coded weight stays a meta
 placeholder of the right shape and dtype, so the variant seam (serve/engine/layers.py, slots.py) sees the
 module it always sees. Two hooks per coded module:
-- before its forward: decode the weight into one buffer shared by all modules and put it in place of the
-  placeholder (only if the placeholder is there: a full variant's rows run the module through
-  functional_call with their own tensor, which must not be overwritten);
+- before its forward: have the weight decoded (serve/engine/neuzip_decoder.py: into a buffer shared by all
+  modules, or already decoded ahead into the second of two) and put it in place of the placeholder (only if
+  the placeholder is there: a full variant's rows run the module through functional_call with their own
+  tensor, which must not be overwritten);
 - after its forward (last of its hooks, so the variant corrections have run; also when the forward raised):
   put the placeholder back.
-Resident weights are then the coded streams, the raw tensors and one decoded weight. A decoded-layer budget
+Resident weights are then the coded streams, the raw tensors and two decoded weights. A decoded-layer budget
 keeps some weights decoded for good, in model order until the budget is spent: every weight runs once per
 forward, so which ones are kept only changes how much decoding is saved, byte for byte.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from serve.codecs.neuzip_file import NzpFile, Stream, decode
+from serve.engine.neuzip_decoder import AHEAD_MAX_TOKENS, WeightDecoder
 from serve.errors import ArtifactError
 
 
@@ -66,7 +68,9 @@ def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -
 class CodedWeights:
     """The coded weights of one model and the hooks that decode them (see the module's docstring)."""
 
-    def __init__(self, model: torch.nn.Module, streams: dict[str, Stream], decoded_bytes: int = 0):
+    def __init__(self, model: torch.nn.Module, streams: dict[str, Stream], decoded_bytes: int = 0,
+                 ahead_max_tokens: int = AHEAD_MAX_TOKENS):
+        """ahead_max_tokens: forwards of at most this many tokens decode ahead (serve/engine/neuzip_decoder.py)."""
         self.streams: dict[str, Stream] = {}
         """The weights decoded on use: their streams are all that stays resident of them."""
         self.kept: dict[str, torch.Tensor] = {}
@@ -91,10 +95,10 @@ class CodedWeights:
             self.streams[name] = s
             self.placeholders[mname] = module.weight
             self._installed[mname] = []
-            self._handles.append(module.register_forward_pre_hook(self._decode_hook(mname, s)))
+            self._handles.append(module.register_forward_pre_hook(self._decode_hook(mname)))
             self._handles.append(module.register_forward_hook(self._restore_hook(mname), always_call=True))
-        size = max((s.numel for s in self.streams.values()), default=0)
-        self.buffer = torch.empty(size, dtype=torch.bfloat16, device=device)
+        self.decoder = WeightDecoder({n.rsplit(".", 1)[0]: s for n, s in self.streams.items()}, device,
+                                     ahead_max_tokens)
 
     @property
     def coded_bytes(self) -> int:
@@ -109,20 +113,18 @@ class CodedWeights:
     @property
     def nbytes(self) -> int:
         """What the coded weights hold beyond the model's parameters: the streams of the weights decoded on use
-        and the buffer they decode into (weights kept decoded are parameters)."""
-        return self.coded_bytes + self.buffer.numel() * self.buffer.element_size()
+        and the buffers they decode into (weights kept decoded are parameters)."""
+        return self.coded_bytes + self.decoder.nbytes
 
-    def _decode_hook(self, mname: str, stream: Stream):
+    def _decode_hook(self, mname: str):
         placeholder = self.placeholders[mname]
         installed = self._installed[mname]
-        numel = stream.numel
 
         def before(module: torch.nn.Module, args: tuple) -> None:
             install = module._parameters["weight"] is placeholder
             installed.append(install)
             if install:
-                w = decode(stream, self.buffer[:numel].view(stream.shape), check=False)
-                module._parameters["weight"] = torch.nn.Parameter(w, requires_grad=False)
+                module._parameters["weight"] = self.decoder.weight(mname)
 
         return before
 
@@ -140,3 +142,4 @@ class CodedWeights:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.decoder.close()

@@ -225,3 +225,36 @@ def test_real_smollm2_as_a_lossless_neuzip_base_equals_the_bf16_model(tmp_path):
     eos = ref.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     assert gen.token_ids == out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
+
+
+def test_decoding_ahead_gives_inline_decodings_logits_even_when_the_next_module_was_guessed_wrong(tmp_path):
+    """Short forwards decode the next weight on a decode thread (when torch has two threads to share); a module
+    run out of the learned order is decoded on the spot, and every output stays bit for bit the inline one."""
+    from safetensors.torch import load_file
+
+    from serve.engine.model import BaseModelRuntime
+
+    nz = _neuzip_copy(write_tiny_causal(tmp_path / "lm"), tmp_path / "lm-nz")
+    rt = BaseModelRuntime("lm-nz", nz)
+    decoder = rt.coded.decoder
+    ids = torch.tensor([[3, 5, 7, 9], [4, 6, 8, 10]])
+    plan = BatchPlan([BASE_ROW, BASE_ROW], rt.device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            decoder.ahead_max_tokens = 0
+            inline = rt.call(plan, input_ids=ids).logits
+            decoder.ahead_max_tokens = ids.numel()
+            assert torch.equal(rt.call(plan, input_ids=ids).logits, inline)  # learns the order
+            x = torch.randn(3, rt.model.config.intermediate_size, dtype=torch.bfloat16)
+            down = rt.model.model.layers[1].mlp.down_proj
+            with decoder.forward(tokens=1):
+                assert decoder.ahead and torch.get_num_threads() == 1
+                out_of_order = down(x)  # the decode thread is decoding layer 0's first weight meanwhile
+            assert torch.get_num_threads() == 2 and down.weight.is_meta
+            bf16 = load_file(nz / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+            assert torch.equal(out_of_order, torch.nn.functional.linear(x, bf16))
+            assert torch.equal(rt.call(plan, input_ids=ids).logits, inline)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,140 @@
+"""`manyfold bench neuzip`'s engine steps: what a NeuZip base costs per forward through the engine's own runtime.
+
+SmolLM2-135M as bf16 and as lossless NeuZip (k = 7) at decoded-layer budget 0, each a BaseModelRuntime: a decode
+step (one new token a row over a 64-token context) at 1, 8, 32, 64 and 128 rows, and a prefill of 8 x 256
+tokens. NeuZip runs both ways serve/engine/neuzip_decoder.py has, whatever the forward's length: "ahead" (a
+decode thread, torch on one thread fewer) and "inline" (decoding on torch's threads); a served base picks one by
+the forward's tokens (AHEAD_MAX_TOKENS), and these rows are what that choice rests on. Each forward is split into
+  decode wait   the compute thread's time getting weights (decoding them, or waiting for the decode thread)
+  decode busy   time spent decoding on any thread (above the wait where decoding runs ahead, under compute)
+  matmul        time inside every Linear's forward (the base's matmuls and the LM head)
+  other         the rest: attention, norms, embeddings, hooks, Python
+Before anything is timed, the k = 7 logits are checked equal to bf16's bit for bit. The runtimes take turns
+forward by forward, so a busy moment on a shared machine falls on both alike; medians over the repeats.
+"""
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.model import BaseModelRuntime
+
+ROWS = (1, 8, 32, 64, 128)
+CONTEXT = 64
+PREFILL = (8, 256)
+PARTS = ("step", "decode_wait", "decode_busy", "matmul", "other")
+CONFIGS = {"bf16": ("bf16", None), "k7 ahead": ("k7", 1 << 30), "k7 inline": ("k7", 0)}
+"""name: (model directory, the decoder's ahead_max_tokens)."""
+
+
+class LinearTimer:
+    """Seconds inside every Linear's forward, through hooks registered after the runtime's own (so the decode
+    pre-hook has run when the clock starts)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.seconds = 0.0
+        self._t0 = 0.0
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self._handles = [h for m in linears for h in (m.register_forward_pre_hook(self._start),
+                                                      m.register_forward_hook(self._stop, always_call=True))]
+
+    def _start(self, module: torch.nn.Module, args: tuple) -> None:
+        self._t0 = time.perf_counter()
+
+    def _stop(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def forward_of(rt: BaseModelRuntime, rows: int) -> Callable[[], torch.Tensor]:
+    """A forward to time, returning its last logits: a decode step over a CONTEXT-token cache (cropped back after
+    each step, so that every timed step is the same step), or for rows == 0 the PREFILL."""
+    g = torch.Generator().manual_seed(rows)
+    vocab = rt.model.config.vocab_size
+    if not rows:
+        ids = torch.randint(0, vocab, PREFILL, generator=g)
+        plan = BatchPlan([BASE_ROW] * PREFILL[0], rt.device)
+        return lambda: rt.call(plan, input_ids=ids, logits_to_keep=1).logits
+    ids = torch.randint(0, vocab, (rows, CONTEXT), generator=g)
+    plan = BatchPlan([BASE_ROW] * rows, rt.device)
+    cache = DynamicCache()
+    with torch.no_grad():
+        nxt = rt.call(plan, input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def step() -> torch.Tensor:
+        logits = rt.call(plan, input_ids=nxt, past_key_values=cache, use_cache=True).logits
+        cache.crop(-1)
+        return logits
+
+    return step
+
+
+@torch.no_grad()
+def timed(rt: BaseModelRuntime, timer: LinearTimer, fn: Callable[[], torch.Tensor]) -> dict[str, float]:
+    """One forward, split (seconds)."""
+    decoder = rt.coded.decoder if rt.coded else None
+    wait0, busy0 = (decoder.wait_s, decoder.decode_s) if decoder else (0.0, 0.0)
+    mm0 = timer.seconds
+    t0 = time.perf_counter()
+    fn()
+    step = time.perf_counter() - t0
+    wait, busy = (decoder.wait_s - wait0, decoder.decode_s - busy0) if decoder else (0.0, 0.0)
+    matmul = timer.seconds - mm0
+    return {"step": step, "decode_wait": wait, "decode_busy": busy, "matmul": matmul, "other": step - wait - matmul}
+
+
+def _runtimes(dirs: dict[str, Path]) -> dict[str, BaseModelRuntime]:
+    rts = {}
+    for name, (d, ahead_max_tokens) in CONFIGS.items():
+        rt = rts[name] = BaseModelRuntime(name, dirs[d])
+        if ahead_max_tokens is not None:
+            if rt.coded is None or rt.coded.kept:
+                raise RuntimeError(f"{name}: every coded weight must be decoded on use (budget 0)")
+            rt.coded.decoder.ahead_max_tokens = ahead_max_tokens
+    return rts
+
+
+def run_steps(dirs: dict[str, Path], repeats: int = 5, rows: tuple[int, ...] = ROWS) -> dict:
+    """{config: {forward: {part: median ms}}} for the decode step at each of `rows` and the prefill."""
+    rts = _runtimes(dirs)
+    timers = {c: LinearTimer(rt.model) for c, rt in rts.items()}
+    out: dict = {c: {} for c in rts}
+    try:
+        for n in (*rows, 0):
+            shape = f"step {n}" if n else f"prefill {PREFILL[0]}x{PREFILL[1]}"
+            fns = {c: forward_of(rt, n) for c, rt in rts.items()}
+            with torch.no_grad():
+                want = fns["bf16"]()
+                if not all(torch.equal(fn(), want) for c, fn in fns.items() if c != "bf16"):
+                    raise RuntimeError(f"{shape}: NeuZip k7 logits differ from bf16's")
+            runs: dict[str, list] = {c: [] for c in rts}
+            for _ in range(repeats if n else max(2, repeats // 2)):
+                for c, rt in rts.items():
+                    runs[c].append(timed(rt, timers[c], fns[c]))
+            for c, r in runs.items():
+                out[c][shape] = {p: 1e3 * statistics.median(x[p] for x in r) for p in PARTS}
+    finally:
+        for c, rt in rts.items():
+            timers[c].close()
+            if rt.coded:
+                rt.coded.close()
+    return out
+
+
+def print_steps(steps: dict) -> None:
+    print(f"\nengine forwards, SmolLM2 (step N: one new token for each of N rows over {CONTEXT} tokens), ms, "
+          "medians; decode busy above wait: decoding ran ahead, under compute")
+    print(f"{'forward':<16}{'config':<11}{'total':>8}{'wait':>8}{'busy':>8}{'matmul':>8}{'other':>8}{'x bf16':>8}")
+    for shape, b in steps["bf16"].items():
+        for c, r in steps.items():
+            k = r[shape]
+            print(f"{shape:<16}{c:<11}{k['step']:>8.1f}{k['decode_wait']:>8.1f}{k['decode_busy']:>8.1f}"
+                  f"{k['matmul']:>8.1f}{k['other']:>8.1f}{k['step'] / b['step']:>8.2f}")

@@ -1,0 +1,180 @@
+"""A NeuZip base's coded weights decoded on use: what serve/engine/neuzip.py's pre-hooks call for the weight of
+the module about to run.
+
+On the CPU every call was costing more than its decoding (tensor-to-numpy views, a scratch allocation, two
+hand-offs to the decode pool, a fresh Parameter), so all of that is built once here: each weight's decode calls
+(its lanes cut per thread, numpy views of its stream and of its place in a buffer) and its Parameter over that
+place. Two ways to run them, chosen per forward (`forward`):
+- ahead, for forwards of few tokens (decode steps) when torch has two threads or more: a decode thread decodes
+  the weight expected next (the module that followed this one last time) into the other of two buffers while
+  this one computes, and torch computes on one thread fewer, so that the two never fight over a core (torch's
+  OpenMP threads spin between regions, and a third busy thread on their cores stalls every barrier). The
+  weight is decoded in two halves of its lanes; a compute thread that needs it before the decode thread is
+  done takes the half not yet started, so a step costs about max(decoding, compute), decoding on two cores
+  wherever compute leaves one idle. A guess that turns out wrong costs only time: the weight asked for
+  is then decoded on the spot. The decode thread writes only the buffer no running module reads (modules that
+  decode are leaves: one runs at a time), so outputs are bit for bit those of inline decoding.
+- inline, for long forwards (prefill), where compute needs every core and decoding is a small share: the
+  compute thread decodes each weight, its lanes split over torch's threads, then the module computes.
+On another device each weight is decoded by the kernels' device form (Triton on CUDA), into one buffer.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kernels.neuzip_decode import decode_lanes, lane_cuts, run_split
+from serve.codecs.neuzip_file import Stream, decode
+
+AHEAD_MAX_TOKENS = 256
+"""Forwards of at most this many tokens decode ahead (measured on 2 cores: serve/bench/neuzip_steps.py)."""
+
+
+class _Pending:
+    """A weight being decoded ahead: its module, its buffer, its decode calls (lanes in parts) and which parts a
+    thread has taken."""
+
+    def __init__(self, module: str, buffer: int, fn: Callable, parts: list[tuple]):
+        self.module, self.buffer, self.fn, self.parts = module, buffer, fn, parts
+        self.seconds = 0.0
+        """Spent decoding its parts, on either thread."""
+        self.job: Future | None = None
+        self._taken = 0
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        """Decode the parts no thread has taken yet, one at a time: the decode thread runs this, and so does the
+        compute thread once it needs the weight, so that the two split what is left (disjoint lanes)."""
+        while True:
+            with self._lock:
+                i, self._taken = self._taken, self._taken + 1
+            if i >= len(self.parts):
+                return
+            t0 = time.perf_counter()
+            self.fn(*self.parts[i])
+            with self._lock:
+                self.seconds += time.perf_counter() - t0
+
+
+class WeightDecoder:
+    """Decodes the coded weights of one model on use, by module name (see the module's docstring)."""
+
+    def __init__(self, streams: dict[str, Stream], device: torch.device, ahead_max_tokens: int = AHEAD_MAX_TOKENS):
+        """streams: each coded weight's stream by the name of its module. ahead_max_tokens: forwards of at most
+        this many tokens decode ahead (CPU only; 0: never)."""
+        self.streams = streams
+        self.cpu = device.type == "cpu"
+        self.ahead_max_tokens = ahead_max_tokens if self.cpu else 0
+        size = max((s.numel for s in streams.values()), default=0)
+        buffers = 2 if self.ahead_max_tokens and streams else 1
+        self.buffers = [torch.empty(size, dtype=torch.bfloat16, device=device) for _ in range(buffers)]
+        self.params = {m: [torch.nn.Parameter(b[: s.numel].view(s.shape), requires_grad=False) for b in self.buffers]
+                       for m, s in streams.items()}
+        """Each weight's Parameter over its place in each buffer: installing one is a dict assignment."""
+        self.decode_s = 0.0
+        """Seconds spent decoding, on whichever thread (a counter: a reader subtracts two readings)."""
+        self.wait_s = 0.0
+        """Seconds the compute thread spent in weight(): decoding, or waiting for the decode thread."""
+        self.ahead = False
+        """Whether the forward running now decodes ahead (set by `forward`)."""
+        self._threads = 1
+        self._calls: dict[int, dict[str, list[list[tuple]]]] = {}
+        self._next: dict[str, str] = {}
+        self._last: str | None = None
+        self._pending: _Pending | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="neuzip-ahead") if len(self.buffers) > 1 else None
+
+    @property
+    def nbytes(self) -> int:
+        """The buffers' bytes (the streams are counted by their owner)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    @contextmanager
+    def forward(self, tokens: int) -> Iterator[None]:
+        """Decode, for the forward run inside the block, ahead if it has at most ahead_max_tokens tokens and torch
+        has a thread to spare (torch then runs on one thread fewer), else inline on torch's threads."""
+        threads = torch.get_num_threads()
+        self.ahead = self._thread is not None and threads > 1 and tokens <= self.ahead_max_tokens
+        self._threads = 1 if self.ahead else threads
+        if self.ahead:
+            torch.set_num_threads(threads - 1)
+        try:
+            yield
+        finally:
+            if self.ahead:
+                torch.set_num_threads(threads)
+            self.ahead, self._threads = False, 1
+
+    def _plan(self, threads: int) -> dict[str, list[list[tuple]]]:
+        """(module -> per buffer, the argument tuples of decode_lanes, one per thread): every view built once."""
+        exps = np.empty(self.buffers[0].numel(), np.uint8)  # one weight at a time (parts: disjoint lanes)
+        status = np.zeros(max(s.offsets.numel() - 1 for s in self.streams.values()), np.int32)
+        outs = [b.view(torch.int16).numpy().view(np.uint16) for b in self.buffers]
+        calls = {}
+        for m, s in self.streams.items():
+            args = (s.words.numpy().view(np.uint16), s.offsets.numpy(), s.table.numpy().view(np.uint32), s.sm.numpy())
+            cuts = lane_cuts(s.numel, s.offsets.numel() - 1, threads)
+            calls[m] = [[(*args, exps[: s.numel], out[: s.numel], lo, hi, status) for lo, hi in cuts] for out in outs]
+        return calls
+
+    def weight(self, module: str) -> torch.nn.Parameter:
+        """The decoded weight of `module`, valid until the next call (the caller's module has run by then)."""
+        t0 = time.perf_counter()
+        if self._last is not None:
+            self._next[self._last] = module
+        self._last = module
+        b = self._take(module)
+        if self.ahead and module in self._next:
+            self._start(self._next[module], 1 - b)
+        self.wait_s += time.perf_counter() - t0
+        return self.params[module][b]
+
+    def _take(self, module: str) -> int:
+        """The buffer holding `module`'s weight: the one decoded ahead if it was the one guessed, else decoded now
+        into a buffer no job writes."""
+        pending, self._pending = self._pending, None
+        b = 0
+        if pending is not None:
+            if pending.module == module:
+                pending.run()
+            pending.job.result()
+            self.decode_s += pending.seconds
+            if pending.module == module:
+                return pending.buffer
+            b = 1 - pending.buffer
+        self._decode(module, b, self._threads)
+        return b
+
+    def _start(self, module: str, b: int) -> None:
+        """Decode `module`'s weight into buffer b on the decode thread, in two parts (the compute thread may take
+        the second)."""
+        pending = _Pending(module, b, decode_lanes(self.streams[module].bits), self._calls_for(2)[module][b])
+        pending.job = self._thread.submit(pending.run)
+        self._pending = pending
+
+    def _calls_for(self, threads: int) -> dict[str, list[list[tuple]]]:
+        if threads not in self._calls:
+            self._calls[threads] = self._plan(threads)
+        return self._calls[threads]
+
+    def _decode(self, module: str, b: int, threads: int) -> None:
+        t0 = time.perf_counter()
+        if self.cpu:
+            run_split(decode_lanes(self.streams[module].bits), self._calls_for(threads)[module][b])
+        else:
+            decode(self.streams[module], self.params[module][b].data, check=False)
+        self.decode_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Finish any decode ahead and stop the decode thread."""
+        if self._pending is not None:
+            self._pending.job.result()
+            self._pending = None
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
