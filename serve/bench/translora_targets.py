@@ -12,6 +12,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ PPL_TEXTS = 100
 """Held-out texts per corpus for a perplexity (each cut to 128 tokens)."""
 DESCRIPTIONS = {"neuzip-k0": "SmolLM2-135M-Instruct after NeuZip k=0",
                 "new-version": f"SmolLM2-135M-Instruct continued-trained on fortunes ({NEW_VERSION.steps} steps, "
-                               f"{NEW_VERSION.top_layers} layers, lr {NEW_VERSION.lr})"}
+                               f"top {NEW_VERSION.top_layers} layers, lr {NEW_VERSION.lr})"}
 
 
 def heldout_texts(corpus: str, n: int = PPL_TEXTS) -> list[str]:
@@ -78,13 +79,14 @@ def neuzip_k0_base(work: Path) -> Path:
 
 def new_version_base(work: Path, log: Callable[[str], None] = print) -> Path:
     """SmolLM2 continued-trained by NEW_VERSION on the fortunes' train split, with its tokenizer and TARGET_FILE
-    (the recipe, the seconds and the held-out perplexities before and after), written atomically."""
+    (the recipe, the seconds and the held-out perplexities before and after), written atomically; kept while its
+    recorded recipe is NEW_VERSION's."""
     from serve.data.datasets import fortunes
     from serve.data.models import smollm2_dir
 
     out = work / NEW_VERSION.variant
-    if (out / TARGET_FILE).is_file():
-        return out
+    if (out / TARGET_FILE).is_file() and json.loads((out / TARGET_FILE).read_text())["recipe"] == asdict(NEW_VERSION):
+        return out  # built by this recipe; another recipe's build is replaced
     source = smollm2_dir()
     log(f"building {out.name}: {DESCRIPTIONS['new-version']}")
     before = perplexities(source)
@@ -93,7 +95,7 @@ def new_version_base(work: Path, log: Callable[[str], None] = print) -> Path:
         last = finetune_lm_top_layers(source, fortunes("train"), stage, NEW_VERSION, log=log)
         seconds = time.perf_counter() - t0
         after = perplexities(stage)
-        info = {"recipe": NEW_VERSION.__dict__, "corpus": "fortunes (train split)", "last_loss": last,
+        info = {"recipe": asdict(NEW_VERSION), "corpus": "fortunes (train split)", "last_loss": last,
                 "train_seconds": seconds, "perplexity": {"before": before, "after": after}}
         (stage / TARGET_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out
