@@ -1,4 +1,5 @@
-"""Adapter training sets from packaged real data, for the demo's SmolLM2 adapters: fortunes, headlines, spam.
+"""Adapter training sets from packaged real data, for the demo's SmolLM2 adapters (fortunes, headlines, spam) and
+the Trans-LoRA bench's text-continuation task (tweets).
 
 The selection is fixed: within a split, examples are ordered by the sha256 of their text and the first n are
 taken, so a larger n extends a smaller one and nothing depends on file order or a random seed.
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample
-from serve.data.datasets import Split, fortunes, package_dir, sms_spam, split_of
+from serve.data.datasets import Split, fortunes, package_dir, sms_spam, split_of, tweet_sentiment
 from serve.errors import ConfigError
 from serve.store.writer import atomic_write
 
@@ -19,16 +20,21 @@ MAX_FORTUNE_CHARS = 400
 ARTICLE_WORDS = 40
 """Words of an article's body in a headline prompt (~55 tokens)."""
 MAX_SMS_CHARS = 300
+TWEET_PROMPT_WORDS = 8
+"""Words of a tweet shown in a continuation prompt; the rest is the completion."""
+MIN_TWEET_WORDS = 12
+"""Shorter tweets leave too little to continue."""
 
 
-def _by_hash(items: list, key: Callable[[object], str]) -> list:
+def by_hash(items: list, key: Callable[[object], str]) -> list:
+    """Items ordered by the sha256 of key(item): fixed whatever the file order, so a larger n extends a smaller."""
     return sorted(items, key=lambda item: hashlib.sha256(key(item).encode()).digest())
 
 
 def fortune_examples(split: Split) -> list[TrainExample]:
     """{"text": quote}: plain language modelling on Debian's fortunes."""
     quotes = [q for q in fortunes(split) if len(q) <= MAX_FORTUNE_CHARS]
-    return [TextExample(text=q) for q in _by_hash(sorted(set(quotes)), str)]
+    return [TextExample(text=q) for q in by_hash(sorted(set(quotes)), str)]
 
 
 def bbc_articles(split: Split) -> list[tuple[str, str]]:
@@ -53,7 +59,7 @@ def headline_examples(split: Split) -> list[TrainExample]:
     """prompt = the start of an article's body, completion = its headline."""
     return [PromptExample(prompt=f"Article: {' '.join(body.split()[:ARTICLE_WORDS])}\nHeadline:",
                           completion=f" {headline}")
-            for headline, body in _by_hash(bbc_articles(split), lambda a: a[0] + a[1])]
+            for headline, body in by_hash(bbc_articles(split), lambda a: a[0] + a[1])]
 
 
 def spam_examples(split: Split) -> list[TrainExample]:
@@ -62,7 +68,7 @@ def spam_examples(split: Split) -> list[TrainExample]:
     Alternating balances the set (the corpus is 13% spam), so always answering " no" scores only 50%.
     """
     data = sms_spam(split).examples
-    spam, ham = ([e for e in _by_hash(data, lambda e: e.text) if e.label == label] for label in ("spam", "ham"))
+    spam, ham = ([e for e in by_hash(data, lambda e: e.text) if e.label == label] for label in ("spam", "ham"))
     out = []
     for pair in zip(spam, ham):
         for e in pair:
@@ -71,8 +77,21 @@ def spam_examples(split: Split) -> list[TrainExample]:
     return out
 
 
+def tweet_examples(split: Split) -> list[TrainExample]:
+    """prompt = a tweet's first TWEET_PROMPT_WORDS words, completion = the rest: text continuation in a register
+    (short, informal, hashtags) neither the other tasks nor the bench's new-version base train on."""
+    texts = {e.text for e in tweet_sentiment(split).examples if len(e.text.split()) >= MIN_TWEET_WORDS}
+    out = []
+    for text in by_hash(sorted(texts), str):
+        words = text.split()
+        out.append(PromptExample(prompt=" ".join(words[:TWEET_PROMPT_WORDS]),
+                                 completion=" " + " ".join(words[TWEET_PROMPT_WORDS:])))
+    return out
+
+
 TASKS: dict[str, Callable[[Split], list[TrainExample]]] = {
-    "fortunes": fortune_examples, "headlines": headline_examples, "spam": spam_examples}
+    "fortunes": fortune_examples, "headlines": headline_examples, "spam": spam_examples,
+    "tweets": tweet_examples}
 
 
 def task_examples(name: str, split: Split = "train", n: int | None = None) -> list[TrainExample]:

@@ -47,9 +47,12 @@ def cmd_bench_forms(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_translora(args: argparse.Namespace) -> None:
-    from serve.bench.translora import run_translora_bench
+    from serve.bench.translora import TASKS, choose, run_translora_bench
+    from serve.bench.translora_targets import TARGETS
 
-    run_translora_bench(Path(args.out), Path(args.work) if args.work else None)
+    run_translora_bench(Path(args.out), Path(args.work) if args.work else None, args.seeds,
+                        choose(args.tasks, TASKS, "tasks"), choose(args.targets, TARGETS, "targets"),
+                        inits=not args.no_inits)
 
 
 def cmd_bench_neuzip(args: argparse.Namespace) -> None:
@@ -64,6 +67,18 @@ def cmd_bench_soak(args: argparse.Namespace) -> None:
     spec = SoakSpec(duration_s=args.duration_s, load=args.load, churn_s=args.churn_s, warmup_s=args.warmup_s,
                     probe_s=args.probe_s, probe_concurrency=args.probe_concurrency, timeout_s=args.timeout_s)
     run_soak_bench(_store_dir(args), Path(args.out), spec)
+
+
+def _add_translora(bench: argparse._SubParsersAction) -> None:
+    bt = add_command(bench, "translora", cmd_bench_translora,
+                     "Trans-LoRA on three real tasks and two target bases over seeds; PiSSA against LoRA")
+    bt.add_argument("--out", default="bench-results/translora.json")
+    bt.add_argument("--work", help="where adapters, evaluations and the target bases are kept (default: "
+                                   "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
+    bt.add_argument("--seeds", type=int, default=3, help="runs per configuration (seeds 0..N-1)")
+    bt.add_argument("--tasks", help="a subset of spam,headlines,tweets, joined by commas (default: all)")
+    bt.add_argument("--targets", help="a subset of neuzip-k0,new-version, joined by commas (default: both)")
+    bt.add_argument("--no-inits", action="store_true", help="skip PiSSA against LoRA")
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
@@ -103,10 +118,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bf.add_argument("--only", help="only the fine-tunes whose name contains this")
     bf.add_argument("--mergekit", help="a mergekit-extract-lora command (mergekit in a venv of its own) to compare "
                                        "against at the same ranks")
-    bt = add_command(bench, "translora", cmd_bench_translora, "Trans-LoRA on two real tasks; PiSSA against LoRA")
-    bt.add_argument("--out", default="bench-results/translora.json")
-    bt.add_argument("--work", help="where adapters and the target base are kept (default: "
-                                   "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
+    _add_translora(bench)
     bn = add_command(bench, "neuzip", cmd_bench_neuzip, "NeuZip bases against bf16 and int8 on SmolLM2 and MiniLM")
     bn.add_argument("--out", default="bench-results/neuzip.json")
     bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "

@@ -101,7 +101,7 @@ def test_empty_or_missing_file_is_refused(tmp_path):
         read_jsonl(tmp_path / "nope.jsonl")
 
 
-@pytest.mark.parametrize("name", ["fortunes", "headlines", "spam"])
+@pytest.mark.parametrize("name", ["fortunes", "headlines", "spam", "tweets"])
 def test_task_sets_are_fixed_and_hold_out_the_test_split(name, tmp_path):
     n = write_task_jsonl(name, tmp_path / "t.jsonl", 6)
     train = read_jsonl(tmp_path / "t.jsonl")
@@ -118,5 +118,8 @@ def test_task_prompts_have_their_shape():
     spam = task_examples("spam", n=4)
     assert [e.completion for e in spam] == [" yes", " no", " yes", " no"]
     assert all(e.prompt.startswith("Is this message spam? ") and e.prompt.endswith("\nAnswer:") for e in spam)
-    with pytest.raises(ConfigError, match=r"unknown adapter task 'poems'; known: fortunes, headlines, spam$"):
+    tweets = task_examples("tweets", n=4)
+    assert all(len(e.prompt.split()) == 8 and e.completion.startswith(" ") and len(e.completion.split()) >= 4
+               for e in tweets)
+    with pytest.raises(ConfigError, match=r"unknown adapter task 'poems'; known: fortunes, headlines, spam, tweets$"):
         task_examples("poems")

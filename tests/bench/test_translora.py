@@ -1,0 +1,62 @@
+"""The Trans-LoRA bench's plumbing, with training, transfer and evaluation stubbed: every target, task and seed
+is run, a refused transfer is a failure of its seed, and a rerun reuses what the work dir holds."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import serve.bench.translora as bench
+import serve.data.models
+from serve.adapters.transfer_guard import TransferFailed
+from serve.bench.translora_table import ALONE, MOVED, UNCHANGED
+
+
+@pytest.fixture
+def stubs(monkeypatch, tmp_path):
+    calls = {"train": 0, "transfer": 0, "evaluate": 0}
+
+    def train_adapter(base, examples, out, init, rank, steps, lr, seed, progress):
+        calls["train"] += 1
+        Path(out).mkdir()
+        log = {"log": [{"loss": 3.0 - step / steps} for step in range(steps)], "seconds": 1.0, "init_seconds": 0.1}
+        (Path(out) / "train_log.json").write_text(json.dumps(log))
+
+    def transfer(source, src, base, out, samples, use_filter, rank, steps, lr, seed):
+        calls["transfer"] += 1
+        if use_filter and seed == 1:
+            raise TransferFailed("x: failed: no better than the target alone (student 3.10, target alone 3.00)")
+        Path(out).mkdir()
+        (Path(out) / "translora_report.json").write_text(json.dumps(
+            {"accepted": 40, "attempts": 90, "seconds": {"train": 1.0}, "outcome": "student"}))
+
+    def evaluate(task, base, adapter, examples):
+        calls["evaluate"] += 1
+        loss = 3.0 if adapter is None else 2.0 + 0.1 * int(re.search(r"-s(\d)(-|$)", Path(adapter).name)[1])
+        return {"loss": loss, **({"accuracy": 1 / loss} if task == "spam" else {})}
+
+    monkeypatch.setattr(bench, "train_adapter", train_adapter)
+    monkeypatch.setattr(bench, "train_discriminator", lambda base, src, *a, **k: (Path(src) / "translora").mkdir())
+    monkeypatch.setattr(bench, "transfer", transfer)
+    monkeypatch.setattr(bench, "evaluate", evaluate)
+    monkeypatch.setattr(bench, "target_base", lambda name, work, log: work / name)
+    monkeypatch.setattr(bench, "plot", lambda *a: None)
+    monkeypatch.setattr(serve.data.models, "smollm2_dir", lambda: tmp_path / "source")
+    return calls
+
+
+def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, tmp_path, capsys):
+    out, work = tmp_path / "r.json", tmp_path / "work"
+    report = bench.run_translora_bench(out, work, seeds=2, tasks=("spam", "tweets"),
+                                       targets=("neuzip-k0", "new-version"))
+    assert list(report["transfer"]) == ["neuzip-k0", "new-version"]
+    tweets = report["transfer"]["new-version"]["tweets"]
+    assert tweets["runs"][ALONE] == [{"loss": 3.0}] and len(tweets["runs"][UNCHANGED]) == 2
+    assert tweets["runs"][MOVED][1] is None and "seed 1" not in tweets["failures"]["Trans-LoRA"][1]
+    assert tweets["verdicts"][ALONE] == "no adapter"
+    assert json.loads(out.read_text())["seeds"] == 2
+    assert "tweets (loss): Trans-LoRA is not judged against the target base alone" in capsys.readouterr().out
+    first = dict(stubs)
+    bench.run_translora_bench(out, work, seeds=2, tasks=("spam", "tweets"), targets=("neuzip-k0", "new-version"))
+    assert stubs == first  # nothing trained, moved or evaluated twice, refused transfers included
