@@ -209,7 +209,7 @@ def run_forms_bench(out: Path, examples: int = 300, repeats: int = 5, only: str 
     log = lambda m: print(m, flush=True)  # noqa: E731
     demo = build_demo_store(log=log)
     cache = home() / "bench-forms"  # the fine-tunes and mergekit's adapters, kept for the next run
-    fts = [f for f in fine_tunes(demo, cache, log) if only is None or only in f.name]
+    fts = [f for f in fine_tunes(demo, cache, log) if only is None or any(o in f.name for o in only.split(","))]
     with tempfile.TemporaryDirectory(prefix="manyfold-forms-") as tmp:
         work = Path(tmp)
         placed = [place(demo, ft, work, cache, examples, log, mergekit) for ft in fts]

@@ -115,7 +115,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bf.add_argument("--out", default="bench-results/forms.json")
     bf.add_argument("--examples", type=int, default=300, help="held-out examples (or LM texts) per fine-tune")
     bf.add_argument("--repeats", type=int, default=5)
-    bf.add_argument("--only", help="only the fine-tunes whose name contains this")
+    bf.add_argument("--only", help="only the fine-tunes whose name contains one of these (comma-separated)")
     bf.add_argument("--mergekit", help="a mergekit-extract-lora command (mergekit in a venv of its own) to compare "
                                        "against at the same ranks")
     _add_translora(bench)
