@@ -220,7 +220,8 @@ def run_forms_bench(out: Path, examples: int = 300, repeats: int = 5, only: str 
                          or c["form"].startswith("emr ") or c["form"] == "lora r64"]
                 timing[ft.name] = step_costs(demo, ft, list(dict.fromkeys(forms)), work, cache, repeats)
     report = {"machine": machine(), "torch_threads": torch.get_num_threads(), "examples": examples,
-              "calibration": CALIBRATION, "lm_held_out": LM_HELD_OUT, "tolerances": list(TOLERANCES), "fine_tunes": placed,
+              "calibration": CALIBRATION, "lm_held_out": LM_HELD_OUT, "tolerances": list(TOLERANCES),
+              "fine_tunes": placed,
               "forward_ms_median": timing, "rows": ROWS, "tokens": SEQ, "repeats": repeats, "gpu": NO_GPU,
               "mergekit": mergekit_version(mergekit) if mergekit else "not run (--mergekit PATH)"}
     return finish(report, out, print_report)

@@ -102,7 +102,9 @@ def emr_candidates(store: Store, base: str, name: str, fine: Fine, work: Path) -
     out = []
     for group in groups_for(store, base, fine.architecture, name):
         re = remerge(store, group, name, fine.path, work / group.name)
-        state = lambda d=re.model_dir: type(fine.model).from_pretrained(d, dtype=torch.float32).state_dict()  # noqa: E731
+        def state(d: Path = re.model_dir) -> dict[str, torch.Tensor]:
+            return type(fine.model).from_pretrained(d, dtype=torch.float32).state_dict()
+
         out.append(Candidate(f"emr {group.name}", re.added_bytes, re.added_bytes, remerged=re, state=state))
     return out
 
@@ -160,7 +162,8 @@ def add_auto(store: Store, name: str, base: str, finetuned: Path, tolerance: flo
             chosen = choose(candidates, fine, reference, tolerance, progress)
         else:
             chosen = candidates[0]
-        record = FormRecord(chosen=chosen.form, tolerance=tolerance, calibration=reference.source if reference else None,
+        record = FormRecord(chosen=chosen.form, tolerance=tolerance,
+                            calibration=reference.source if reference else None,
                             candidates=[c.record() for c in sorted(candidates, key=lambda c: c.resident_bytes)])
         if chosen.form == "fmdelta":
             return store.commit(staged_full, full_entry.model_copy(update={"form": record})), name
