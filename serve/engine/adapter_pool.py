@@ -230,7 +230,7 @@ class AdapterPool(TableSlots):
 
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]; a pooler reads a strided first token
         y2 = y.view(-1, y.shape[-1])  # [tokens, out]
         for key in self._keys(plan):
             if name not in key[1]:

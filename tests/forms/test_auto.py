@@ -143,3 +143,33 @@ def test_tolerance_without_auto_is_refused(setup, tmp_path, capsys):
     assert main(["store", "add", "--store", str(store.root), "--kind", "full", "--base", "tiny-lm", "--name", "ft",
                  "--model", str(low), "--tolerance", "1%"]) != 0
     assert "--tolerance and --calibration go with --kind auto" in capsys.readouterr().err
+
+
+def test_a_classifier_cut_to_low_rank_serves_the_labels_of_its_form(tmp_path, capsys):
+    """MiniLM's pooler reads each row's first token (a strided view): the LoRA on it must take that input."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from serve.data.models import minilm_dir
+    from serve.forms.lowrank import factor_delta, lowrank_state
+
+    ft = write_perturbed(minilm_dir(), tmp_path / "clf", seed=3, labels=["neg", "pos", "other"])
+    texts = ["the film was good", "a bad day at sea", "what is the time", "birds sing at night"]
+    (tmp_path / "cal.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("minilm", minilm_dir())
+    assert main(["store", "add", "--store", str(store.root), "--kind", "auto", "--base", "minilm", "--name", "clf",
+                 "--model", str(ft), "--tolerance", "99%", "--calibration", str(tmp_path / "cal.jsonl")]) == 0
+    entry = Store(store.root).variant("clf")
+    assert entry.kind == "lora" and any("pooler" in m for m in entry.target_modules)
+    model = AutoModelForSequenceClassification.from_pretrained(ft).eval()
+    factors = factor_delta(store.base_dir("minilm"), ft)
+    model.load_state_dict(lowrank_state(model.state_dict(), store.base_dir("minilm"), factors,
+                                        int(entry.form.chosen.removeprefix("lora r"))))
+    with torch.no_grad():
+        enc = AutoTokenizer.from_pretrained(ft)(texts, padding=True, return_tensors="pt")
+        expected = model(**enc).logits.softmax(-1)
+    config = ServeConfig(store=store.root)
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        data = c.post("/v1/classify", json={"model": "clf", "input": texts}).json()["data"]
+    served = torch.tensor([[d["probs"][label] for label in ("neg", "pos", "other")] for d in data])
+    torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)
