@@ -256,5 +256,7 @@ def print_report(r: dict) -> None:
               f"form's (median of {r['repeats']})")
         for form, ms in times.items():
             print(f"  {form:<16}{ms:>9.1f} ms{ms / base:>7.2f}x base")
+    if r.get("auto_note"):
+        print(r["auto_note"])
     print(f"mergekit-extract-lora: {r['mergekit']}")
     print(f"GPU: {r['gpu']}")

@@ -120,11 +120,14 @@ def calibration_for(fine: Fine, base: str, given: Calibration | None) -> Calibra
 
 def choose(candidates: list[Candidate], fine: Fine, reference: Reference | None, tolerance: float,
            progress: Progress) -> Candidate:
-    """Measure from the lightest up; the first within tolerance (an exact one always is) is chosen."""
+    """Measure from the lightest up; the first within tolerance (an exact one always is) is chosen. At tolerance
+    0 only an exact form is, whatever a measurement says: agreeing on every calibration text is not being exact."""
     probe = None
     for c in sorted(candidates, key=lambda c: c.resident_bytes):
         if c.state is None:
             return c
+        if tolerance == 0:
+            continue
         if c.agreement is None:  # a benchmark measures every candidate first
             if probe is None:
                 probe = type(fine.model).from_pretrained(fine.path, dtype=torch.float32).eval()

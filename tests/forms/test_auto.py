@@ -173,3 +173,14 @@ def test_a_classifier_cut_to_low_rank_serves_the_labels_of_its_form(tmp_path, ca
         data = c.post("/v1/classify", json={"model": "clf", "input": texts}).json()["data"]
     served = torch.tensor([[d["probs"][label] for label in ("neg", "pos", "other")] for d in data])
     torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_at_tolerance_zero_a_form_that_agreed_everywhere_is_still_not_exact():
+    """The rule `auto` and `bench forms` share: a measured form with no disagreement is not chosen at T = 0."""
+    from serve.forms.agreement import Agreement
+    from serve.forms.auto import Candidate, choose
+
+    lora = Candidate("lora r1", 10, 10, state=dict, agreement=Agreement(1.0, None, 128))
+    exact = Candidate("fmdelta", 1000, 500)
+    assert choose([exact, lora], fine=None, reference=None, tolerance=0.0, progress=print) is exact
+    assert choose([exact, lora], fine=None, reference=None, tolerance=0.005, progress=print) is lora
