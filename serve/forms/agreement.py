@@ -2,8 +2,8 @@
 
 A classifier agrees where its predicted label is the fine-tune's; a language model where its greedy next token
 is the fine-tune's, over every position of the calibration texts, with the mean token KL(fine-tune || candidate)
-beside it. The calibration set is the fine-tune's own task data (JSONL, the adapters' training format), or,
-for a language model without one, text its base generates (seeded: the same inputs give the same set).
+beside it. The calibration set is task data the fine-tune did not train on (JSONL, the adapters' training format),
+or, for a language model without one, text its base generates (seeded: the same inputs give the same set).
 """
 
 import hashlib
@@ -16,7 +16,8 @@ from serve.adapters.data import PromptExample, read_jsonl
 from serve.errors import ConfigError
 
 MAX_CALIBRATION = 128
-"""Calibration texts used at most (the first ones of the file): enough to see 0.5% disagreement."""
+"""Calibration texts used at most (the first ones of the file): one disagreement in 128 is 0.8%, so a classifier's
+tolerance below that asks for none."""
 MAX_TOKENS = 128
 LM_TEXTS = 32
 LM_TOKENS = 64
