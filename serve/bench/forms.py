@@ -19,18 +19,21 @@ from pathlib import Path
 import torch
 
 from serve.bench.report import NO_GPU, finish, machine, median_time
+from serve.config import SlotsConfig
 from serve.data.cache import home
 from serve.data.datasets import CLASSIFICATION, bbc_topics, fortunes
 from serve.demo import BASE, EMR_GROUPS, build_demo_store, finetune_classifier
 from serve.forms.agreement import MAX_TOKENS, Calibration, Reference
-from serve.forms.auto import Candidate, choose, emr_candidates, load_fine, lowrank_candidates
-from serve.forms.lowrank import factor_delta
+from serve.forms.auto import RANKS, Candidate, choose, exact_candidate, load_fine, measured_candidates, register
+from serve.forms.lowrank import DeltaFactors
 from serve.store.store import Store
-from serve.variants.full import DELTA_FILE, extract_full_variant, resident_bytes, stage_full_variant
+from serve.variants.full import extract_full_variant
 
 TOLERANCES = (0.0, 0.005, 0.02)
 CALIBRATION = 128
 ROWS, SEQ = 16, 64
+TIMED = ("minilm-topic", "smollm2-fortunes")
+"""The fine-tunes whose forms are timed in a mixed forward: one classifier, one language model."""
 LM_HELD_OUT = 32
 """A language model's held-out loss: on this many test texts (128 tokens each at most; two forwards a form)."""
 
@@ -108,9 +111,10 @@ def group_store(demo: Store, ft: FineTune, fine_tunes_dir: Path, root: Path) -> 
     return store
 
 
-def place(demo: Store, ft: FineTune, work: Path, cache: Path, examples: int, log, mergekit: str | None = None
-          ) -> dict:
-    """Every candidate measured (agreement and held-out quality) and auto's choice at each tolerance."""
+def place(demo: Store, ft: FineTune, work: Path, cache: Path, examples: int, log, mergekit: str | None = None,
+          repeats: int | None = None) -> dict:
+    """Every candidate measured (agreement and held-out quality), auto's choice at each tolerance, and with
+    `repeats` the mixed forward of the forms worth timing."""
     store = group_store(demo, ft, cache, work / f"store-{ft.name}")
     fine = load_fine(ft.path)
     cal_items, test = _unseen(ft.task, examples)
@@ -118,27 +122,30 @@ def place(demo: Store, ft: FineTune, work: Path, cache: Path, examples: int, log
     reference = Reference(fine.model, fine.tokenizer, Calibration(texts, f"{len(texts)} {ft.task} test texts"),
                           fine.causal)
     with store.stage() as staged:
-        _, stats = stage_full_variant(store, ft.name, ft.base, ft.path, staged)
-        candidates = [Candidate("fmdelta", resident_bytes(staged / DELTA_FILE), stats.file_bytes)]
-    factors = factor_delta(store.base_dir(ft.base), ft.path)
-    candidates += lowrank_candidates(factors, fine, store.base_dir(ft.base), candidates[0].resident_bytes, 64)
-    candidates += emr_candidates(store, ft.base, ft.name, fine, work / f"emr-{ft.name}")
+        _, exact = exact_candidate(store, ft.name, ft.base, ft.path, staged)
+    measured, factors = measured_candidates(store, ft.base, ft.name, fine, exact.resident_bytes,
+                                            SlotsConfig().max_rank, work / f"emr-{ft.name}")
+    candidates = sorted([exact, *measured], key=lambda c: c.resident_bytes)
     probe = type(fine.model).from_pretrained(ft.path, dtype=torch.float32).eval()
     rows = [{"form": "fine-tune itself", "held_out": held_out(fine.model, fine.tokenizer, test, fine.causal)}]
-    for c in sorted(candidates, key=lambda c: c.resident_bytes):
+    for c in candidates:
         if c.state is not None:
             probe.load_state_dict(c.state())
             c.agreement = reference.measure(probe)
         quality = rows[0]["held_out"] if c.state is None else held_out(probe, fine.tokenizer, test, fine.causal)
         rows.append({**c.record().model_dump(), "held_out": quality})
         log(f"  {ft.name} {c.form}: {rows[-1]}")
-    chosen = {f"{t:.1%}": choose(candidates, fine, reference, t, log).form for t in TOLERANCES}
+    chosen = {f"{t:.1%}": choose(candidates, fine, reference, t, log) for t in TOLERANCES}
     if mergekit:
-        ranks = sorted({8, *(int(f.split("r")[-1]) for f in chosen.values() if f.startswith("lora r"))})
+        ranks = sorted({8, *(c.rank for c in chosen.values() if c.rank is not None)})
         rows += [mergekit_row(mergekit, store, ft, fine, reference, r, cache, test) for r in ranks]
-    return {"name": ft.name, "source": ft.source, "base": ft.base, "causal": fine.causal,
-            "calibration": reference.source, "dropped_by_lora": len(factors.dropped), "candidates": rows,
-            "auto": chosen}
+    out = {"name": ft.name, "source": ft.source, "base": ft.base, "causal": fine.causal,
+           "calibration": reference.source, "dropped_by_lora": len(factors.dropped), "candidates": rows,
+           "auto": {t: c.form for t, c in chosen.items()}}
+    if repeats:
+        timed = [c for c in candidates if c in chosen.values() or c.remerged or c.rank == RANKS[-1]]
+        out["forward_ms_median"] = step_costs(store, ft, timed, factors, work, repeats)
+    return out
 
 
 def mergekit_row(tool: str, store: Store, ft: FineTune, fine, reference: Reference, rank: int, work: Path,
@@ -155,53 +162,35 @@ def mergekit_row(tool: str, store: Store, ft: FineTune, fine, reference: Referen
             "held_out": held_out(model, fine.tokenizer, test, fine.causal)}
 
 
-def step_costs(demo: Store, ft: FineTune, forms: list[str], work: Path, cache: Path, repeats: int
-               ) -> dict[str, float]:
-    """Milliseconds of one forward of ROWS x SEQ: half base rows, half rows of each form, against the base alone."""
+def step_costs(store: Store, ft: FineTune, forms: list[Candidate], factors: DeltaFactors, work: Path,
+               repeats: int) -> dict[str, float]:
+    """Milliseconds of one forward of ROWS x SEQ: half base rows, half rows of each form (registered in the store
+    its candidates were measured in, as `auto` registers them), against the base alone."""
     from serve.engine.batch import BASE_ROW, BatchPlan
     from serve.engine.model import BaseModelRuntime
-    from serve.forms.auto import add_auto
     from serve.variants import variant_kind
+    from serve.variants.full import add_full_variant
 
-    store = group_store(demo, ft, cache, work / f"timing-{ft.name}")
     rt = BaseModelRuntime(ft.base, store.base_dir(ft.base))
     ids = torch.randint(1000, rt.tokenizer.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     times = {"base alone": median_time(lambda: rt.call(BatchPlan([BASE_ROW] * ROWS, rt.device), input_ids=ids),
                                        repeats, warmup=True)}
-    for k, form in enumerate(forms):
-        entry, model = _register(store, ft, form, k, add_auto)
+    for k, c in enumerate(forms):
+        name = f"f{k}"
+        if c.state is None:
+            entry, model = add_full_variant(store, name, ft.base, ft.path)[0], name
+        else:
+            entry, model = register(store, c, name, ft.base, ft.path, factors, work, SlotsConfig(), None)
         loaded = variant_kind(entry.kind).load(store, entry, rt.view, torch.empty)
         variant = loaded.members[model] if loaded.members else loaded
         slots = [rt.attach(variant if i % 2 else None) for i in range(ROWS)]
         try:
             plan = BatchPlan(slots, rt.device)
-            times[form] = median_time(lambda: rt.call(plan, input_ids=ids), repeats, warmup=True)
+            times[c.form] = median_time(lambda: rt.call(plan, input_ids=ids), repeats, warmup=True)
         finally:
             for s in slots:
                 rt.detach(s)
     return {k: v * 1e3 for k, v in times.items()}
-
-
-def _register(store: Store, ft: FineTune, form: str, k: int, add_auto):
-    """The form registered in the timing store, as `auto` registers it (a tolerance that picks it)."""
-    from serve.forms.auto import register_member
-    from serve.forms.emr_member import remerge
-    from serve.forms.lowrank import write_lora
-    from serve.store.manifest import FormCandidate, FormRecord
-    from serve.variants import variant_kind
-
-    name = f"f{k}"
-    if form == "fmdelta":
-        return add_auto(store, name, ft.base, ft.path)
-    record = FormRecord(chosen=form, tolerance=0.5, candidates=[FormCandidate(form=form, resident_bytes=0,
-                                                                              stored_bytes=0)])
-    with tempfile.TemporaryDirectory() as tmp:
-        if form.startswith("emr "):
-            return register_member(store, remerge(store, store.variant("others"), name, ft.path, Path(tmp)),
-                                   name, ft.base, record)
-        adapter = write_lora(factor_delta(store.base_dir(ft.base), ft.path), int(form.split("r")[-1]), ft.path,
-                             Path(tmp) / "a")
-        return variant_kind("lora").add(store, name, ft.base, adapter), name
 
 
 def run_forms_bench(out: Path, examples: int = 300, repeats: int = 5, only: str | None = None,
@@ -212,13 +201,9 @@ def run_forms_bench(out: Path, examples: int = 300, repeats: int = 5, only: str 
     fts = [f for f in fine_tunes(demo, cache, log) if only is None or any(o in f.name for o in only.split(","))]
     with tempfile.TemporaryDirectory(prefix="manyfold-forms-") as tmp:
         work = Path(tmp)
-        placed = [place(demo, ft, work, cache, examples, log, mergekit) for ft in fts]
-        timing = {}
-        for ft, p in zip(fts, placed):
-            if ft.name in ("minilm-topic", "smollm2-fortunes"):
-                forms = [c["form"] for c in p["candidates"][1:] if c["form"] in ("fmdelta", *p["auto"].values())
-                         or c["form"].startswith("emr ") or c["form"] == "lora r64"]
-                timing[ft.name] = step_costs(demo, ft, list(dict.fromkeys(forms)), work, cache, repeats)
+        placed = [place(demo, ft, work, cache, examples, log, mergekit, repeats if ft.name in TIMED else None)
+                  for ft in fts]
+    timing = {p["name"]: p.pop("forward_ms_median") for p in placed if "forward_ms_median" in p}
     report = {"machine": machine(), "torch_threads": torch.get_num_threads(), "examples": examples,
               "calibration": CALIBRATION, "lm_held_out": LM_HELD_OUT, "tolerances": list(TOLERANCES),
               "fine_tunes": placed,

@@ -76,14 +76,14 @@ def _add_auto(args: argparse.Namespace, store: "Store") -> None:
     with progress("auto") as tick:
         entry, model = add_auto(store, args.name, args.base, Path(args.model), tolerance, calibration,
                                 SlotsConfig(max_rank=args.max_rank), progress=tick)
-    record = entry.form if entry.form else next(t.form for t in entry.tasks if model.endswith(f"/{t.name}"))
+    record = entry.form_records()[model]
     print(f"{'form':<24} {'resident':>10} {'stored':>10} {'agreement':>10}")
     for c in record.candidates:
         agreed = "exact" if c.agreement is None and c.form == "fmdelta" else (
             "-" if c.agreement is None else f"{c.agreement:.2%}")
         print(f"{c.form:<24} {human_bytes(c.resident_bytes):>10} {human_bytes(c.stored_bytes):>10} {agreed:>10}")
     why = "exact forms only at tolerance 0" if record.tolerance == 0 else f"tolerance {record.tolerance:.1%}"
-    note = "; the group was re-merged, which changes what it serves for its other tasks" if "/" in model else ""
+    note = "; the group was re-merged, which changes what it serves for its other tasks" if entry.kind == "emr" else ""
     print(f"added '{model}' of '{args.base}' as {record.chosen} ({why}; calibration: "
           f"{record.calibration or 'none needed'}){note}")
 

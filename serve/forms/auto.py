@@ -20,8 +20,9 @@ from serve.errors import ConfigError
 from serve.forms.agreement import Agreement, Calibration, Reference, generated_calibration, read_calibration
 from serve.forms.emr_member import Remerged, groups_for, remerge
 from serve.forms.lowrank import DeltaFactors, factor_delta, lowrank_state, write_lora
-from serve.store.manifest import FormCandidate, FormRecord, VariantEntry, check_name
+from serve.store.manifest import FormCandidate, FormRecord, FullVariantEntry, VariantEntry, check_name
 from serve.store.store import Store, architecture_of, is_causal_lm, read_model_config
+from serve.store.tensors import SafetensorsSource
 from serve.variants.full import DELTA_FILE, resident_bytes, stage_full_variant
 
 RANKS = (1, 2, 4, 8, 16, 32, 64)
@@ -39,13 +40,15 @@ def parse_tolerance(text: str) -> float:
     return value
 
 
-@dataclass
+@dataclass(eq=False)
 class Candidate:
     form: str
     resident_bytes: int
     stored_bytes: int
     state: Callable[[], dict[str, torch.Tensor]] | None = None
     """The state dict serving it amounts to (None: exact, nothing to measure); a re-merged group's is read."""
+    rank: int | None = None
+    """A low-rank form's rank."""
     remerged: Remerged | None = None
     agreement: Agreement | None = None
 
@@ -83,16 +86,33 @@ def load_fine(path: Path) -> Fine:
     return Fine(path, arch, is_causal_lm(arch), model, tokenizer)
 
 
+def exact_candidate(store: Store, name: str, base: str, finetuned: Path, staged: Path
+                    ) -> tuple[FullVariantEntry, Candidate]:
+    """The fine-tune's FM-Delta file coded into `staged`: (its entry, for a commit; its candidate)."""
+    entry, stats = stage_full_variant(store, name, base, finetuned, staged)
+    return entry, Candidate("fmdelta", resident_bytes(staged / DELTA_FILE), stats.file_bytes)
+
+
+def measured_candidates(store: Store, base: str, name: str, fine: Fine, limit: int, max_rank: int, work: Path
+                        ) -> tuple[list[Candidate], DeltaFactors]:
+    """Every form that must be measured, lighter than `limit` where its weight is known beforehand: the delta at
+    rising ranks, then a task of each EMR group it can join; and the delta's factors (what a LoRA is cut from)."""
+    factors = factor_delta(store.base_dir(base), fine.path)
+    candidates = lowrank_candidates(factors, fine, store.base_dir(base), limit, max_rank)
+    return candidates + emr_candidates(store, base, name, fine, work), factors
+
+
 def lowrank_candidates(factors: DeltaFactors, fine: Fine, base_dir: Path, limit: int, max_rank: int
                        ) -> list[Candidate]:
     """The delta at every rank in RANKS up to the slots' maximum, while it weighs less than `limit`."""
     state = fine.model.state_dict()
+    base = SafetensorsSource(base_dir)
     out = []
     for r in RANKS:
         if r > max_rank or factors.nbytes(r) >= limit:
             break
-        out.append(Candidate(f"lora r{r}", factors.nbytes(r), factors.nbytes(r),
-                             state=lambda r=r: lowrank_state(state, base_dir, factors, r)))
+        out.append(Candidate(f"lora r{r}", factors.nbytes(r), factors.nbytes(r), rank=r,
+                             state=lambda r=r: lowrank_state(state, base, factors, r)))
         if r >= factors.max_rank():
             break
     return out
@@ -143,8 +163,6 @@ def add_auto(store: Store, name: str, base: str, finetuned: Path, tolerance: flo
              calibration: Path | None = None, slots: SlotsConfig = SlotsConfig(),
              progress: Progress | None = None) -> tuple[VariantEntry, str]:
     """Register `finetuned` in its cheapest form within `tolerance`; -> (the entry written, the model id)."""
-    from serve.variants import variant_kind
-
     check_name(name)
     if name in store.manifest.variants:
         raise ConfigError(f"store {store.root}: a variant named '{name}' exists already")
@@ -152,42 +170,44 @@ def add_auto(store: Store, name: str, base: str, finetuned: Path, tolerance: flo
     finetuned = Path(finetuned)
     given = read_calibration(calibration) if calibration is not None else None  # a bad file fails first
     with store.stage() as staged_full, tempfile.TemporaryDirectory(dir=store.root / "staging") as work:
-        full_entry, stats = stage_full_variant(store, name, base, finetuned, staged_full)
-        candidates = [Candidate("fmdelta", resident_bytes(staged_full / DELTA_FILE), stats.file_bytes)]
-        reference = None
+        full_entry, exact = exact_candidate(store, name, base, finetuned, staged_full)
+        candidates, chosen, reference, factors = [exact], exact, None, None
         if tolerance > 0:
             fine = load_fine(finetuned)
             reference = Reference(fine.model, fine.tokenizer, calibration_for(fine, base, given), fine.causal)
-            factors = factor_delta(store.base_dir(base), finetuned)
-            candidates += lowrank_candidates(factors, fine, store.base_dir(base), candidates[0].resident_bytes,
-                                             slots.max_rank)
-            candidates += emr_candidates(store, base, name, fine, Path(work))
+            measured, factors = measured_candidates(store, base, name, fine, exact.resident_bytes, slots.max_rank,
+                                                    Path(work))
+            candidates += measured
             chosen = choose(candidates, fine, reference, tolerance, progress)
-        else:
-            chosen = candidates[0]
         record = FormRecord(chosen=chosen.form, tolerance=tolerance,
                             calibration=reference.source if reference else None,
                             candidates=[c.record() for c in sorted(candidates, key=lambda c: c.resident_bytes)])
-        if chosen.form == "fmdelta":
+        if chosen is exact:
             return store.commit(staged_full, full_entry.model_copy(update={"form": record})), name
-        if chosen.remerged is not None:
-            return register_member(store, chosen.remerged, name, base, record)
-        rank = int(chosen.form.removeprefix("lora r"))
-        adapter = write_lora(factors, rank, finetuned, Path(work) / "adapter")
-        kind = variant_kind("lora")
-        with store.stage() as staged:
-            entry = kind.stage(store, name, base, adapter, staged, store.base_shapes(base), slots)
-            return store.commit(staged, entry.model_copy(update={"form": record})), name
+        return register(store, chosen, name, base, finetuned, factors, Path(work), slots, record)
 
 
-def register_member(store: Store, re: Remerged, task: str, base: str, record: FormRecord
-                    ) -> tuple[VariantEntry, str]:
+def register(store: Store, c: Candidate, name: str, base: str, finetuned: Path, factors: DeltaFactors, work: Path,
+             slots: SlotsConfig, record: FormRecord | None) -> tuple[VariantEntry, str]:
+    """A measured candidate registered as what it is, with its form record: a LoRA named `name` cut from
+    `factors`, or the task its group was re-merged with; -> (the entry written, the model id)."""
+    from serve.variants import variant_kind
+
+    if c.remerged is not None:
+        return register_member(store, c.remerged, base, record)
+    adapter = write_lora(factors, c.rank, finetuned, work / f"adapter-r{c.rank}")
+    with store.stage() as staged:
+        entry = variant_kind("lora").stage(store, name, base, adapter, staged, store.base_shapes(base), slots)
+        return store.commit(staged, entry.model_copy(update={"form": record})), name
+
+
+def register_member(store: Store, re: Remerged, base: str, record: FormRecord | None) -> tuple[VariantEntry, str]:
     """Replace the group by its re-merged bundle, the new task carrying its form record."""
     from serve.store.manifest import MEMBER_SEP
     from serve.variants import variant_kind
 
     with store.stage() as staged:
         entry = variant_kind("emr").stage(store, re.group, base, re.bundle, staged)
-        tasks = [t.model_copy(update={"form": record}) if t.name == task else t for t in entry.tasks]
+        tasks = [t.model_copy(update={"form": record}) if t.name == re.task else t for t in entry.tasks]
         entry = store.commit(staged, entry.model_copy(update={"tasks": tasks}), replace=True)
-    return entry, f"{re.group}{MEMBER_SEP}{task}"
+    return entry, f"{re.group}{MEMBER_SEP}{re.task}"

@@ -16,6 +16,8 @@ from serve.store.store import Store
 @dataclass(frozen=True)
 class Remerged:
     group: str
+    task: str
+    """The fine-tune's name in the group."""
     bundle: Path
     """The re-merged bundle, ready for the group's entry to be replaced by it."""
     model_dir: Path
@@ -41,4 +43,4 @@ def remerge(store: Store, group: EmrVariantEntry, task: str, finetuned: Path, wo
     bundle = merge(base_dir, tasks, work / "bundle")
     new_bytes = sum(f.bytes for f in bundle.manifest.files.values())
     model_dir = extract(work / "bundle", task, work / "member", base_dir=base_dir)
-    return Remerged(group.name, work / "bundle", model_dir, new_bytes - group.raw_bytes)
+    return Remerged(group.name, task, work / "bundle", model_dir, new_bytes - group.raw_bytes)

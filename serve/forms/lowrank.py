@@ -133,11 +133,10 @@ def write_lora(factors: DeltaFactors, rank: int, finetuned: Path, out_dir: Path)
     return out_dir
 
 
-def lowrank_state(fine_state: Mapping[str, torch.Tensor], base_dir: Path, factors: DeltaFactors,
+def lowrank_state(fine_state: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], factors: DeltaFactors,
                   rank: int) -> dict[str, torch.Tensor]:
     """The state dict that serving the rank-r adapter amounts to: base weights, B A added where the adapter
     targets, the fine-tune's head. What agreement is measured on, without a server."""
-    base = SafetensorsSource(base_dir)
     names = set(base)
     out = {}
     for name, t in fine_state.items():

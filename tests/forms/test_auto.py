@@ -151,6 +151,7 @@ def test_a_classifier_cut_to_low_rank_serves_the_labels_of_its_form(tmp_path, ca
 
     from serve.data.models import minilm_dir
     from serve.forms.lowrank import factor_delta, lowrank_state
+    from serve.store.tensors import SafetensorsSource
 
     ft = write_perturbed(minilm_dir(), tmp_path / "clf", seed=3, labels=["neg", "pos", "other"])
     texts = ["the film was good", "a bad day at sea", "what is the time", "birds sing at night"]
@@ -163,7 +164,7 @@ def test_a_classifier_cut_to_low_rank_serves_the_labels_of_its_form(tmp_path, ca
     assert entry.kind == "lora" and any("pooler" in m for m in entry.target_modules)
     model = AutoModelForSequenceClassification.from_pretrained(ft).eval()
     factors = factor_delta(store.base_dir("minilm"), ft)
-    model.load_state_dict(lowrank_state(model.state_dict(), store.base_dir("minilm"), factors,
+    model.load_state_dict(lowrank_state(model.state_dict(), SafetensorsSource(store.base_dir("minilm")), factors,
                                         int(entry.form.chosen.removeprefix("lora r"))))
     with torch.no_grad():
         enc = AutoTokenizer.from_pretrained(ft)(texts, padding=True, return_tensors="pt")
