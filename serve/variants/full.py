@@ -55,10 +55,14 @@ def stage_full_variant(store: Store, name: str, base: str, finetuned: Path, stag
     return entry, stats
 
 
+def changed_layout(delta_file: Path) -> list[tuple[list[int], torch.dtype]]:
+    """(shape, dtype) of each tensor an FM-Delta file changed: what serving it decodes (the rest are the base's)."""
+    return [(r.shape, DTYPES[r.dtype]) for r in FmdFile(delta_file).records.values() if r.codec != "same"]
+
+
 def resident_bytes(delta_file: Path) -> int:
-    """What serving an FM-Delta variant holds in memory: the tensors it changed, decoded (the rest are the base's)."""
-    fmd = FmdFile(delta_file)
-    return sum(math.prod(r.shape) * DTYPES[r.dtype].itemsize for r in fmd.records.values() if r.codec != "same")
+    """What serving an FM-Delta variant holds in memory: the tensors it changed, decoded."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in changed_layout(delta_file))
 
 
 HEAD_PREFIXES = ("classifier.",)
@@ -143,8 +147,7 @@ class FullVariant(VariantKind):
         return extract_full_variant(store, name, out_dir)
 
     def reserve_layout(self, store: Store, entry: FullVariantEntry) -> list[tuple[list[int], torch.dtype]]:
-        fmd = FmdFile(store.variant_dir(entry.name) / DELTA_FILE)
-        return [(r.shape, DTYPES[r.dtype]) for r in fmd.records.values() if r.codec != "same"]
+        return changed_layout(store.variant_dir(entry.name) / DELTA_FILE)
 
 
 register_variant(FullVariant())
