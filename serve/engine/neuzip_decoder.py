@@ -6,14 +6,16 @@ hand-offs to the decode pool, a fresh Parameter), so all of that is built once h
 (its lanes cut per thread, numpy views of its stream and of its place in a buffer) and its Parameter over that
 place. Two ways to run them, chosen per forward (`forward`):
 - ahead, for forwards of few tokens (decode steps) when torch has two threads or more: a decode thread decodes
-  the weight expected next (the module that followed this one last time) into the other of two buffers while
-  this one computes, and torch computes on one thread fewer, so that the two never fight over a core (torch's
-  OpenMP threads spin between regions, and a third busy thread on their cores stalls every barrier). The
-  weight is decoded in two halves of its lanes; a compute thread that needs it before the decode thread is
-  done takes the half not yet started, so a step costs about max(decoding, compute), decoding on two cores
-  wherever compute leaves one idle. A guess that turns out wrong costs only time: the weight asked for
-  is then decoded on the spot. The decode thread writes only the buffer no running module reads (modules that
-  decode are leaves: one runs at a time), so outputs are bit for bit those of inline decoding.
+  the weights expected next (the modules that followed this one last time), up to AHEAD_WEIGHTS of them, each
+  into a buffer of its own, while this one computes, and torch computes on one thread fewer, so that the two
+  never fight over a core (torch's OpenMP threads spin between regions, and a third busy thread on their cores
+  stalls every barrier). The queue evens out modules whose compute is shorter than the next weight's decoding
+  with those whose compute is longer. Each weight is decoded in two halves of its lanes; a compute thread that
+  needs it before the decode thread is done takes the half not yet started, so a step costs about
+  max(decoding, compute), decoding on two cores wherever compute leaves one idle. A guess that turns out wrong
+  costs only time: the queue is dropped and the weight asked for is decoded on the spot. The decode thread
+  writes only buffers no running module reads (modules that decode are leaves: one runs at a time), so
+  outputs are bit for bit those of inline decoding.
 - inline, for long forwards (prefill), where compute needs every core and decoding is a small share: the
   compute thread decodes each weight, its lanes split over torch's threads, then the module computes.
 On another device each weight is decoded by the kernels' device form (Triton on CUDA), into one buffer.
@@ -21,6 +23,7 @@ On another device each weight is decoded by the kernels' device form (Triton on 
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +36,8 @@ from serve.codecs.neuzip_file import Stream, decode
 
 AHEAD_MAX_TOKENS = 256
 """Forwards of at most this many tokens decode ahead (measured on 2 cores: serve/bench/neuzip_steps.py)."""
+AHEAD_WEIGHTS = 3
+"""Weights decoded ahead at most: the queue's length, each in a buffer of the largest weight's size."""
 
 
 class _Pending:
@@ -60,18 +65,24 @@ class _Pending:
             with self._lock:
                 self.seconds += time.perf_counter() - t0
 
+    def cancel(self) -> None:
+        """Start no part not yet started (a part being decoded finishes)."""
+        with self._lock:
+            self._taken = len(self.parts)
+
 
 class WeightDecoder:
     """Decodes the coded weights of one model on use, by module name (see the module's docstring)."""
 
-    def __init__(self, streams: dict[str, Stream], device: torch.device, ahead_max_tokens: int = AHEAD_MAX_TOKENS):
+    def __init__(self, streams: dict[str, Stream], device: torch.device, ahead_max_tokens: int = AHEAD_MAX_TOKENS,
+                 ahead_weights: int = AHEAD_WEIGHTS):
         """streams: each coded weight's stream by the name of its module. ahead_max_tokens: forwards of at most
-        this many tokens decode ahead (CPU only; 0: never)."""
+        this many tokens decode ahead (CPU only; 0: never), up to ahead_weights weights ahead."""
         self.streams = streams
         self.cpu = device.type == "cpu"
         self.ahead_max_tokens = ahead_max_tokens if self.cpu else 0
         size = max((s.numel for s in streams.values()), default=0)
-        buffers = 2 if self.ahead_max_tokens and streams else 1
+        buffers = 1 + ahead_weights if self.ahead_max_tokens and streams else 1
         self.buffers = [torch.empty(size, dtype=torch.bfloat16, device=device) for _ in range(buffers)]
         self.params = {m: [torch.nn.Parameter(b[: s.numel].view(s.shape), requires_grad=False) for b in self.buffers]
                        for m, s in streams.items()}
@@ -86,7 +97,10 @@ class WeightDecoder:
         self._calls: dict[int, dict[str, list[list[tuple]]]] = {}
         self._next: dict[str, str] = {}
         self._last: str | None = None
-        self._pending: _Pending | None = None
+        self._queue: deque[_Pending] = deque()
+        """The weights decoding or decoded ahead, in the order they are expected."""
+        self._current = 0
+        """The buffer handed out last: its module may be running."""
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="neuzip-ahead") if len(self.buffers) > 1 else None
 
     @property
@@ -112,14 +126,16 @@ class WeightDecoder:
 
     def _plan(self, threads: int) -> dict[str, list[list[tuple]]]:
         """(module -> per buffer, the argument tuples of decode_lanes, one per thread): every view built once."""
-        exps = np.empty(self.buffers[0].numel(), np.uint8)  # one weight at a time (parts: disjoint lanes)
-        status = np.zeros(max(s.offsets.numel() - 1 for s in self.streams.values()), np.int32)
+        # scratch per buffer: two weights may be decoding at once (the queue's head and the one after it)
+        exps = [np.empty(self.buffers[0].numel(), np.uint8) for _ in self.buffers]
+        status = [np.zeros(max(s.offsets.numel() - 1 for s in self.streams.values()), np.int32) for _ in self.buffers]
         outs = [b.view(torch.int16).numpy().view(np.uint16) for b in self.buffers]
         calls = {}
         for m, s in self.streams.items():
             args = (s.words.numpy().view(np.uint16), s.offsets.numpy(), s.table.numpy().view(np.uint32), s.sm.numpy())
             cuts = lane_cuts(s.numel, s.offsets.numel() - 1, threads)
-            calls[m] = [[(*args, exps[: s.numel], out[: s.numel], lo, hi, status) for lo, hi in cuts] for out in outs]
+            calls[m] = [[(*args, e[: s.numel], out[: s.numel], lo, hi, st) for lo, hi in cuts]
+                        for e, out, st in zip(exps, outs, status)]
         return calls
 
     def weight(self, module: str) -> torch.nn.Parameter:
@@ -128,34 +144,47 @@ class WeightDecoder:
         if self._last is not None:
             self._next[self._last] = module
         self._last = module
-        b = self._take(module)
-        if self.ahead and module in self._next:
-            self._start(self._next[module], 1 - b)
+        self._current = self._take(module)
+        if self.ahead:
+            self._top_up(module)
         self.wait_s += time.perf_counter() - t0
-        return self.params[module][b]
+        return self.params[module][self._current]
 
     def _take(self, module: str) -> int:
-        """The buffer holding `module`'s weight: the one decoded ahead if it was the one guessed, else decoded now
-        into a buffer no job writes."""
-        pending, self._pending = self._pending, None
-        b = 0
-        if pending is not None:
-            if pending.module == module:
-                pending.run()
+        """The buffer holding `module`'s weight: the head of the queue if it was the one guessed, else decoded now
+        (the queue, guessed wrong, dropped)."""
+        if self._queue and self._queue[0].module == module:
+            pending = self._queue.popleft()
+            pending.run()
             pending.job.result()
             self.decode_s += pending.seconds
-            if pending.module == module:
-                return pending.buffer
-            b = 1 - pending.buffer
-        self._decode(module, b, self._threads)
-        return b
+            return pending.buffer
+        self._drop_queue()
+        self._decode(module, 0, self._threads)
+        return 0
+
+    def _top_up(self, module: str) -> None:
+        """Queue the weights expected after `module`, each into a buffer neither the queue nor `module` holds."""
+        held = {self._current, *(p.buffer for p in self._queue)}
+        free = [b for b in range(len(self.buffers)) if b not in held]
+        expected = self._queue[-1].module if self._queue else module
+        while free and (expected := self._next.get(expected)) is not None:
+            self._start(expected, free.pop())
+
+    def _drop_queue(self) -> None:
+        for pending in self._queue:
+            pending.cancel()
+        for pending in self._queue:
+            pending.job.result()
+            self.decode_s += pending.seconds
+        self._queue.clear()
 
     def _start(self, module: str, b: int) -> None:
         """Decode `module`'s weight into buffer b on the decode thread, in two parts (the compute thread may take
         the second)."""
         pending = _Pending(module, b, decode_lanes(self.streams[module].bits), self._calls_for(2)[module][b])
         pending.job = self._thread.submit(pending.run)
-        self._pending = pending
+        self._queue.append(pending)
 
     def _calls_for(self, threads: int) -> dict[str, list[list[tuple]]]:
         if threads not in self._calls:
@@ -172,9 +201,7 @@ class WeightDecoder:
 
     def close(self) -> None:
         """Finish any decode ahead and stop the decode thread."""
-        if self._pending is not None:
-            self._pending.job.result()
-            self._pending = None
+        self._drop_queue()
         if self._thread is not None:
             self._thread.shutdown()
             self._thread = None
