@@ -76,6 +76,8 @@ def build_app(args: dict | ServeConfig) -> Application:
     for base in bases:
         d = config.deployments.get(base, config.deployment)
         actor = {"num_cpus": shares[base], "runtime_env": {"env_vars": REPLICA_ENV}}
+        if d.memory_target_mib is not None:
+            actor["memory"] = d.memory_target_mib << 20
         options = {"name": deployment_name(base), "ray_actor_options": actor,
                    "max_ongoing_requests": d.max_ongoing_requests, "max_queued_requests": d.max_queued_requests,
                    "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s}

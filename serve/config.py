@@ -88,6 +88,10 @@ class DeploymentConfig(StrictModel):
     that, 429 with Retry-After."""
     graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     """In-flight requests get this long to finish when a replica stops."""
+    memory_target_mib: Annotated[int, Field(ge=1)] | None = None
+    """Memory one replica may hold in all (host memory on CPU, device memory on CUDA); Ray reserves it for the
+    replica. With `neuzip_decoded_mib: auto` a NeuZip base keeps decoded what it leaves (serve/engine/memory.py).
+    None: Ray's `memory` resource of the replica, when it has one."""
 
 
 class TenantConfig(StrictModel):
@@ -124,8 +128,10 @@ class ServeConfig(StrictModel):
     ingress_max_ongoing_requests: Annotated[int, Field(ge=1)] = 4096
     """Requests one ingress replica holds at once, for every base together. It only awaits the model replicas,
     so it should hold what they take and queue; Ray Serve's default of 5 would cap every batch at five rows."""
-    neuzip_decoded_mib: Annotated[int, Field(ge=0)] = NEUZIP_DECODED_MIB
-    """A NeuZip base's decoded-layer budget: weights kept decoded for good (the rest decode on every use)."""
+    neuzip_decoded_mib: Annotated[int, Field(ge=0)] | Literal["auto"] = NEUZIP_DECODED_MIB
+    """A NeuZip base's decoded-layer budget: weights kept decoded for good (the rest decode on every use). "auto":
+    what the replica's memory target leaves once the base, a forward at the largest batch and the caches' and
+    slots' budgets are counted (serve/engine/memory.py)."""
     cache: CacheConfig = CacheConfig()
     batch: BatchConfig = BatchConfig()
     slots: SlotsConfig = SlotsConfig()

@@ -88,6 +88,14 @@ class Metrics:
         families.append(seconds)
         families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",
                                           value=sum(s["queue_depth"] for s in snapshots)))
+        plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]
+        if plans:  # neuzip_decoded_mib: auto
+            plan = GaugeMetricFamily("manyfold_memory_plan_bytes", "The replicas' memory plan: target, resident with "
+                                     "nothing decoded, working (a forward at the largest batch), reserved (caches "
+                                     "and slots), decoded (NeuZip weights kept decoded)", labels=["part"])
+            for part in ("target", "resident", "working", "reserved", "decoded"):
+                plan.add_metric([part], sum(p[part] for p in plans))
+            families.append(plan)
         if snapshots:
             families.append(_histogram("manyfold_batch_size", "Rows per forward pass",
                                        _merge([s["batch_sizes"] for s in snapshots])))

@@ -5,6 +5,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
+import ray
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -30,7 +31,8 @@ class EngineReplica:
     def __init__(self, config: dict, base: str, board: DeploymentHandle, threads: int = 1):
         """threads: torch's intra-op threads, the replica's CPU share (serve/app.py): Ray would leave it one."""
         torch.set_num_threads(threads)
-        self.engine = Engine(parse_config(config), bases=[base])
+        memory = ray.get_runtime_context().get_assigned_resources().get("memory")  # bytes, when Ray reserved some
+        self.engine = Engine(parse_config(config), bases=[base], memory_target=int(memory) if memory else None)
         self.board = board
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = Reporter(lambda held: self.board.report.remote(self.replica_id, held),

@@ -15,15 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from serve.config import ServeConfig
 from serve.engine import faults
 from serve.engine.cache import VariantCache
 from serve.engine.forwards import Forwards
+from serve.engine.memory import MIB, MemoryPlan, reserved_bytes, resident_bytes, working_bytes
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Op
 from serve.engine.scheduler import Scheduler
 from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
-from serve.errors import ArtifactError, BadRequest, VariantIncompatible, VariantNotFound
+from serve.errors import ArtifactError, BadRequest, ConfigError, VariantIncompatible, VariantNotFound
 from serve.store.store import Store
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
@@ -35,7 +38,9 @@ log = logging.getLogger("manyfold.engine")
 class Engine:
     """Results are plain Python values (lists, dataclasses), so they cross process boundaries as they are."""
 
-    def __init__(self, config: ServeConfig, bases: list[str] | None = None):
+    def __init__(self, config: ServeConfig, bases: list[str] | None = None, memory_target: int | None = None):
+        """memory_target: bytes the engine may hold in all (a replica's Ray memory); None: the memory_target_mib of
+        its bases' deployments. Only `neuzip_decoded_mib: auto` reads it."""
         self.config = config
         self.store = Store(config.store)
         self.bases: dict[str, BaseModelRuntime] = {}
@@ -48,15 +53,39 @@ class Engine:
         for name in self.store.manifest.bases:
             if self._only is None or name in self._only:
                 self._load_base(name)
+        self.memory_plan = self._keep_decoded(memory_target) if config.neuzip_decoded_mib == "auto" else None
         self.scheduler = Scheduler(config.batch, self.cache, Forwards(self.bases), self._compute)
 
     # ---- bases and variants
     def _load_base(self, name: str) -> None:
         self.store.verify(self.store.base(name))  # every file against its manifest sha256
+        decoded_mib = self.config.neuzip_decoded_mib
         self.bases[name] = BaseModelRuntime(name, self.store.base_dir(name), self.config.device, self.config.slots,
-                                            self.config.neuzip_decoded_mib << 20)
+                                            0 if decoded_mib == "auto" else decoded_mib << 20)
         self.cache.buffers.reserve(self._reserve_layout(name))
         self.cache.buffers.refill()
+
+    def _keep_decoded(self, target: int | None) -> MemoryPlan:
+        """neuzip_decoded_mib: auto: the memory plan (serve/engine/memory.py), its free bytes kept decoded by the
+        NeuZip bases in turn."""
+        if target is None:
+            targets = [self.config.deployments.get(b, self.config.deployment).memory_target_mib for b in self.bases]
+            if None in targets:
+                raise ConfigError("neuzip_decoded_mib is auto, yet no memory target: set the deployment's "
+                                  "memory_target_mib (or give the replica Ray memory)")
+            target = sum(targets) * MIB
+        device = torch.device(self.config.device)
+        rows, new = self.config.batch.max_batch_size, self.config.limits.max_tokens
+        working = max((working_bytes(rt, rows, new) for rt in self.bases.values()), default=0)  # one at a time
+        groups = sum(v.kind == "emr" and v.base in self.bases for v in self.store.manifest.variants.values())
+        plan = MemoryPlan(target, resident_bytes(device), working, reserved_bytes(self.config, groups))
+        left = plan.free
+        for rt in self.bases.values():
+            if rt.coded is not None:
+                left -= rt.coded.keep(left)
+        plan = replace(plan, decoded=plan.free - left)
+        log.info("%s", plan.describe())
+        return plan
 
     def _reserve_layout(self, base: str) -> list:
         """(shape, dtype) of the buffers a load of the base's largest weight-set variant (by stored bytes)
@@ -117,7 +146,8 @@ class Engine:
                 "cache_bytes": {"hot": self.cache.used_bytes("device"), "warm": self.cache.used_bytes("cpu"),
                                 "recycled": self.cache.buffers.free_bytes, "slots": slots},
                 "queue_depth": self.scheduler.queue_depth, "batch_sizes": self.scheduler.batch_sizes.to_dict(),
-                "load_seconds": st.load_seconds.to_dict(), "seconds": self.seconds()}
+                "load_seconds": st.load_seconds.to_dict(), "seconds": self.seconds(),
+                "memory_plan": self.memory_plan.to_dict() if self.memory_plan else None}
 
     def seconds(self) -> dict[str, float]:
         """Seconds of work by part (compute thread and scheduler), summed over the bases (see Seconds)."""

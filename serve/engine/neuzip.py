@@ -77,28 +77,47 @@ class CodedWeights:
         """The weights decoded for good, within the budget: plain parameters now (their streams are dropped)."""
         self.placeholders: dict[str, torch.nn.Parameter] = {}
         self._installed: dict[str, list[bool]] = {}
-        modules = dict(model.named_modules())
-        device = next(iter(streams.values())).words.device if streams else torch.device("cpu")
-        budget = decoded_bytes
-        self._handles = []
+        self._handles: dict[str, list] = {}
+        self._modules = dict(model.named_modules())
+        self._device = next(iter(streams.values())).words.device if streams else torch.device("cpu")
+        self._ahead_max_tokens = ahead_max_tokens
         for name, s in streams.items():
             mname, local = name.rsplit(".", 1)
-            module = modules[mname]
             if local != "weight":
                 raise ValueError(f"coded tensor '{name}' is no module's weight")
-            nbytes = 2 * s.numel
-            if nbytes <= budget:
-                budget -= nbytes
-                self.kept[name] = decode(s)
-                module._parameters["weight"] = torch.nn.Parameter(self.kept[name], requires_grad=False)
-                continue
+            module = self._modules[mname]
             self.streams[name] = s
             self.placeholders[mname] = module.weight
             self._installed[mname] = []
-            self._handles.append(module.register_forward_pre_hook(self._decode_hook(mname)))
-            self._handles.append(module.register_forward_hook(self._restore_hook(mname), always_call=True))
-        self.decoder = WeightDecoder({n.rsplit(".", 1)[0]: s for n, s in self.streams.items()}, device,
-                                     ahead_max_tokens)
+            self._handles[name] = [module.register_forward_pre_hook(self._decode_hook(mname)),
+                                   module.register_forward_hook(self._restore_hook(mname), always_call=True)]
+        self.decoder = self._new_decoder()
+        self.keep(decoded_bytes)
+
+    def _new_decoder(self) -> WeightDecoder:
+        return WeightDecoder({n.rsplit(".", 1)[0]: s for n, s in self.streams.items()}, self._device,
+                             self._ahead_max_tokens)
+
+    def keep(self, budget: int) -> int:
+        """Decode weights for good, in model order, while their bf16 bytes fit `budget` (a weight that does not
+        fit is skipped, a smaller later one may): each becomes a plain parameter and its stream is dropped.
+        Returns the bytes kept. Call between forwards (the engine's compute thread)."""
+        kept = 0
+        for name in list(self.streams):
+            nbytes = 2 * self.streams[name].numel
+            if nbytes > budget - kept:
+                continue
+            kept += nbytes
+            s = self.streams.pop(name)
+            mname = name.rsplit(".", 1)[0]
+            for h in self._handles.pop(name):
+                h.remove()
+            self.kept[name] = decode(s)
+            self._modules[mname]._parameters["weight"] = torch.nn.Parameter(self.kept[name], requires_grad=False)
+        if kept:
+            self.decoder.close()
+            self.decoder = self._new_decoder()
+        return kept
 
     @property
     def coded_bytes(self) -> int:
@@ -139,7 +158,8 @@ class CodedWeights:
         return after
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        for handles in self._handles.values():
+            for h in handles:
+                h.remove()
+        self._handles = {}
         self.decoder.close()

@@ -117,6 +117,50 @@ def test_a_decoded_layer_budget_keeps_weights_decoded_and_changes_no_output(serv
     assert torch.equal(mixed_logits(eng, "lm-nz"), mixed_logits(eng, "lm"))
 
 
+def test_auto_keeps_decoded_what_the_memory_target_leaves_and_says_so(served):
+    """A target far above what the replica holds keeps every weight decoded; one below it keeps none; both give
+    the plain base's logits, and the plan reaches the Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.metrics import Metrics
+
+    config = {"store": served[0], "neuzip_decoded_mib": "auto", "batch": {"max_batch_size": 2}}
+    roomy = Engine(ServeConfig(**config, deployment={"memory_target_mib": 1 << 20}), bases=["lm", "lm-nz"])
+    coded, plan = roomy.bases["lm-nz"].coded, roomy.memory_plan
+    assert not coded.streams and plan.decoded == coded.decoded_size > 0
+    assert plan.working > 0 and plan.resident > 0
+    assert plan.free == plan.target - plan.resident - plan.working - plan.reserved
+    tight = Engine(ServeConfig(**config), bases=["lm", "lm-nz"], memory_target=1 << 20)  # the replica's Ray memory
+    assert tight.memory_plan.free == 0 and not tight.bases["lm-nz"].coded.kept
+    assert torch.equal(mixed_logits(roomy, "lm-nz"), mixed_logits(tight, "lm-nz"))
+    assert torch.equal(mixed_logits(tight, "lm-nz"), mixed_logits(tight, "lm"))
+    text = Metrics().render([asyncio.run(roomy.snapshot())], []).decode()
+    parts = {s.labels["part"]: s.value for f in text_string_to_metric_families(text)
+             if f.name == "manyfold_memory_plan_bytes" for s in f.samples}
+    assert parts["decoded"] == plan.decoded and parts["target"] == plan.target == 2 << 40  # each base's target
+
+
+def test_auto_without_a_memory_target_is_one_line(served):
+    from serve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="memory_target_mib") as e:
+        Engine(ServeConfig(store=served[0], neuzip_decoded_mib="auto"), bases=["lm-nz"])
+    assert "\n" not in str(e.value)
+
+
+def test_keep_decodes_weights_in_model_order_while_they_fit(served):
+    eng = Engine(ServeConfig(store=served[0]), bases=["lm", "lm-nz"])
+    coded = eng.bases["lm-nz"].coded
+    sizes = {n: 2 * s.numel for n, s in coded.streams.items()}
+    first, second = list(sizes)[:2]
+    budget = sizes[first] + sizes[second] - 1  # the first fits, the second no longer does
+    kept = coded.keep(budget)
+    fits = [n for n in sizes if n != first and sizes[n] <= budget - sizes[first]]
+    assert first in coded.kept and second not in coded.kept
+    assert set(coded.kept) <= {first, *fits} and kept == sum(sizes[n] for n in coded.kept) <= budget
+    assert torch.equal(mixed_logits(eng, "lm-nz"), mixed_logits(eng, "lm"))
+
+
 def test_a_corrupt_neuzip_base_fails_with_one_line_and_other_bases_still_load(served, tmp_path):
     import shutil
 

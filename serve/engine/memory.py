@@ -1,0 +1,105 @@
+"""What a replica's memory holds, and what `neuzip_decoded_mib: auto` leaves its NeuZip bases to keep decoded.
+
+The plan follows vLLM's profile run: load every base with nothing kept decoded, measure what the process then
+holds (resident), measure one forward at the largest batch (working: activations, plus the KV cache its rows
+may grow to), add the budgets that fill later (reserved: the variant cache's tiers, the adapter pool, EMR
+formed weights), and what the target leaves after those is decoded for good. On a CPU engine memory is the
+process's resident set; on CUDA it is the device's allocated bytes.
+"""
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from serve.config import ServeConfig
+
+PROFILE_TOKENS = 512
+"""Tokens a row of the profile forward has: working memory is sized for prompts this long (longer ones are served,
+beyond the plan). Generated tokens are counted in the KV cache on top."""
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes, for the snapshot and the startup log."""
+
+    target: int
+    resident: int
+    working: int
+    reserved: int
+    decoded: int = 0
+    """What the NeuZip bases keep decoded, once `keep` has run (at most `free`)."""
+
+    @property
+    def free(self) -> int:
+        return max(0, self.target - self.resident - self.working - self.reserved)
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "free": self.free}
+
+    def describe(self) -> str:
+        mib = {k: v / MIB for k, v in self.to_dict().items()}
+        return (f"memory target {mib['target']:.0f} MiB: {mib['resident']:.0f} resident with nothing decoded, "
+                f"{mib['working']:.0f} for a forward at the largest batch, {mib['reserved']:.0f} for the caches' "
+                f"and slots' budgets -> {mib['decoded']:.0f} MiB of NeuZip weights kept decoded")
+
+
+def resident_bytes(device: torch.device) -> int:
+    """What this process holds now: its resident set (CPU) or the device's allocated bytes (CUDA)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _status_kib("VmRSS") << 10
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident set (Linux >= 4.0)
+
+
+def peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _status_kib("VmHWM") << 10
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reserved_bytes(config: ServeConfig, emr_groups: int) -> int:
+    """The budgets that fill as variants come: the cache's tiers (on CUDA only its device tier is device
+    memory), each base's adapter pool and each EMR group's formed weights."""
+    cache = config.cache.device_mib + (config.cache.cpu_mib if config.device == "cpu" else 0)
+    return (cache + config.slots.adapter_mib + emr_groups * config.slots.emr_formed_mib) * MIB
+
+
+def kv_bytes_per_token(model_config) -> int:
+    """Keys and values of one token in every layer (0 for an encoder: it keeps no cache)."""
+    layers = getattr(model_config, "num_hidden_layers", 0)
+    heads = getattr(model_config, "num_attention_heads", 0)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // max(heads, 1))
+    return 2 * layers * kv_heads * head_dim * 2  # bf16
+
+
+@torch.no_grad()
+def working_bytes(rt, rows: int, max_new_tokens: int) -> int:
+    """One forward's own memory at `rows` rows of PROFILE_TOKENS tokens (measured: its peak over what was held
+    before it), plus for a causal LM the KV cache those rows grow to with max_new_tokens generated."""
+    from serve.engine.batch import BASE_ROW, BatchPlan
+
+    tokens = min(PROFILE_TOKENS, rt.max_input_tokens)
+    ids = torch.randint(0, rt.model.config.vocab_size, (rows, tokens), device=rt.device)
+    plan = BatchPlan([BASE_ROW] * rows, rt.device)
+    reset_peak(rt.device)
+    before = resident_bytes(rt.device)
+    rt.call(plan, input_ids=ids, **({"use_cache": False, "logits_to_keep": 1} if rt.causal else {}))
+    activations = max(0, peak_bytes(rt.device) - before)
+    kv = kv_bytes_per_token(rt.model.config) * rows * (tokens + max_new_tokens) if rt.causal else 0
+    return activations + kv
