@@ -88,6 +88,12 @@ class Metrics:
         families.append(seconds)
         families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",
                                           value=sum(s["queue_depth"] for s in snapshots)))
+        weights = GaugeMetricFamily("manyfold_base_weight_bytes", "Resident bytes of each base's weights (a NeuZip "
+                                    "base: its coded streams, the weights kept decoded, its decode buffers)",
+                                    labels=["base"])
+        for name in sorted({b for s in snapshots for b in s.get("base_bytes", {})}):
+            weights.add_metric([name], sum(s.get("base_bytes", {}).get(name, 0) for s in snapshots))
+        families.append(weights)
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]
         if plans:  # neuzip_decoded_mib: auto
             plan = GaugeMetricFamily("manyfold_memory_plan_bytes", "The replicas' memory plan: target, resident with "

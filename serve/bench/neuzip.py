@@ -296,8 +296,8 @@ def anchors(path: Path) -> dict:
 
 
 def run_neuzip_bench(out: Path, work: Path | None = None, steps_only: bool = False) -> dict:
-    """steps_only: only the engine's forwards, split (serve/bench/neuzip_steps.py)."""
-    from serve.bench.neuzip_steps import run_steps
+    """steps_only: only the engine's forwards: split, and the frontier (serve/bench/neuzip_steps.py)."""
+    from serve.bench.neuzip_steps import run_frontier, run_steps
     from serve.data.cache import home
 
     work = work or home() / "bench-neuzip"
@@ -306,8 +306,11 @@ def run_neuzip_bench(out: Path, work: Path | None = None, steps_only: bool = Fal
     dirs = prepare(work)
     print("engine forwards, bf16 and k7 taking turns ...", flush=True)
     steps = run_steps(dirs["smollm2"])
+    print("frontier: bf16, int8 and k7 at each decoded share taking turns ...", flush=True)
+    frontier = run_frontier(dirs["smollm2"])
     if steps_only:
-        report = {"machine": machine(), "torch_threads": torch.get_num_threads(), "engine_steps_ms": steps}
+        report = {"machine": machine(), "torch_threads": torch.get_num_threads(), "engine_steps_ms": steps,
+                  "frontier": frontier}
         return finish(report, out, print_report)
     print("decode speed ...", flush=True)
     speed = {k: decode_speed(dirs["smollm2"][k]) for k in ("k7", "k3", "k0")}
@@ -319,17 +322,18 @@ def run_neuzip_bench(out: Path, work: Path | None = None, steps_only: bool = Fal
     report = {"machine": machine(), "torch_threads": torch.get_num_threads(),
               "default_decoded_mib": NEUZIP_DECODED_MIB, "rows": rows,
               "anchors": {m: anchors(dirs[m]["k7"]) for m in MODELS},
-              "decode_gb_per_s": speed, "engine_steps_ms": steps,
+              "decode_gb_per_s": speed, "engine_steps_ms": steps, "frontier": frontier,
               "gpu": NO_GPU}
     return finish(report, out, print_report)
 
 
 def print_report(r: dict) -> None:
-    from serve.bench.neuzip_steps import print_steps
+    from serve.bench.neuzip_steps import print_frontier, print_steps
 
     print(f"\nNeuZip on {r['machine']} ({r['torch_threads']} torch threads); default decoded-layer budget "
           f"{r.get('default_decoded_mib', NEUZIP_DECODED_MIB)} MiB")
     print_steps(r["engine_steps_ms"])
+    print_frontier(r["frontier"])
     if "rows" not in r:
         return
     for model in MODELS:

@@ -3,8 +3,9 @@
 SmolLM2-135M as bf16 and as lossless NeuZip (k = 7) at decoded-layer budget 0, each a BaseModelRuntime: a decode
 step (one new token a row over a 64-token context) at 1, 8, 32, 64 and 128 rows, and a prefill of 8 x 256
 tokens. NeuZip runs both ways serve/engine/neuzip_decoder.py has, whatever the forward's length: "ahead" (a
-decode thread, torch on one thread fewer) and "inline" (decoding on torch's threads); a served base picks one by
-the forward's tokens (AHEAD_MAX_TOKENS), and these rows are what that choice rests on. Each forward is split into
+decode thread, torch on one thread fewer) and "inline" (decoding on torch's threads), and as a server runs it
+("k7": the way measured faster for the forward's size, inline beyond AHEAD_MAX_TOKENS), after 2 x TRIALS
+untimed forwards of each step, so that its choice is made. Each forward is split into
   decode wait   the compute thread's time getting weights (decoding them, or waiting for the decode thread)
   decode busy   time spent decoding on any thread (above the wait where decoding runs ahead, under compute)
   matmul        time inside every Linear's forward (the base's matmuls and the LM head)
@@ -23,13 +24,14 @@ from transformers import DynamicCache
 
 from serve.engine.batch import BASE_ROW, BatchPlan
 from serve.engine.model import BaseModelRuntime
+from serve.engine.neuzip_decoder import TRIALS
 
 ROWS = (1, 8, 32, 64, 128)
 CONTEXT = 64
 PREFILL = (8, 256)
 PARTS = ("step", "decode_wait", "decode_busy", "matmul", "other")
-CONFIGS = {"bf16": ("bf16", None), "k7 ahead": ("k7", 1 << 30), "k7 inline": ("k7", 0)}
-"""name: (model directory, the decoder's ahead_max_tokens)."""
+CONFIGS = {"bf16": ("bf16", None), "k7 ahead": ("k7", "ahead"), "k7 inline": ("k7", "inline"), "k7": ("k7", None)}
+"""name: (model directory, the decoder's way: always ahead, always inline, or as served: measured per size)."""
 
 
 class LinearTimer:
@@ -93,12 +95,14 @@ def timed(rt: BaseModelRuntime, timer: LinearTimer, fn: Callable[[], torch.Tenso
 
 def _runtimes(dirs: dict[str, Path]) -> dict[str, BaseModelRuntime]:
     rts = {}
-    for name, (d, ahead_max_tokens) in CONFIGS.items():
+    for name, (d, way) in CONFIGS.items():
         rt = rts[name] = BaseModelRuntime(name, dirs[d])
-        if ahead_max_tokens is not None:
+        if d == "k7":
             if rt.coded is None or rt.coded.kept:
                 raise RuntimeError(f"{name}: every coded weight must be decoded on use (budget 0)")
-            rt.coded.decoder.ahead_max_tokens = ahead_max_tokens
+            rt.coded.decoder.way = way
+            if way == "ahead":
+                rt.coded.decoder.ahead_max_tokens = 1 << 30
     return rts
 
 
@@ -115,6 +119,9 @@ def run_steps(dirs: dict[str, Path], repeats: int = 5, rows: tuple[int, ...] = R
                 want = fns["bf16"]()
                 if not all(torch.equal(fn(), want) for c, fn in fns.items() if c != "bf16"):
                     raise RuntimeError(f"{shape}: NeuZip k7 logits differ from bf16's")
+                for _ in range(2 * TRIALS if n else 0):  # the served k7 times both ways, then keeps one
+                    for fn in fns.values():
+                        fn()
             runs: dict[str, list] = {c: [] for c in rts}
             for _ in range(repeats if n else max(2, repeats // 2)):
                 for c, rt in rts.items():
@@ -138,3 +145,69 @@ def print_steps(steps: dict) -> None:
             k = r[shape]
             print(f"{shape:<16}{c:<11}{k['step']:>8.1f}{k['decode_wait']:>8.1f}{k['decode_busy']:>8.1f}"
                   f"{k['matmul']:>8.1f}{k['other']:>8.1f}{k['step'] / b['step']:>8.2f}")
+
+
+FRONTIER_ROWS = (8, 64)
+SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""Shares of the coded weights' bf16 bytes kept decoded, for the frontier."""
+
+
+def _frontier_runtimes(dirs: dict[str, Path]) -> tuple[dict[str, BaseModelRuntime], dict[str, int]]:
+    """(bf16, int8 and lossless NeuZip at each share, their resident weight bytes)."""
+    from serve.bench.neuzip import _int8, _weight_bytes
+
+    rts = {"bf16": BaseModelRuntime("bf16", dirs["bf16"]), "int8": BaseModelRuntime("int8", dirs["bf16"])}
+    _int8(rts["int8"].model)
+    size = None
+    for share in SHARES:
+        rt = BaseModelRuntime(f"k7 {share:.0%}", dirs["k7"], decoded_bytes=int(share * (size or 0)))
+        size = size or rt.coded.decoded_size
+        rts[rt.name] = rt
+    return rts, {c: _weight_bytes(rt.model) if c == "int8" else rt.nbytes for c, rt in rts.items()}
+
+
+def run_frontier(dirs: dict[str, Path], repeats: int = 5) -> dict:
+    """{config: {"resident_bytes", "step_ms": {rows: median}}} for bf16, int8 (torchao, weight-only) and lossless
+    NeuZip kept decoded at each of SHARES, through the engine's runtime, taking turns forward by forward."""
+    rts, nbytes = _frontier_runtimes(dirs)
+    out = {c: {"resident_bytes": nbytes[c], "step_ms": {}} for c in rts}
+    try:
+        for n in FRONTIER_ROWS:
+            fns = {c: forward_of(rt, n) for c, rt in rts.items()}
+            with torch.no_grad():
+                want = fns["bf16"]()
+                if not all(torch.equal(fns[c](), want) for c in rts if c.startswith("k7")):
+                    raise RuntimeError(f"step {n}: NeuZip k7 logits differ from bf16's")
+                for _ in range(2 * TRIALS):  # int8's first forward, and each k7 chooses its way
+                    for fn in fns.values():
+                        fn()
+                runs: dict[str, list[float]] = {c: [] for c in rts}
+                for _ in range(repeats):
+                    for c, fn in fns.items():
+                        t0 = time.perf_counter()
+                        fn()
+                        runs[c].append(time.perf_counter() - t0)
+            for c, r in runs.items():
+                out[c]["step_ms"][n] = 1e3 * statistics.median(r)
+        for c, rt in rts.items():
+            if rt.coded and rt.coded.streams:
+                out[c]["way"] = {n: rt.coded.decoder.ways.chosen().get(n, "?") for n in FRONTIER_ROWS}
+    finally:
+        for rt in rts.values():
+            if rt.coded:
+                rt.coded.close()
+    return out
+
+
+def print_frontier(frontier: dict) -> None:
+    bf16 = frontier["bf16"]
+    print("\nfrontier, SmolLM2 decode steps (one new token a row over 64 tokens): resident weight bytes against "
+          "tokens/s, lossless NeuZip kept decoded at each share of its coded weights; medians")
+    print(f"{'config':<10}{'MB':>8}{'x bf16':>8}" + "".join(f"{f'tok/s {n}':>12}{'x bf16':>8}" for n in FRONTIER_ROWS)
+          + "  way (8, 64 rows)")
+    for c, r in frontier.items():
+        cells = "".join(f"{1e3 * int(n) / r['step_ms'][n]:>12.1f}{bf16['step_ms'][n] / r['step_ms'][n]:>8.2f}"
+                        for n in r["step_ms"])
+        way = ", ".join(r.get("way", {}).values())
+        print(f"{c:<10}{r['resident_bytes'] / 1e6:>8.1f}{r['resident_bytes'] / bf16['resident_bytes']:>8.2f}{cells}"
+              f"  {way}")

@@ -147,7 +147,8 @@ class Engine:
                                 "recycled": self.cache.buffers.free_bytes, "slots": slots},
                 "queue_depth": self.scheduler.queue_depth, "batch_sizes": self.scheduler.batch_sizes.to_dict(),
                 "load_seconds": st.load_seconds.to_dict(), "seconds": self.seconds(),
-                "memory_plan": self.memory_plan.to_dict() if self.memory_plan else None}
+                "memory_plan": self.memory_plan.to_dict() if self.memory_plan else None,
+                "base_bytes": {name: rt.nbytes for name, rt in self.bases.items()}}
 
     def seconds(self) -> dict[str, float]:
         """Seconds of work by part (compute thread and scheduler), summed over the bases (see Seconds)."""

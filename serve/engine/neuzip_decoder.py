@@ -4,7 +4,8 @@ the module about to run.
 On the CPU every call was costing more than its decoding (tensor-to-numpy views, a scratch allocation, two
 hand-offs to the decode pool, a fresh Parameter), so all of that is built once here: each weight's decode calls
 (its lanes cut per thread, numpy views of its stream and of its place in a buffer) and its Parameter over that
-place. Two ways to run them, chosen per forward (`forward`):
+place. Two ways to run them, chosen per forward (`forward`) by timing both over the first forwards of each
+size (WayChooser): which is faster depends on the rows, on how many weights are still coded and on the machine.
 - ahead, for forwards of few tokens (decode steps) when torch has two threads or more: a decode thread decodes
   the weights expected next (the modules that followed this one last time), up to AHEAD_WEIGHTS of them, each
   into a buffer of its own, while this one computes, and torch computes on one thread fewer, so that the two
@@ -16,11 +17,13 @@ place. Two ways to run them, chosen per forward (`forward`):
   costs only time: the queue is dropped and the weight asked for is decoded on the spot. The decode thread
   writes only buffers no running module reads (modules that decode are leaves: one runs at a time), so
   outputs are bit for bit those of inline decoding.
-- inline, for long forwards (prefill), where compute needs every core and decoding is a small share: the
-  compute thread decodes each weight, its lanes split over torch's threads, then the module computes.
+- inline, for long forwards (prefill), where compute needs every core and decoding is a small share, and for
+  steps where few weights are still coded: the compute thread decodes each weight, its lanes split over
+  torch's threads, then the module computes.
 On another device each weight is decoded by the kernels' device form (Triton on CUDA), into one buffer.
 """
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -35,7 +38,10 @@ from kernels.neuzip_decode import decode_lanes, lane_cuts, run_split
 from serve.codecs.neuzip_file import Stream, decode
 
 AHEAD_MAX_TOKENS = 256
-"""Forwards of at most this many tokens decode ahead (measured on 2 cores: serve/bench/neuzip_steps.py)."""
+"""Forwards of more tokens always decode inline: compute then needs every core (a prefill of 8 x 256 tokens
+decoding ahead took 1.8x as long on 2 cores: serve/bench/neuzip_steps.py)."""
+TRIALS = 3
+"""Forwards timed each way, per size of forward, before the faster way is kept."""
 AHEAD_WEIGHTS = 3
 """Weights decoded ahead at most: the queue's length, each in a buffer of the largest weight's size."""
 
@@ -71,6 +77,38 @@ class _Pending:
             self._taken = len(self.parts)
 
 
+class WayChooser:
+    """Ahead or inline, for a forward of n tokens. Which is faster depends on the rows (compute on one thread
+    fewer against decoding under it), on the share of weights still coded and on the machine, so it is measured:
+    over the first forwards of each size (tokens rounded up to a power of two) both ways take turns, TRIALS
+    each, then the one with the lower median is kept for that size."""
+
+    def __init__(self):
+        self._seconds: dict[tuple[int, bool], list[float]] = {}
+
+    @staticmethod
+    def _size(tokens: int) -> int:
+        return 1 << max(tokens - 1, 0).bit_length()
+
+    def ahead(self, tokens: int) -> bool:
+        size = self._size(tokens)
+        ahead, inline = self._seconds.get((size, True), []), self._seconds.get((size, False), [])
+        if len(ahead) >= TRIALS and len(inline) >= TRIALS:
+            return statistics.median(ahead) < statistics.median(inline)
+        return len(ahead) <= len(inline)
+
+    def record(self, tokens: int, ahead: bool, seconds: float) -> None:
+        times = self._seconds.setdefault((self._size(tokens), ahead), [])
+        if len(times) < TRIALS:
+            times.append(seconds)
+
+    def chosen(self) -> dict[int, str]:
+        """The way kept for each size measured both ways (for a benchmark's report)."""
+        sizes = {size for size, _ in self._seconds}
+        return {size: "ahead" if self.ahead(size) else "inline" for size in sorted(sizes)
+                if all(len(self._seconds.get((size, a), [])) >= TRIALS for a in (True, False))}
+
+
 class WeightDecoder:
     """Decodes the coded weights of one model on use, by module name (see the module's docstring)."""
 
@@ -102,6 +140,9 @@ class WeightDecoder:
         self._current = 0
         """The buffer handed out last: its module may be running."""
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="neuzip-ahead") if len(self.buffers) > 1 else None
+        self.ways = WayChooser()
+        self.way: str | None = None
+        """"ahead" or "inline" to always decode that way (benchmarks); None: as `ways` measures."""
 
     @property
     def nbytes(self) -> int:
@@ -110,15 +151,20 @@ class WeightDecoder:
 
     @contextmanager
     def forward(self, tokens: int) -> Iterator[None]:
-        """Decode, for the forward run inside the block, ahead if it has at most ahead_max_tokens tokens and torch
-        has a thread to spare (torch then runs on one thread fewer), else inline on torch's threads."""
+        """Decode, for the forward run inside the block, ahead (torch then runs on one thread fewer) or inline on
+        torch's threads: inline when it has more than ahead_max_tokens tokens or torch has no thread to spare,
+        else the way measured faster for its size (WayChooser)."""
         threads = torch.get_num_threads()
-        self.ahead = self._thread is not None and threads > 1 and tokens <= self.ahead_max_tokens
+        can = self._thread is not None and threads > 1 and tokens <= self.ahead_max_tokens
+        self.ahead = can and (self.way == "ahead" or (self.way is None and self.ways.ahead(tokens)))
         self._threads = 1 if self.ahead else threads
         if self.ahead:
             torch.set_num_threads(threads - 1)
+        t0 = time.perf_counter()
         try:
             yield
+            if can:
+                self.ways.record(tokens, self.ahead, time.perf_counter() - t0)
         finally:
             if self.ahead:
                 torch.set_num_threads(threads)

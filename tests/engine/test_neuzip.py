@@ -138,6 +138,9 @@ def test_auto_keeps_decoded_what_the_memory_target_leaves_and_says_so(served):
     parts = {s.labels["part"]: s.value for f in text_string_to_metric_families(text)
              if f.name == "manyfold_memory_plan_bytes" for s in f.samples}
     assert parts["decoded"] == plan.decoded and parts["target"] == plan.target == 2 << 40  # each base's target
+    weights = {s.labels["base"]: s.value for f in text_string_to_metric_families(text)
+               if f.name == "manyfold_base_weight_bytes" for s in f.samples}
+    assert weights == {"lm": roomy.bases["lm"].nbytes, "lm-nz": roomy.bases["lm-nz"].nbytes}
 
 
 def test_auto_without_a_memory_target_is_one_line(served):
@@ -287,9 +290,9 @@ def test_decoding_ahead_gives_inline_decodings_logits_even_when_the_next_module_
     torch.set_num_threads(2)
     try:
         with torch.no_grad():
-            decoder.ahead_max_tokens = 0
+            decoder.way = "inline"
             inline = rt.call(plan, input_ids=ids).logits
-            decoder.ahead_max_tokens = ids.numel()
+            decoder.way = "ahead"
             assert torch.equal(rt.call(plan, input_ids=ids).logits, inline)  # learns the order
             x = torch.randn(3, rt.model.config.intermediate_size, dtype=torch.bfloat16)
             down = rt.model.model.layers[1].mlp.down_proj

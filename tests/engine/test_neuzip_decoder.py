@@ -4,7 +4,7 @@ import torch
 
 from serve.codecs import neuzip
 from serve.codecs.neuzip_file import Stream, decode
-from serve.engine.neuzip_decoder import WeightDecoder
+from serve.engine.neuzip_decoder import TRIALS, WayChooser, WeightDecoder
 
 
 def coded(name: str, shape: tuple[int, int], gen: torch.Generator) -> Stream:
@@ -19,6 +19,7 @@ def test_weights_decoded_ahead_or_inline_equal_their_decoding_in_any_order():
     streams = {m: coded(m, (300 + 17 * i, 256), gen) for i, m in enumerate(["a", "b", "c"])}
     want = {m: decode(s) for m, s in streams.items()}
     decoder = WeightDecoder(streams, torch.device("cpu"))
+    decoder.way = "ahead"  # wherever it may: forwards of at most ahead_max_tokens tokens
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -32,3 +33,15 @@ def test_weights_decoded_ahead_or_inline_equal_their_decoding_in_any_order():
     finally:
         torch.set_num_threads(threads)
         decoder.close()
+
+
+def test_each_size_of_forward_is_timed_both_ways_then_keeps_the_faster():
+    ways = WayChooser()
+    seconds = {(1, True): 0.1, (1, False): 0.3, (64, True): 0.5, (64, False): 0.2}  # steps of 1 and 64 rows
+    for _ in range(2 * TRIALS):
+        for tokens in (1, 64):
+            ahead = ways.ahead(tokens)
+            ways.record(tokens, ahead, seconds[tokens, ahead])
+    assert ways.chosen() == {1: "ahead", 64: "inline"}
+    assert ways.ahead(1) and not ways.ahead(50)  # 50 tokens: the size of 64
+    assert ways.ahead(200)  # a size not measured yet starts with a trial ahead
