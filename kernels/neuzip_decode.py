@@ -153,6 +153,13 @@ def _splat(value: int) -> ir.Constant:
     return ir.Constant(_V32, [value] * VEC)
 
 
+def _broadcast(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """A run-time integer, as 32 bits, in every lane."""
+    one = builder.insert_element(ir.Constant(_V32, None), builder.trunc(value, ir.IntType(32)),
+                                 ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(_V32, None), ir.Constant(_V32, [0] * VEC))
+
+
 def _gather(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, align: int) -> ir.Value:
     """16 32-bit loads, lane i from base[index[i]] (base's element size scales the index): one vpgatherdd.
     llvmlite's GEP has no vector indices, so its result type is set by hand."""
@@ -168,8 +175,9 @@ def _gather(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, align: int) 
 def _block_step_ir(context, builder: ir.IRBuilder, sig, args) -> ir.Value:
     """_block_step's code: the scalar step on 16 lanes at once. The renormalisation word is read for every lane
     (a select keeps it where x >= 2^16) as the 32-bit word pair at words[p - 1], whose high half is words[p]:
-    a 32-bit gather, as there is no 16-bit one, that stays inside the array for 1 <= p <= last."""
-    x_arr, ptr_arr, k, table, words, last, exps, e = args
+    a 32-bit gather, as there is no 16-bit one, that stays inside the array for 1 <= p <= last. Only the first
+    m symbols are stored (a masked store)."""
+    x_arr, ptr_arr, k, table, words, last, exps, e, m = args
     xd, pd, td, wd, ed = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 1, 3, 4, 6))
     x_at = builder.bitcast(builder.gep(xd, [k]), _V32.as_pointer())
     p_at = builder.bitcast(builder.gep(pd, [k]), _V32.as_pointer())
@@ -178,25 +186,28 @@ def _block_step_ir(context, builder: ir.IRBuilder, sig, args) -> ir.Value:
     freq = builder.add(builder.and_(builder.lshr(t, _splat(8)), _splat(0xFFF)), _splat(1))
     xs = builder.add(builder.mul(freq, builder.lshr(x, _splat(SCALE_BITS))), builder.lshr(t, _splat(20)))
     need = builder.icmp_unsigned("<", xs, _splat(RANS_L))
-    lastv = builder.insert_element(ir.Constant(_V32, None), builder.trunc(last, ir.IntType(32)),
-                                   ir.Constant(ir.IntType(32), 0))
-    lastv = builder.shuffle_vector(lastv, ir.Constant(_V32, None), ir.Constant(_V32, [0] * VEC))
+    lastv = _broadcast(builder, last)
     p_read = builder.select(builder.icmp_unsigned("<", p, lastv), p, lastv)
     pair = _gather(builder, wd, builder.sub(p_read, _splat(1)), 2)
     renorm = builder.or_(builder.shl(xs, _splat(16)), builder.lshr(pair, _splat(16)))
     builder.store(builder.select(need, renorm, xs), x_at, align=4)
     builder.store(builder.add(p, builder.zext(need, _V32)), p_at, align=4)
-    e_at = builder.bitcast(builder.gep(ed, [e]), ir.VectorType(ir.IntType(8), VEC).as_pointer())
-    builder.store(builder.trunc(t, ir.VectorType(ir.IntType(8), VEC)), e_at, align=1)
+    v8 = ir.VectorType(ir.IntType(8), VEC)
+    mask_type = ir.VectorType(ir.IntType(1), VEC)
+    live = builder.icmp_unsigned("<", ir.Constant(_V32, list(range(VEC))), _broadcast(builder, m))
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [v8, v8.as_pointer(),
+                                        ir.IntType(32), mask_type]), "llvm.masked.store.v16i8.p0")
+    e_at = builder.bitcast(builder.gep(ed, [e]), v8.as_pointer())
+    builder.call(fn, [builder.trunc(t, v8), e_at, ir.Constant(ir.IntType(32), 1), live])
     return context.get_dummy_value()
 
 
 @intrinsic
-def _block_step(typingctx, x, ptr, k, table, words, last, exps, e):
-    """One step of lanes k..k+15 of the state arrays x and ptr (uint32), their symbols to exps[e:e + 16]. Written
+def _block_step(typingctx, x, ptr, k, table, words, last, exps, e, m):
+    """One step of lanes k..k+15 of the state arrays x and ptr (uint32), their first m symbols to exps[e:e + m]. Written
     in LLVM IR because LLVM does not vectorise the scalar loop: it cannot rule out that the state stores alias
     the gathered table and words. llvm.masked.gather is generic: without AVX-512 LLVM splits or scalarises it."""
-    return types.void(x, ptr, k, table, words, last, exps, e), _block_step_ir
+    return types.void(x, ptr, k, table, words, last, exps, e, m), _block_step_ir
 
 
 @njit(nogil=True, cache=True)
@@ -215,22 +226,25 @@ def _vector_fits(words: np.ndarray, offsets: np.ndarray, n: int, lo: int, hi: in
 @njit(nogil=True, cache=True)
 def _exponents_vector(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: np.ndarray, lo: int,
                       hi: int, status: np.ndarray) -> None:
-    """The rANS pass for lanes [lo, hi), hi - lo a multiple of 16, 16 lanes a vector step (_block_step). GROUP
-    blocks at a time run through every full step: their 64 lanes' current lines of words and the 16 KB table stay
-    in L1, which all lanes' lines do not (a quarter slower). The last, partial step is scalar."""
-    n, lanes, size = exps.size, offsets.size - 1, words.size
+    """The rANS pass for lanes [lo, hi), 16 lanes a vector step (_block_step). The states are padded to whole
+    blocks: a padding lane decodes garbage from word 2 on and stores nothing. Up to GROUP blocks at a time (as
+    even groups as can be) run through every full step: their 64 lanes' current lines of words and the 16 KB
+    table stay in L1, which all lanes' lines do not (a quarter slower). The last, partial step is scalar."""
+    n, lanes, size, m = exps.size, offsets.size - 1, words.size, hi - lo
+    blocks = (m + VEC - 1) // VEC
     last = np.uint32(size - 1)
-    x = np.empty(hi - lo, np.uint32)
-    ptr = np.empty(hi - lo, np.uint32)
+    x = np.full(blocks * VEC, RANS_L, np.uint32)
+    ptr = np.full(blocks * VEC, 2, np.uint32)
     for l in range(lo, hi):
         s = offsets[l]
         x[l - lo] = np.uint32(words[min(s, size - 1)]) | (np.uint32(words[min(s + 1, size - 1)]) << np.uint32(16))
         ptr[l - lo] = np.uint32(s + 2)
     full = n // lanes
-    for g in range(0, (hi - lo) // VEC, GROUP):
+    groups = (blocks + GROUP - 1) // GROUP
+    for g in range(groups):
         for j in range(full):
-            for b in range(g, min(g + GROUP, (hi - lo) // VEC)):
-                _block_step(x, ptr, b * VEC, table, words, last, exps, j * lanes + lo + b * VEC)
+            for b in range(blocks * g // groups, blocks * (g + 1) // groups):
+                _block_step(x, ptr, b * VEC, table, words, last, exps, j * lanes + lo + b * VEC, min(VEC, m - b * VEC))
     for l in range(lo, min(hi, n - full * lanes)):
         k = l - lo
         t = table[x[k] & np.uint32(SLOT_MASK)]
@@ -248,14 +262,12 @@ def _exponents_vector(words: np.ndarray, offsets: np.ndarray, table: np.ndarray,
 @njit(nogil=True, cache=True)
 def _exponents(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: np.ndarray, lo: int, hi: int,
                status: np.ndarray) -> None:
-    """The rANS pass for lanes [lo, hi): whole blocks of 16 lanes vectorised where _vector_fits (every stream
-    the encoder writes), the rest lane by lane. Both read and write exactly the same, so a stream decodes alike
-    whichever ran it (a corrupt one included)."""
-    vhi = lo + (hi - lo) // VEC * VEC
-    if vhi > lo and _vector_fits(words, offsets, exps.size, lo, vhi):
-        _exponents_vector(words, offsets, table, exps, lo, vhi, status)
-        lo = vhi
-    if hi > lo:
+    """The rANS pass for lanes [lo, hi): vectorised where _vector_fits (every stream the encoder writes), else
+    lane by lane. Both read and write exactly the same, so a stream decodes alike whichever ran it (a corrupt one
+    included)."""
+    if _vector_fits(words, offsets, exps.size, lo, hi):
+        _exponents_vector(words, offsets, table, exps, lo, hi, status)
+    else:
         _exponents_scalar(words, offsets, table, exps, lo, hi, status)
 
 
