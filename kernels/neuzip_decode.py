@@ -18,7 +18,7 @@ sets its status to 1. Reads are clamped to the words array, so a bad stream yiel
 
 Three forms with one signature, (words, offsets, table, sm, bits, out) -> status:
 - neuzip_decode_torch: the specification, vectorised over lanes (a Python loop over steps).
-- neuzip_decode_numba: what CPU serving runs (nogil; threads split the lanes).
+- neuzip_decode_numba: what CPU serving runs (nogil; threads split the lanes; 16 lanes a vector step).
 - neuzip_decode_triton: one program per block of lanes.
 words int16 [W] (16-bit words), offsets int64 [L + 1], table int32 [4096], sm uint8, out int16 [n] (a bf16
 tensor's bits) written in place; status int32 [L], 0 where the lane decoded cleanly.
@@ -29,7 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kernels._backend import tl, triton
 
@@ -103,11 +106,12 @@ def unpack_fields(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
 
 
 @njit(nogil=True, cache=True)
-def _exponents(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: np.ndarray, lo: int, hi: int,
-               status: np.ndarray) -> None:
-    """The rANS pass for lanes [lo, hi), step by step: the inner loop over lanes has no dependency between
-    iterations, so the CPU overlaps several lanes' table reads. Unsigned indices: numba then skips the
-    negative-index wrap-around on every access (a fifth of the time)."""
+def _exponents_scalar(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: np.ndarray, lo: int,
+                      hi: int, status: np.ndarray) -> None:
+    """The rANS pass for lanes [lo, hi), step by step, one lane at a time: any stream (reads clamped), any size.
+    The inner loop over lanes has no dependency between iterations, so the CPU overlaps several lanes' table
+    reads. Unsigned indices: numba then skips the negative-index wrap-around on every access (a fifth of the
+    time)."""
     n = exps.size
     lanes = offsets.size - 1
     if words.size == 0:
@@ -139,6 +143,134 @@ def _exponents(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: 
         status[l] = 0 if ok else 1
 
 
+VEC = 16  # lanes of a vector block: 16 32-bit states, one AVX-512 register
+GROUP = 4  # blocks that run through every step together (see _exponents_vector)
+_V32 = ir.VectorType(ir.IntType(32), VEC)
+
+
+def _splat(value: int) -> ir.Constant:
+    """The constant vector of `value` in every lane."""
+    return ir.Constant(_V32, [value] * VEC)
+
+
+def _broadcast(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """A run-time integer, as 32 bits, in every lane."""
+    one = builder.insert_element(ir.Constant(_V32, None), builder.trunc(value, ir.IntType(32)),
+                                 ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(_V32, None), ir.Constant(_V32, [0] * VEC))
+
+
+def _gather(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, align: int) -> ir.Value:
+    """16 32-bit loads, lane i from base[index[i]] (base's element size scales the index): one vpgatherdd.
+    llvmlite's GEP has no vector indices, so its result type is set by hand."""
+    address = builder.gep(base, [index], source_etype=base.type.pointee)
+    address.type = ir.VectorType(ir.IntType(32).as_pointer(), VEC)
+    mask_type = ir.VectorType(ir.IntType(1), VEC)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32, [address.type, ir.IntType(32),
+                                        mask_type, _V32]), "llvm.masked.gather.v16i32.v16p0")
+    return builder.call(fn, [address, ir.Constant(ir.IntType(32), align), ir.Constant(mask_type, [1] * VEC),
+                             ir.Constant(_V32, None)])
+
+
+def _block_step_ir(context, builder: ir.IRBuilder, sig, args) -> ir.Value:
+    """_block_step's code: the scalar step on 16 lanes at once. The renormalisation word is read for every lane
+    (a select keeps it where x >= 2^16) as the 32-bit word pair at words[p - 1], whose high half is words[p]:
+    a 32-bit gather, as there is no 16-bit one, that stays inside the array for 1 <= p <= last. Only the first
+    m symbols are stored (a masked store)."""
+    x_arr, ptr_arr, k, table, words, last, exps, e, m = args
+    xd, pd, td, wd, ed = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 1, 3, 4, 6))
+    x_at = builder.bitcast(builder.gep(xd, [k]), _V32.as_pointer())
+    p_at = builder.bitcast(builder.gep(pd, [k]), _V32.as_pointer())
+    x, p = builder.load(x_at, align=4), builder.load(p_at, align=4)
+    t = _gather(builder, td, builder.and_(x, _splat(SLOT_MASK)), 4)
+    freq = builder.add(builder.and_(builder.lshr(t, _splat(8)), _splat(0xFFF)), _splat(1))
+    xs = builder.add(builder.mul(freq, builder.lshr(x, _splat(SCALE_BITS))), builder.lshr(t, _splat(20)))
+    need = builder.icmp_unsigned("<", xs, _splat(RANS_L))
+    lastv = _broadcast(builder, last)
+    p_read = builder.select(builder.icmp_unsigned("<", p, lastv), p, lastv)
+    pair = _gather(builder, wd, builder.sub(p_read, _splat(1)), 2)
+    renorm = builder.or_(builder.shl(xs, _splat(16)), builder.lshr(pair, _splat(16)))
+    builder.store(builder.select(need, renorm, xs), x_at, align=4)
+    builder.store(builder.add(p, builder.zext(need, _V32)), p_at, align=4)
+    v8 = ir.VectorType(ir.IntType(8), VEC)
+    mask_type = ir.VectorType(ir.IntType(1), VEC)
+    live = builder.icmp_unsigned("<", ir.Constant(_V32, list(range(VEC))), _broadcast(builder, m))
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [v8, v8.as_pointer(),
+                                        ir.IntType(32), mask_type]), "llvm.masked.store.v16i8.p0")
+    e_at = builder.bitcast(builder.gep(ed, [e]), v8.as_pointer())
+    builder.call(fn, [builder.trunc(t, v8), e_at, ir.Constant(ir.IntType(32), 1), live])
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _block_step(typingctx, x, ptr, k, table, words, last, exps, e, m):
+    """One step of lanes k..k+15 of the state arrays x and ptr (uint32), their first m symbols to exps[e:e + m]. Written
+    in LLVM IR because LLVM does not vectorise the scalar loop: it cannot rule out that the state stores alias
+    the gathered table and words. llvm.masked.gather is generic: without AVX-512 LLVM splits or scalarises it."""
+    return types.void(x, ptr, k, table, words, last, exps, e, m), _block_step_ir
+
+
+@njit(nogil=True, cache=True)
+def _vector_fits(words: np.ndarray, offsets: np.ndarray, n: int, lo: int, hi: int) -> bool:
+    """Whether the 32-bit vector pass decodes lanes [lo, hi) exactly as _exponents_scalar: every start inside the
+    words and every pointer (at most a start + 2 + one word per step) below 2^31, so no clamp or wrap differs."""
+    size = words.size
+    if size < 2 or size + n // (offsets.size - 1) + 4 >= 1 << 31:
+        return False
+    for l in range(lo, hi):
+        if offsets[l] < 0 or offsets[l] > size:
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _exponents_vector(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: np.ndarray, lo: int,
+                      hi: int, status: np.ndarray) -> None:
+    """The rANS pass for lanes [lo, hi), 16 lanes a vector step (_block_step). The states are padded to whole
+    blocks: a padding lane decodes garbage from word 2 on and stores nothing. Up to GROUP blocks at a time (as
+    even groups as can be) run through every full step: their 64 lanes' current lines of words and the 16 KB
+    table stay in L1, which all lanes' lines do not (a quarter slower). The last, partial step is scalar."""
+    n, lanes, size, m = exps.size, offsets.size - 1, words.size, hi - lo
+    blocks = (m + VEC - 1) // VEC
+    last = np.uint32(size - 1)
+    x = np.full(blocks * VEC, RANS_L, np.uint32)
+    ptr = np.full(blocks * VEC, 2, np.uint32)
+    for l in range(lo, hi):
+        s = offsets[l]
+        x[l - lo] = np.uint32(words[min(s, size - 1)]) | (np.uint32(words[min(s + 1, size - 1)]) << np.uint32(16))
+        ptr[l - lo] = np.uint32(s + 2)
+    full = n // lanes
+    groups = (blocks + GROUP - 1) // GROUP
+    for g in range(groups):
+        for j in range(full):
+            for b in range(blocks * g // groups, blocks * (g + 1) // groups):
+                _block_step(x, ptr, b * VEC, table, words, last, exps, j * lanes + lo + b * VEC, min(VEC, m - b * VEC))
+    for l in range(lo, min(hi, n - full * lanes)):
+        k = l - lo
+        t = table[x[k] & np.uint32(SLOT_MASK)]
+        xs = (((t >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)) * (x[k] >> np.uint32(SCALE_BITS)) \
+            + (t >> np.uint32(20))
+        need = xs < np.uint32(RANS_L)
+        x[k] = ((xs << np.uint32(16)) | np.uint32(words[min(ptr[k], last)])) if need else xs
+        ptr[k] += np.uint32(need)
+        exps[full * lanes + l] = np.uint8(t & np.uint32(0xFF))
+    for l in range(lo, hi):
+        ok = ptr[l - lo] == offsets[l + 1] and x[l - lo] == RANS_L and offsets[l + 1] - offsets[l] >= 2
+        status[l] = 0 if ok else 1
+
+
+@njit(nogil=True, cache=True)
+def _exponents(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: np.ndarray, lo: int, hi: int,
+               status: np.ndarray) -> None:
+    """The rANS pass for lanes [lo, hi): vectorised where _vector_fits (every stream the encoder writes), else
+    lane by lane. Both read and write exactly the same, so a stream decodes alike whichever ran it (a corrupt one
+    included)."""
+    if _vector_fits(words, offsets, exps.size, lo, hi):
+        _exponents_vector(words, offsets, table, exps, lo, hi, status)
+    else:
+        _exponents_scalar(words, offsets, table, exps, lo, hi, status)
+
+
 def _make_decode_lanes(bits: int):
     """The rANS pass over lanes [lo, hi), then the pass that joins their exponents with sign and mantissa, the
     field layout baked in as constants. The second pass reads the elements of the same lanes (at step j, the
@@ -157,8 +289,8 @@ def _make_decode_lanes(bits: int):
         for j in range((out.size + offsets.size - 2) // (offsets.size - 1)):
             base = np.uint64(j) * lanes
             for i in range(base + np.uint64(lo), min(base + np.uint64(hi), n)):
-                f = (np.uint32(sm[i >> np.uint64(log_per)]) >> np.uint32((i & np.uint64(per_mask)) * np.uint64(width))) \
-                    & np.uint32(field_mask)
+                shift = np.uint32((i & np.uint64(per_mask)) * np.uint64(width))
+                f = (np.uint32(sm[i >> np.uint64(log_per)]) >> shift) & np.uint32(field_mask)
                 out[i] = ((f >> np.uint32(bits)) << np.uint32(15)) | (np.uint32(exps[i]) << np.uint32(7)) \
                     | ((f & np.uint32((1 << bits) - 1)) << np.uint32(7 - bits))
 
