@@ -106,7 +106,7 @@ def _runtimes(dirs: dict[str, Path]) -> dict[str, BaseModelRuntime]:
     return rts
 
 
-def run_steps(dirs: dict[str, Path], repeats: int = 5, rows: tuple[int, ...] = ROWS) -> dict:
+def run_steps(dirs: dict[str, Path], repeats: int = 9, rows: tuple[int, ...] = ROWS) -> dict:
     """{config: {forward: {part: median ms}}} for the decode step at each of `rows` and the prefill."""
     rts = _runtimes(dirs)
     timers = {c: LinearTimer(rt.model) for c, rt in rts.items()}
@@ -123,7 +123,7 @@ def run_steps(dirs: dict[str, Path], repeats: int = 5, rows: tuple[int, ...] = R
                     for fn in fns.values():
                         fn()
             runs: dict[str, list] = {c: [] for c in rts}
-            for _ in range(repeats if n else max(2, repeats // 2)):
+            for _ in range(repeats if n else repeats // 2 + 1):
                 for c, rt in rts.items():
                     runs[c].append(timed(rt, timers[c], fns[c]))
             for c, r in runs.items():
@@ -166,7 +166,7 @@ def _frontier_runtimes(dirs: dict[str, Path]) -> tuple[dict[str, BaseModelRuntim
     return rts, {c: _weight_bytes(rt.model) if c == "int8" else rt.nbytes for c, rt in rts.items()}
 
 
-def run_frontier(dirs: dict[str, Path], repeats: int = 5) -> dict:
+def run_frontier(dirs: dict[str, Path], repeats: int = 7) -> dict:
     """{config: {"resident_bytes", "step_ms": {rows: median}}} for bf16, int8 (torchao, weight-only) and lossless
     NeuZip kept decoded at each of SHARES, through the engine's runtime, taking turns forward by forward."""
     rts, nbytes = _frontier_runtimes(dirs)
