@@ -304,6 +304,11 @@ def run_neuzip_bench(out: Path, work: Path | None = None, steps_only: bool = Fal
     work.mkdir(parents=True, exist_ok=True)
     print("preparing bf16 and NeuZip copies of the models ...", flush=True)
     dirs = prepare(work)
+    rows = []
+    for model in MODELS if not steps_only else ():  # first: a child's peak RSS starts at this process's
+        for config in CONFIGS:
+            print(f"measuring {model} {config} ...", flush=True)
+            rows.append(_run_one(model, config, dirs[model][config], work))
     print("engine forwards, bf16 and k7 taking turns ...", flush=True)
     steps = run_steps(dirs["smollm2"])
     print("frontier: bf16, int8 and k7 at each decoded share taking turns ...", flush=True)
@@ -314,11 +319,6 @@ def run_neuzip_bench(out: Path, work: Path | None = None, steps_only: bool = Fal
         return finish(report, out, print_report)
     print("decode speed ...", flush=True)
     speed = {k: decode_speed(dirs["smollm2"][k]) for k in ("k7", "k3", "k0")}
-    rows = []
-    for model in MODELS:
-        for config in CONFIGS:
-            print(f"measuring {model} {config} ...", flush=True)
-            rows.append(_run_one(model, config, dirs[model][config], work))
     report = {"machine": machine(), "torch_threads": torch.get_num_threads(),
               "default_decoded_mib": NEUZIP_DECODED_MIB, "rows": rows,
               "anchors": {m: anchors(dirs[m]["k7"]) for m in MODELS},
