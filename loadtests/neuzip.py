@@ -30,6 +30,7 @@ MIB = 1 << 20
 SYSTEMS = ("plain", "neuzip")
 BASE = "smollm2"
 WEIGHT_BYTES = re.compile(r'^manyfold_base_weight_bytes\{base="([^"]+)"\} (\S+)$', re.M)
+PLAN_BYTES = re.compile(r'^manyfold_memory_plan_bytes\{part="([^"]+)"\} (\S+)$', re.M)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -117,9 +118,10 @@ def measure(args: argparse.Namespace, system: str, store: Path, names: list[str]
         window = asyncio.run(run_window(url, plan_requests(names, prompts, load), args.duration))
     text = httpx.get(f"{url}/metrics", timeout=30).text
     weights = {b: float(v) for b, v in WEIGHT_BYTES.findall(text)}
+    plan = {part: float(v) for part, v in PLAN_BYTES.findall(text)}  # neuzip_decoded_mib: auto
     serve.delete(system)
     return {"system": system, **window.summary(), "weight_bytes": weights.get(BASE), "start_s": start_s,
-            "peak_rss_mib": mem.peak / MIB}
+            "peak_rss_mib": mem.peak / MIB, "memory_plan": plan or None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -170,3 +172,7 @@ def print_report(report: dict) -> None:
               f"{r['throughput_rps'] / plain['throughput_rps']:>8.2f}{r['tokens_per_s']:>8.1f}{r['p50_s']:>8.2f}"
               f"{r['p99_s']:>8.2f}{r['weight_bytes'] / 1e6:>12.1f}{r['weight_bytes'] / plain['weight_bytes']:>8.2f}"
               f"{r['peak_rss_mib']:>14.0f}")
+    for r in report["runs"]:
+        if r.get("memory_plan"):
+            print(f"{r['system']} round {r['round']}, memory plan (MiB): "
+                  + ", ".join(f"{k} {v / MIB:.0f}" for k, v in r["memory_plan"].items()))
