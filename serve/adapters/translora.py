@@ -273,7 +273,8 @@ class TransferReport:
     lr: float = 0.0
     outcome: str = "student"
     """What out_dir holds: "student" (trained on the target) or "unchanged" (the source adapter as it was, kept by
-    --keep-unchanged-if-better because it did better on validation; not transferred)."""
+    --keep-unchanged-if-better because it did better on validation; not transferred); "unguarded": the student,
+    written without the guard's comparison deciding (benchmarks only)."""
     validation: dict = field(default_factory=dict)
     """examples, from (the kept validation set, or the seeds for older assets), best_step, curve [{step, loss}]."""
     generation: dict = field(default_factory=dict)
@@ -307,11 +308,16 @@ def validation_set(adapter_dir: str | Path, seeds: list[TrainExample]) -> tuple[
             for e in (examples if examples is not None else seeds)], source
 
 
+TEACHER_LENGTH = 1.5
+"""The teacher writes up to this many times the longest seed output (in tokens, about two a word), or stops at
+its end-of-text token, which the adapter learnt at the end of every completion."""
+
+
 def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inputs: list[str], seed: int,
-          tick: Progress) -> list[TrainExample]:
+          tick: Progress, length: float = TEACHER_LENGTH) -> list[TrainExample]:
     """The teacher's (source base + adapter) greedy completions of `inputs`: the student's training set."""
     teacher, tok = load_lm(source_base, adapter_dir)
-    max_new = max(4, int(1.5 * task.max_output_words * 2))  # about two tokens a word
+    max_new = max(4, int(length * task.max_output_words * 2))  # about two tokens a word
     outputs: list[str] = []
     for i in range(0, len(inputs), 8):
         outputs += _generate(teacher, tok, inputs[i:i + 8], max_new, None, seed)
@@ -324,7 +330,8 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
              samples: int = 64, max_attempts: int | None = None, use_filter: bool = True, init: str = "pissa",
              rank: int | None = None, steps: int | None = None, lr: float | None = None, seed: int = 0,
              keep_unchanged_if_better: bool = False, progress: Progress | None = None,
-             min_accepted: int | None = None) -> TransferReport:
+             min_accepted: int | None = None, teacher_length: float = TEACHER_LENGTH, early_stop: bool = True,
+             guard: bool = True) -> TransferReport:
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
     validation set (transfer_guard; else TransferFailed and nothing is written). Fewer than min_accepted inputs
@@ -346,17 +353,18 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     if len(accepted) < plan.floor:
         raise TransferFailed(sampling.shortfall())
     t0 = time.perf_counter()
-    data = teach(source_base, adapter_dir, task, accepted, seed, tick)
+    data = teach(source_base, adapter_dir, task, accepted, seed, tick, teacher_length)
     times["teacher"] = time.perf_counter() - t0
     steps, lr = student_schedule(len(data), steps, lr)
     with atomic_dir(out_dir) as stage:
         t0 = time.perf_counter()
         early = _early_stopping(target_base, held)
         result = train_adapter(target_base, data, stage, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
-                               progress=lambda step, loss: tick("train", step, steps), early_stopping=early)
+                               progress=lambda step, loss: tick("train", step, steps),
+                               early_stopping=early if early_stop else None)
         times["train"] = time.perf_counter() - t0
         comparison = compare(source_base, adapter_dir, target_base, stage, held)
-        outcome = choose(comparison, keep_unchanged_if_better)
+        outcome = choose(comparison, keep_unchanged_if_better) if guard else "unguarded"
         if outcome == "unchanged":
             keep_unchanged(adapter_dir, stage)
         note = "" if len(accepted) == samples else f"only {len(accepted)} of {samples} inputs accepted"

@@ -196,8 +196,9 @@ def choose(given: str | None, known: tuple[str, ...], what: str) -> tuple[str, .
 
 
 def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tasks: tuple[str, ...] = TASKS,
-                        targets: tuple[str, ...] = TARGETS, inits: bool = True) -> dict:
-    """The whole bench (or the subset of tasks and targets given): tables on stdout, JSON at out, PNG beside."""
+                        targets: tuple[str, ...] = TARGETS, inits: bool = True, ablation: bool = False) -> dict:
+    """The whole bench (or the subset of tasks and targets given): tables on stdout, JSON at out, PNG beside.
+    ablation: the ablation instead (serve/bench/translora_ablation.py)."""
     from serve.data.cache import home
     from serve.data.models import smollm2_dir
 
@@ -209,6 +210,13 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
     source = smollm2_dir()
     bases = {name: target_base(name, work, _log) for name in targets}
     evals = Evaluations(work / EVALS_FILE)
+    if ablation:
+        from serve.bench.translora_ablation import ablation_table, print_ablation
+
+        report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seeds, "rank": RANK,
+                  "samples": SAMPLES, "ablation": ablation_table(work, source, bases, tasks, seeds, evals)}
+        report["seconds"] = time.perf_counter() - t0
+        return finish(report, out, lambda r: print_ablation(r["ablation"]))
     report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seeds, "rank": RANK,
               "steps": STEPS, "lr": LR, "train_examples": TRAIN, "samples": SAMPLES,
               "targets": {name: target_info(name, base) for name, base in bases.items()},

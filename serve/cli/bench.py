@@ -50,9 +50,10 @@ def cmd_bench_translora(args: argparse.Namespace) -> None:
     from serve.bench.translora import TASKS, choose, run_translora_bench
     from serve.bench.translora_targets import TARGETS
 
-    run_translora_bench(Path(args.out), Path(args.work) if args.work else None, args.seeds,
+    out = args.out or f"bench-results/translora{'-ablation' if args.ablation else ''}.json"
+    run_translora_bench(Path(out), Path(args.work) if args.work else None, args.seeds,
                         choose(args.tasks, TASKS, "tasks"), choose(args.targets, TARGETS, "targets"),
-                        inits=not args.no_inits)
+                        inits=not args.no_inits, ablation=args.ablation)
 
 
 def cmd_bench_neuzip(args: argparse.Namespace) -> None:
@@ -72,13 +73,15 @@ def cmd_bench_soak(args: argparse.Namespace) -> None:
 def _add_translora(bench: argparse._SubParsersAction) -> None:
     bt = add_command(bench, "translora", cmd_bench_translora,
                      "Trans-LoRA on three real tasks and two target bases over seeds; PiSSA against LoRA")
-    bt.add_argument("--out", default="bench-results/translora.json")
+    bt.add_argument("--out", help="default: bench-results/translora.json, or translora-ablation.json")
     bt.add_argument("--work", help="where adapters, evaluations and the target bases are kept (default: "
                                    "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
     bt.add_argument("--seeds", type=int, default=3, help="runs per configuration (seeds 0..N-1)")
     bt.add_argument("--tasks", help="a subset of spam,headlines,tweets, joined by commas (default: all)")
     bt.add_argument("--targets", help="a subset of neuzip-k0,new-version, joined by commas (default: both)")
     bt.add_argument("--no-inits", action="store_true", help="skip PiSSA against LoRA")
+    bt.add_argument("--ablation", action="store_true", help="instead, the ablation: the transfer as issue 22 "
+                    "measured it, then one choice changed at a time (serve/bench/translora_ablation.py)")
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:

@@ -52,7 +52,7 @@ def store(bases, source_adapter, tmp_path, monkeypatch):
     return s
 
 
-def an_oracle_teacher(source_base, adapter_dir, task, inputs, seed, tick):
+def an_oracle_teacher(source_base, adapter_dir, task, inputs, seed, tick, length=None):
     """Completes each input by the toy task's rule, so the student has something true to learn."""
     def answer(x: str) -> str:
         first = x.split()[0] if x.split() else ""

@@ -326,3 +326,30 @@ def test_adapter_train_with_a_discriminator_holds_out_the_validation_set_and_say
     assert code == 0 and "kept beside it: 5 seed examples and 9 validation examples" in out
     assert json.loads((tmp_path / "a" / "train_log.json").read_text())["examples"] == 15  # 24 less the 9 held out
     assert read_validation(tmp_path / "a") == toy_task()[5:14]
+
+
+def test_an_unguarded_transfer_writes_the_student_the_guard_refuses(bases, source_adapter, tmp_path, monkeypatch):
+    """For the ablation bench: guard=False keeps a student the guard would refuse (outcome "unguarded"),
+    early_stop=False trains every step, teacher_length sets how long the teacher may write."""
+    def refuse(comparison, keep_unchanged):
+        raise translora.TransferFailed("no better than the target alone")
+
+    lengths = []
+    generate = translora._generate
+
+    def recording(model, tok, prompts, max_new_tokens, temperature, seed, stop=None):
+        if temperature is None:  # the teacher decodes greedily
+            lengths.append(max_new_tokens)
+        return generate(model, tok, prompts, max_new_tokens, temperature, seed, stop)
+
+    monkeypatch.setattr(translora, "choose", refuse)
+    monkeypatch.setattr(translora, "_generate", recording)
+    with pytest.raises(translora.TransferFailed):
+        translora.transfer(bases[0], source_adapter, bases[0], tmp_path / "guarded", samples=4, max_attempts=48,
+                           steps=3)
+    assert not (tmp_path / "guarded").exists()
+    report = translora.transfer(bases[0], source_adapter, bases[0], tmp_path / "unguarded", samples=4,
+                                max_attempts=48, steps=3, guard=False, early_stop=False, teacher_length=3.0)
+    assert report.outcome == "unguarded" and (tmp_path / "unguarded" / "adapter_config.json").is_file()
+    assert len(report.losses) == 3 and report.validation["curve"] == []
+    assert (lengths[0], lengths[-1]) == (4, 6)  # one-word outputs: max(4, 1.5 x 2 tokens), then 3 x 2 tokens

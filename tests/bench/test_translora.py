@@ -60,3 +60,31 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
     first = dict(stubs)
     bench.run_translora_bench(out, work, seeds=2, tasks=("spam", "tweets"), targets=("neuzip-k0", "new-version"))
     assert stubs == first  # nothing trained, moved or evaluated twice, refused transfers included
+
+
+def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, tmp_path, monkeypatch, capsys):
+    import serve.bench.translora_ablation as ablation
+
+    seen = []
+
+    def transfer(source, src, base, out, samples, rank, seed, guard, **choices):
+        seen.append((Path(out).name, guard, choices))
+        Path(out).mkdir(parents=True)
+        (Path(out) / "translora_report.json").write_text(json.dumps(
+            {"accepted": 6, "steps": choices["steps"] or 24, "lr": choices["lr"] or 1e-4,
+             "validation": {"best_step": 8}}))
+
+    monkeypatch.setattr(ablation, "transfer", transfer)
+    args = (tmp_path / "a.json", tmp_path / "work")
+    kw = {"seeds": 1, "tasks": ("headlines",), "targets": ("new-version",), "ablation": True}
+    report = bench.run_translora_bench(*args, **kw)
+    runs = report["ablation"]["new-version"]["headlines"]["seeds"][0]
+    assert list(runs) == list(ablation.CHANGES) and not any(guard for _, guard, _ in seen)
+    given = {name: choices for name, _, choices in seen}
+    for config, change in ablation.CHANGES.items():  # each differs from the transfer as filed in its change only
+        choices = given[f"new-version-headlines-s0-{ablation.slug(config)}"]
+        assert {k: v for k, v in choices.items() if ablation.AS_FILED[k] != v} == change, config
+    assert runs["early stopping"]["best_step"] == 8 and runs["as filed"]["best_step"] is None
+    assert "ablation, headlines on new-version" in capsys.readouterr().out
+    bench.run_translora_bench(*args, **kw)
+    assert len(seen) == len(ablation.CHANGES)  # a rerun moves nothing again

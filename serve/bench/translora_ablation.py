@@ -1,0 +1,104 @@
+"""`manyfold bench translora --ablation`: which of a transfer's choices move its held-out figure (issue 22's
+cause analysis).
+
+Start from the transfer as the issue measured it ("as filed": a PiSSA student at lr 5e-4 for 100 steps whatever
+was accepted, no early stopping, the teacher cut at 1.5x the longest seed output, the discriminator's filter on)
+and change one thing at a time: the learning rate (the PiSSA paper's 2e-5, or scaled to what was accepted),
+the steps (scaled to what was accepted), the student's init (LoRA), early stopping on the validation set, a
+longer teacher, no filter; then every current default together. Every configuration writes its student whatever
+the guard would say (transfer(guard=False)), so that a refused one still has its figure; the same source adapter,
+target, seed and held-out set for all of them. Kept under the work dir like the rest of the bench (a rerun resumes).
+"""
+
+import json
+from pathlib import Path
+
+from serve.adapters.tasks import heldout_examples, task_examples
+from serve.adapters.translora import TransferFailed, transfer
+from serve.bench.translora import HELDOUT, RANK, SAMPLES, TRAIN, Evaluations, _log, source_adapter
+from serve.bench.translora_table import primary
+from serve.store.writer import atomic_write
+
+AS_FILED = {"init": "pissa", "lr": 5e-4, "steps": 100, "early_stop": False, "teacher_length": 1.5,
+            "use_filter": True}
+"""The transfer the issue measured (bench-results/translora.json before issue 22)."""
+CHANGES: dict[str, dict] = {
+    "as filed": {},
+    "lr 2e-5 (PiSSA paper)": {"lr": 2e-5},
+    "lr scaled to accepted": {"lr": None},
+    "steps scaled to accepted": {"steps": None},
+    "LoRA init": {"init": "lora"},
+    "early stopping": {"early_stop": True},
+    "teacher up to 3x": {"teacher_length": 3.0},
+    "no filter": {"use_filter": False},
+    "current defaults": {"lr": None, "steps": None, "early_stop": True},
+}
+"""Each configuration: what it changes from AS_FILED."""
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src: Path, seed: int,
+                  evals: Evaluations) -> dict:
+    """{configuration: {"changes", "heldout", "accepted", "steps", "lr", "best_step"} or {"failed": why}} for one
+    task on one target and seed; each transfer kept in work (a failed one as NAME.failed)."""
+    name, base = target
+    held = heldout_examples(task, HELDOUT)
+    out = {}
+    for config, change in CHANGES.items():
+        moved = work / "ablation" / f"{name}-{task}-s{seed}-{slug(config)}"
+        failed = moved.with_name(moved.name + ".failed")
+        if not moved.exists() and not failed.exists():
+            _log(f"ablation {name}, {task}, seed {seed}: {config}")
+            try:
+                transfer(source, src, base, moved, samples=SAMPLES, rank=RANK, seed=seed, guard=False,
+                         **{**AS_FILED, **change})
+            except TransferFailed as e:  # too few inputs accepted: nothing to train
+                atomic_write(failed, [(str(e) + "\n").encode()])
+        if failed.exists():
+            out[config] = {"changes": change, "failed": failed.read_text().strip()}
+            continue
+        report = json.loads((moved / "translora_report.json").read_text())
+        early = {**AS_FILED, **change}["early_stop"]
+        out[config] = {"changes": change, "heldout": evals(task, base, moved, held), "accepted": report["accepted"],
+                       "steps": report["steps"], "lr": report["lr"],
+                       "best_step": report["validation"]["best_step"] if early else None}
+    return out
+
+
+def ablation_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: int,
+                   evals: Evaluations) -> dict:
+    """{target: {task: {"seeds": {seed: ablation_runs}, "target alone": its held-out figures}}}."""
+    out: dict = {}
+    for task in tasks:
+        train, held = task_examples(task, "train", TRAIN), heldout_examples(task, HELDOUT)
+        for s in range(seeds):
+            src = source_adapter(work, source, task, train, s)
+            for name, base in targets.items():
+                cell = out.setdefault(name, {}).setdefault(task, {"seeds": {}})
+                cell["seeds"][s] = ablation_runs(work, source, (name, base), task, src, s, evals)
+                cell["target alone"] = evals(task, base, None, held)
+    return out
+
+
+def print_ablation(table: dict) -> None:
+    for target, tasks in table.items():
+        for task, cell in tasks.items():
+            metric, higher = primary(task)
+            alone = cell["target alone"][metric]
+            print(f"\nablation, {task} on {target} (held-out {metric}, {'higher' if higher else 'lower'} is "
+                  f"better; the target alone: {alone:.3f})")
+            print(f"{'configuration':<28}{'seed':>5}{'accepted':>9}{'steps':>7}{'lr':>9}{metric:>10}"
+                  f"{'vs alone':>10}{'vs filed':>10}")
+            for s, runs in cell["seeds"].items():
+                filed = runs["as filed"].get("heldout", {}).get(metric)
+                for config, r in runs.items():
+                    if "failed" in r:
+                        print(f"{config:<28}{s:>5}  failed: {r['failed'][:80]}")
+                        continue
+                    v = r["heldout"][metric]
+                    vs_filed = f"{v - filed:>+10.3f}" if filed is not None else f"{'-':>10}"
+                    print(f"{config:<28}{s:>5}{r['accepted']:>9}{r['steps']:>7}{r['lr']:>9.1e}{v:>10.3f}"
+                          f"{v - alone:>+10.3f}{vs_filed}")
