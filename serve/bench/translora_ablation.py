@@ -7,7 +7,8 @@ and change one thing at a time: the learning rate (the PiSSA paper's 2e-5, or sc
 the steps (scaled to what was accepted), the student's init (LoRA), early stopping on the validation set, a
 longer teacher, no filter; then every current default together. Every configuration writes its student whatever
 the guard would say (transfer(guard=False)), so that a refused one still has its figure; the same source adapter,
-target, seed and held-out set for all of them. Kept under the work dir like the rest of the bench (a rerun resumes).
+target, seed and held-out set for all of them, and the generation schedule of issue 22's item 4 in all (the
+one thing "as filed" cannot go back to). Kept under the work dir like the rest of the bench (a rerun resumes).
 """
 
 import json
