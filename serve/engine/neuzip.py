@@ -112,6 +112,7 @@ class CodedWeights:
             mname = name.rsplit(".", 1)[0]
             for h in self._handles.pop(name):
                 h.remove()
+            del self.placeholders[mname], self._installed[mname]
             self.kept[name] = decode(s)
             self._modules[mname]._parameters["weight"] = torch.nn.Parameter(self.kept[name], requires_grad=False)
         if kept:
