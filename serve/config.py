@@ -142,6 +142,13 @@ class ServeConfig(StrictModel):
     def _expand_home(cls, v: Path) -> Path:
         return v.expanduser()
 
+    @field_validator("neuzip_decoded_mib", mode="before")
+    @classmethod
+    def _mib_or_auto(cls, v):
+        if isinstance(v, str) and v != "auto" and not v.strip().isdigit():
+            raise ValueError(f"a number of MiB or auto, got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _keys_are_unique(self) -> "ServeConfig":
         seen: dict[str, str] = {}

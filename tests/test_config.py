@@ -30,7 +30,7 @@ def test_rayservice_embeds_a_valid_serve_config():
     ({"store": "/s", "deployment": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas (3)"),
     ({"store": "/s", "tenants": [{"name": "a", "key_sha256": ["0" * 64]}, {"name": "b", "key_sha256": ["0" * 64]}]},
      "also a key of tenant 'a'"),
-    ({"store": "/s", "neuzip_decoded_mib": "half"}, "neuzip_decoded_mib"),
+    ({"store": "/s", "neuzip_decoded_mib": "half"}, "neuzip_decoded_mib: a number of MiB or auto"),
     ({"store": "/s", "deployment": {"memory_target_mib": 0}}, "memory_target_mib"),
 ])
 def test_bad_configs_are_one_line(data, fragment):
