@@ -105,6 +105,29 @@ def unpack_fields(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
     return fields.reshape(-1)[:n]
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _lane_step(x: np.ndarray, ptr: np.ndarray, k, table: np.ndarray, words: np.ndarray, last) -> np.uint8:
+    """One rANS step of lane k (state x[k], next word ptr[k], read clamped to `last`): its symbol."""
+    xs = x[k]
+    t = table[xs & np.uint32(SLOT_MASK)]
+    xs = (((t >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)) * (xs >> np.uint32(SCALE_BITS)) \
+        + (t >> np.uint32(20))
+    p = ptr[k]
+    w = np.uint32(words[min(p, last)])
+    need = xs < np.uint32(RANS_L)
+    x[k] = ((xs << np.uint32(16)) | w) if need else xs
+    ptr[k] = p + ptr.dtype.type(need)
+    return np.uint8(t & np.uint32(0xFF))
+
+
+@njit(nogil=True, cache=True)
+def _lane_status(x: np.ndarray, ptr: np.ndarray, offsets: np.ndarray, lo: int, hi: int, status: np.ndarray) -> None:
+    """0 for each lane of [lo, hi) that read exactly its own words and ended in the initial state, else 1."""
+    for l in range(lo, hi):
+        ok = np.int64(ptr[l - lo]) == offsets[l + 1] and x[l - lo] == RANS_L and offsets[l + 1] - offsets[l] >= 2
+        status[l] = 0 if ok else 1
+
+
 @njit(nogil=True, cache=True)
 def _exponents_scalar(words: np.ndarray, offsets: np.ndarray, table: np.ndarray, exps: np.ndarray, lo: int,
                       hi: int, status: np.ndarray) -> None:
@@ -127,20 +150,8 @@ def _exponents_scalar(words: np.ndarray, offsets: np.ndarray, table: np.ndarray,
     for j in range((n + lanes - 1) // lanes):
         base = np.uint64(j * lanes)
         for ul in range(np.uint64(lo), np.uint64(min(hi, n - j * lanes))):
-            k = ul - np.uint64(lo)
-            xs = x[k]
-            t = table[xs & np.uint32(SLOT_MASK)]
-            xs = (((t >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)) * (xs >> np.uint32(SCALE_BITS)) \
-                + (t >> np.uint32(20))
-            p = ptr[k]
-            w = np.uint32(words[min(p, last)])
-            need = xs < np.uint32(RANS_L)
-            x[k] = ((xs << np.uint32(16)) | w) if need else xs
-            ptr[k] = p + np.uint64(need)
-            exps[base + ul] = np.uint8(t & np.uint32(0xFF))
-    for l in range(lo, hi):
-        ok = ptr[l - lo] == np.uint64(offsets[l + 1]) and x[l - lo] == RANS_L and offsets[l + 1] - offsets[l] >= 2
-        status[l] = 0 if ok else 1
+            exps[base + ul] = _lane_step(x, ptr, ul - np.uint64(lo), table, words, last)
+    _lane_status(x, ptr, offsets, lo, hi, status)
 
 
 VEC = 16  # lanes of a vector block: 16 32-bit states, one AVX-512 register
@@ -246,17 +257,8 @@ def _exponents_vector(words: np.ndarray, offsets: np.ndarray, table: np.ndarray,
             for b in range(blocks * g // groups, blocks * (g + 1) // groups):
                 _block_step(x, ptr, b * VEC, table, words, last, exps, j * lanes + lo + b * VEC, min(VEC, m - b * VEC))
     for l in range(lo, min(hi, n - full * lanes)):
-        k = l - lo
-        t = table[x[k] & np.uint32(SLOT_MASK)]
-        xs = (((t >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)) * (x[k] >> np.uint32(SCALE_BITS)) \
-            + (t >> np.uint32(20))
-        need = xs < np.uint32(RANS_L)
-        x[k] = ((xs << np.uint32(16)) | np.uint32(words[min(ptr[k], last)])) if need else xs
-        ptr[k] += np.uint32(need)
-        exps[full * lanes + l] = np.uint8(t & np.uint32(0xFF))
-    for l in range(lo, hi):
-        ok = ptr[l - lo] == offsets[l + 1] and x[l - lo] == RANS_L and offsets[l + 1] - offsets[l] >= 2
-        status[l] = 0 if ok else 1
+        exps[full * lanes + l] = _lane_step(x, ptr, l - lo, table, words, last)
+    _lane_status(x, ptr, offsets, lo, hi, status)
 
 
 @njit(nogil=True, cache=True)
