@@ -73,12 +73,11 @@ def _rss() -> int:
     load's temporaries freed otherwise, which is not memory the model holds)."""
     import ctypes
 
+    from serve.engine.memory import resident_bytes
+
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
-    return 0
+    return resident_bytes(torch.device("cpu"))
 
 
 def _peak_rss() -> int:

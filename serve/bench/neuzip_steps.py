@@ -93,6 +93,18 @@ def timed(rt: BaseModelRuntime, timer: LinearTimer, fn: Callable[[], torch.Tenso
     return {"step": step, "decode_wait": wait, "decode_busy": busy, "matmul": matmul, "other": step - wait - matmul}
 
 
+@torch.no_grad()
+def check_and_warm(fns: dict[str, Callable[[], torch.Tensor]], shape: str, warm: int) -> None:
+    """Check every NeuZip k7 forward's logits equal bf16's bit for bit, then run every forward `warm` more times
+    untimed, in turns (a served k7 times both ways over its first forwards of a size, then keeps one)."""
+    want = fns["bf16"]()
+    if not all(torch.equal(fn(), want) for c, fn in fns.items() if c.startswith("k7")):
+        raise RuntimeError(f"{shape}: NeuZip k7 logits differ from bf16's")
+    for _ in range(warm):
+        for fn in fns.values():
+            fn()
+
+
 def _runtimes(dirs: dict[str, Path]) -> dict[str, BaseModelRuntime]:
     rts = {}
     for name, (d, way) in CONFIGS.items():
@@ -115,13 +127,7 @@ def run_steps(dirs: dict[str, Path], repeats: int = 9, rows: tuple[int, ...] = R
         for n in (*rows, 0):
             shape = f"step {n}" if n else f"prefill {PREFILL[0]}x{PREFILL[1]}"
             fns = {c: forward_of(rt, n) for c, rt in rts.items()}
-            with torch.no_grad():
-                want = fns["bf16"]()
-                if not all(torch.equal(fn(), want) for c, fn in fns.items() if c != "bf16"):
-                    raise RuntimeError(f"{shape}: NeuZip k7 logits differ from bf16's")
-                for _ in range(2 * TRIALS if n else 0):  # the served k7 times both ways, then keeps one
-                    for fn in fns.values():
-                        fn()
+            check_and_warm(fns, shape, warm=2 * TRIALS if n else 0)  # prefill: always inline, nothing to choose
             runs: dict[str, list] = {c: [] for c in rts}
             for _ in range(repeats if n else repeats // 2 + 1):
                 for c, rt in rts.items():
@@ -174,14 +180,9 @@ def run_frontier(dirs: dict[str, Path], repeats: int = 7) -> dict:
     try:
         for n in FRONTIER_ROWS:
             fns = {c: forward_of(rt, n) for c, rt in rts.items()}
+            check_and_warm(fns, f"step {n}", warm=2 * TRIALS)
+            runs: dict[str, list[float]] = {c: [] for c in rts}
             with torch.no_grad():
-                want = fns["bf16"]()
-                if not all(torch.equal(fns[c](), want) for c in rts if c.startswith("k7")):
-                    raise RuntimeError(f"step {n}: NeuZip k7 logits differ from bf16's")
-                for _ in range(2 * TRIALS):  # int8's first forward, and each k7 chooses its way
-                    for fn in fns.values():
-                        fn()
-                runs: dict[str, list[float]] = {c: [] for c in rts}
                 for _ in range(repeats):
                     for c, fn in fns.items():
                         t0 = time.perf_counter()
