@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loadtests.generator import free_port
 from loadtests.tenant_adapters import WORKLOADS, TrainSpec, derive_tenants, trained_sources
-from loadtests.tenant_load import TenantLoad, fortune_prompts, plan_requests, run_window
+from loadtests.tenant_load import TenantLoad, add_load_arguments, fortune_prompts, plan_requests, run_window
 from loadtests.tenants import PeakRss
 
 MIB = 1 << 20
@@ -38,11 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=["neuzip"], default="neuzip")
     p.add_argument("--tenants", type=int, default=8, help="LoRA tenants (S1: q,v at ranks 8/16) on each base")
-    p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per measurement")
-    p.add_argument("--rate", type=float, default=4.0, help="offered requests/s (above both systems' ceilings)")
+    add_load_arguments(p)
     p.add_argument("--max-batch", type=int, default=64, help="rows per batch: decode steps run this wide")
-    p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--decoded-mib", default="0", help="the NeuZip base's neuzip_decoded_mib (a number, or auto "
                    "with --memory-target-mib)")
     p.add_argument("--memory-target-mib", type=int, default=None, help="each replica's memory_target_mib")

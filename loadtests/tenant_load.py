@@ -8,6 +8,7 @@ waited for. Loopback only.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -34,6 +35,15 @@ class TenantLoad:
     min_tokens: int = 16
     max_tokens: int = 64
     seed: int = 0
+
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """A window's flags, with TenantLoad's defaults: --duration, --rate, --min-tokens, --max-tokens."""
+    d = TenantLoad()
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of arrivals per measurement")
+    p.add_argument("--rate", type=float, default=d.rate_rps, help="offered requests/s (above every system's ceiling)")
+    p.add_argument("--min-tokens", type=int, default=d.min_tokens)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from pathlib import Path
 from loadtests.generator import free_port
 from loadtests.tenant_adapters import (WORKLOADS, TrainSpec, build_tenant_store, built_record, trained_dir,
                                        trained_summary)
-from loadtests.tenant_load import DISTRIBUTIONS, TenantLoad, fortune_prompts, plan_requests, run_window
+from loadtests.tenant_load import (DISTRIBUTIONS, TenantLoad, add_load_arguments, fortune_prompts, plan_requests,
+                                   run_window)
 from loadtests.tenant_report import engine_seconds, estimate, plot, print_report, time_split
 
 MIB = 1 << 20
@@ -50,11 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--distributions", default="zipf,uniform")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--baseline-max-tenants", type=int, default=100, help="peft and multiplex run at N <= this")
-    p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per measurement")
-    p.add_argument("--rate", type=float, default=4.0, help="offered requests/s (above every system's ceiling)")
+    add_load_arguments(p)
     p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of tenant popularity")
-    p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--adapter-mib", type=float, default=256.0, help="Manyfold's LoRA pool (slots.adapter_mib)")
     p.add_argument("--cache-device-mib", type=int, default=256)
     p.add_argument("--cache-cpu-mib", type=int, default=256)
