@@ -6,6 +6,8 @@ import random
 import socket
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -48,6 +50,24 @@ class LoadResult:
                 "throughput_rps": len(ok) / self.wall_s if self.wall_s else 0.0,
                 "p50_s": pct(0.50), "p95_s": pct(0.95), "p99_s": pct(0.99),
                 "mean_s": statistics.fmean(ok) if ok else float("nan")}
+
+
+@contextmanager
+def loopback_serve() -> Iterator[str]:
+    """Ray on 2 CPUs and Serve's HTTP proxy on a free loopback port for the block: -> its URL; both shut down
+    after it, whatever happened."""
+    import serve.deployments  # noqa: F401  (Ray on loopback: before ray is imported)
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def zipf_weights(n: int, s: float) -> list[float]:

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from loadtests.generator import free_port
+from loadtests.generator import loopback_serve
 from loadtests.tenant_adapters import WORKLOADS, TrainSpec, derive_tenants, trained_sources
 from loadtests.tenant_load import TenantLoad, add_load_arguments, fortune_prompts, plan_requests, run_window
 from loadtests.tenants import PeakRss
@@ -122,29 +122,18 @@ def measure(args: argparse.Namespace, system: str, store: Path, names: list[str]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import serve.deployments  # noqa: F401  (Ray on loopback: before ray is imported)
     from serve.bench.report import machine
-
-    import ray
-    from ray import serve
 
     args = parse_args(argv)
     roots, names = build_stores(args.tenants, args.seed)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     runs = []
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+    with loopback_serve() as url:
         for round_ in range(args.repeats):
             for system in SYSTEMS:
                 runs.append({"round": round_, **measure(args, system, roots[system], names, url)})
                 print(f"[neuzip {time.strftime('%H:%M:%S')}] {system}: {runs[-1]['ok']} ok, "
                       f"{runs[-1]['throughput_rps']:.2f} req/s", file=sys.stderr, flush=True)
                 time.sleep(2)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     report = {"machine": machine(), "command": "python -m loadtests.run " + " ".join(sys.argv[1:] if argv is None
                                                                                     else argv),
               "spec": vars(args), "tenants": names, "runs": runs}

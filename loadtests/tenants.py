@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtests.generator import free_port
+from loadtests.generator import loopback_serve
 from loadtests.tenant_adapters import (WORKLOADS, TrainSpec, build_tenant_store, built_record, trained_dir,
                                        trained_summary)
 from loadtests.tenant_load import (DISTRIBUTIONS, TenantLoad, add_load_arguments, fortune_prompts, plan_requests,
@@ -257,17 +257,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run_cells(cells: list[Cell], args: argparse.Namespace, records: dict) -> list[dict]:
     """Ray on loopback once; every cell in turn on it."""
-    import serve.deployments  # noqa: F401  (Ray on loopback: before ray is imported)
-    import ray
-    from ray import serve
-
     prompts = fortune_prompts()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     rows = []
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+    with loopback_serve() as url:
+        from ray import serve
+
         for i, cell in enumerate(cells, 1):
             _log(f"{i}/{len(cells)}: {cell.system} {cell.workload} N={cell.tenants} {cell.distribution}")
             try:
@@ -281,9 +275,6 @@ def run_cells(cells: list[Cell], args: argparse.Namespace, records: dict) -> lis
             _log(f"  {rows[-1]['ok']} ok, {rows[-1]['unanswered']} unanswered, {rows[-1]['errors']} errors, "
                  f"{rows[-1]['throughput_rps']:.2f} req/s")
             time.sleep(2)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return rows
 
 
