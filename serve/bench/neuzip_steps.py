@@ -62,10 +62,10 @@ def forward_of(rt: BaseModelRuntime, rows: int) -> Callable[[], torch.Tensor]:
     g = torch.Generator().manual_seed(rows)
     vocab = rt.model.config.vocab_size
     if not rows:
-        ids = torch.randint(0, vocab, PREFILL, generator=g)
+        ids = torch.randint(0, vocab, PREFILL, generator=g).to(rt.device)
         plan = BatchPlan([BASE_ROW] * PREFILL[0], rt.device)
         return lambda: rt.call(plan, input_ids=ids, logits_to_keep=1).logits
-    ids = torch.randint(0, vocab, (rows, CONTEXT), generator=g)
+    ids = torch.randint(0, vocab, (rows, CONTEXT), generator=g).to(rt.device)
     plan = BatchPlan([BASE_ROW] * rows, rt.device)
     cache = DynamicCache()
     with torch.no_grad():

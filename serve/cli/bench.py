@@ -62,6 +62,15 @@ def cmd_bench_neuzip(args: argparse.Namespace) -> None:
     run_neuzip_bench(Path(args.out), Path(args.work) if args.work else None, args.steps_only)
 
 
+def cmd_bench_neuzip_gpu(args: argparse.Namespace) -> None:
+    from serve.bench.neuzip_gpu import export, run_neuzip_gpu_bench
+
+    if args.export:
+        export(Path(args.export))
+    else:
+        run_neuzip_gpu_bench(Path(args.out), Path(args.src), Path(args.work), args.device, args.layers, args.repeats)
+
+
 def cmd_bench_soak(args: argparse.Namespace) -> None:
     from serve.bench.soak import SoakSpec, run_soak_bench
 
@@ -128,6 +137,16 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                                    "(default: $MANYFOLD_HOME/bench-neuzip)")
     bn.add_argument("--steps-only", action="store_true",
                     help="only the engine's decode steps and prefill, bf16 against k7, split (a few minutes)")
+    bg = add_command(bench, "neuzip-gpu", cmd_bench_neuzip_gpu, "NeuZip's Triton decoder and a NeuZip base's engine "
+                     "forwards on a CUDA GPU, from a SmolLM2 stand-in built of real layers (--export them first)")
+    bg.add_argument("--export", help="write the real layers, config and tokenizer the stand-in is built from "
+                                     "to this folder, and stop (on a machine with the packaged model)")
+    bg.add_argument("--src", default="neuzip-gpu-src", help="--export's folder")
+    bg.add_argument("--work", default="neuzip-gpu-work", help="where the stand-in and its NeuZip copies are built")
+    bg.add_argument("--out", default="bench-results/neuzip-gpu.json")
+    bg.add_argument("--device", default="cuda")
+    bg.add_argument("--layers", type=int, help="decoder layers of the stand-in (default: SmolLM2's 30)")
+    bg.add_argument("--repeats", type=int, default=7)
     so = add_command(bench, "soak", cmd_bench_soak, "a long mixed-kind run at a share of saturation with variants "
                      "added and removed over the admin API: errors, hung requests, latency, RSS over time")
     so.add_argument("--store", help="where the soak's small store is built once and reused "

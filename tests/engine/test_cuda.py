@@ -76,8 +76,8 @@ def test_cuda_engine_serves_mixed_batches_as_the_cpu_engine(store_root):
         torch.testing.assert_close(torch.tensor(a.probs), torch.tensor(b.probs), atol=1e-4, rtol=1e-4)
     for a, b in zip(emb_gpu, emb_cpu):
         torch.testing.assert_close(torch.tensor(a.vectors), torch.tensor(b.vectors), atol=1e-4, rtol=1e-4)
-    stacks = gpu.bases["lm"].families["lora"].a
-    assert stacks and all(t.is_cuda for t in stacks.values())  # the adapters sat in device slots
+    stacks = [t for b in gpu.bases["lm"].families["lora"].buckets.values() for t in (*b.a.values(), *b.bt.values())]
+    assert stacks and all(t.is_cuda for t in stacks)  # the adapters sat in the pool's device buckets
     assert len({tuple(t) for t in tokens_cpu}) >= 5  # the variants really differ
 
 

@@ -42,12 +42,10 @@ def test_triton_matches_torch_twin(shape, bits, triton_device, gen):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("form", [neuzip_decode_torch, neuzip_decode_numba, neuzip_decode_triton],
-                         ids=["torch", "numba", "triton"])
-def test_every_form_flags_the_lanes_of_a_damaged_stream(form, gen):
+def flags_damaged_lanes(form, gen: torch.Generator, device: torch.device | str = "cpu") -> None:
     """A flipped word, a cut stream and a shifted lane boundary all show in the status; nothing reads out of
     bounds."""
-    enc, (words, offsets, table, sm) = streams(*SHAPES["many-lanes"], 7, gen)
+    enc, (words, offsets, table, sm) = streams(*SHAPES["many-lanes"], 7, gen, device)
     lane = 5
     flipped = words.clone()
     flipped[int(offsets[lane]) + 3] ^= 0x5A5A
@@ -56,9 +54,18 @@ def test_every_form_flags_the_lanes_of_a_damaged_stream(form, gen):
     shifted = offsets.clone()
     shifted[lane + 1] += 1
     for w, o, bad_lane in ((flipped, offsets, lane), (words[:-1].clone(), cut, enc.lanes - 1), (words, shifted, lane)):
-        out = torch.empty(enc.n, dtype=torch.int16)
+        out = torch.empty(enc.n, dtype=torch.int16, device=device)
         status = form(w, o, table, sm, 7, out)
         assert status[bad_lane] == 1
+
+
+@pytest.mark.parametrize("form", [neuzip_decode_torch, neuzip_decode_numba], ids=["torch", "numba"])
+def test_every_cpu_form_flags_the_lanes_of_a_damaged_stream(form, gen):
+    flags_damaged_lanes(form, gen)
+
+
+def test_triton_flags_the_lanes_of_a_damaged_stream(triton_device, gen):
+    flags_damaged_lanes(neuzip_decode_triton, gen, triton_device)
 
 
 def test_forms_refuse_arguments_of_the_wrong_kind(gen):
