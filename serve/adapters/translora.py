@@ -326,28 +326,40 @@ def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inpu
             for x, y in zip(inputs, outputs) if y.strip()]
 
 
+def synthesize(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, plan: AttemptPlan,
+               use_filter: bool = True, seed: int = 0, progress: Progress | None = None) -> Sampling:
+    """The synthetic inputs a transfer trains on: written by the target base after the adapter's seeds and kept
+    by its discriminator (every fresh one without the filter), as `plan` sizes the run."""
+    task, seeds, disc_dir = read_assets(adapter_dir)
+    disc = Discriminator(source_base, disc_dir, task.name) if use_filter else None
+    return synthetic_inputs(target_base, disc, [example_input(e) for e in seeds], task.name, plan, seed,
+                            progress or (lambda *_: None))
+
+
 def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,
              samples: int = 64, max_attempts: int | None = None, use_filter: bool = True, init: str = "pissa",
              rank: int | None = None, steps: int | None = None, lr: float | None = None, seed: int = 0,
              keep_unchanged_if_better: bool = False, progress: Progress | None = None,
              min_accepted: int | None = None, teacher_length: float = TEACHER_LENGTH, early_stop: bool = True,
-             guard: bool = True) -> TransferReport:
+             guard: bool = True, inputs: Sampling | None = None) -> TransferReport:
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
     validation set (transfer_guard; else TransferFailed and nothing is written). Fewer than min_accepted inputs
     kept (generation_schedule.AttemptPlan's defaults) is TransferFailed too, with the figures. rank: the new
     adapter's; by default the source adapter's as trained. steps, lr: by default scaled to the accepted inputs
-    (validation.student_schedule); the student stops early on its validation loss and keeps its best point."""
+    (validation.student_schedule); the student stops early on its validation loss and keeps its best point.
+    inputs: what `synthesize` wrote for this adapter, target, plan, filter and seed (a benchmark's configurations
+    that differ only after it share it); None: written here."""
     plan = AttemptPlan.build(samples, max_attempts, min_accepted)
-    task, seeds, disc_dir = read_assets(adapter_dir)
+    task, seeds, _ = read_assets(adapter_dir)
     held, held_from = validation_set(adapter_dir, seeds)
     rank = rank or task.rank or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
     tick = progress or (lambda *_: None)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    disc = Discriminator(source_base, disc_dir, task.name) if use_filter else None
-    sampling = synthetic_inputs(target_base, disc, [example_input(e) for e in seeds], task.name, plan, seed, tick)
-    del disc
+    if inputs is not None and inputs.plan != plan:
+        raise ValueError(f"the inputs given were written for {inputs.plan}, this transfer plans {plan}")
+    sampling = inputs or synthesize(source_base, adapter_dir, target_base, plan, use_filter, seed, tick)
     times["generate_and_filter"] = time.perf_counter() - t0
     accepted = sampling.accepted
     if len(accepted) < plan.floor:

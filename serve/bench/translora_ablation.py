@@ -8,14 +8,17 @@ the steps (scaled to what was accepted), the student's init (LoRA), early stoppi
 longer teacher, no filter; then every current default together. Every configuration writes its student whatever
 the guard would say (transfer(guard=False)), so that a refused one still has its figure; the same source adapter,
 target, seed and held-out set for all of them, and the generation schedule of issue 22's item 4 in all (the
-one thing "as filed" cannot go back to). Kept under the work dir like the rest of the bench (a rerun resumes).
+one thing "as filed" cannot go back to). The synthetic inputs depend only on the filter, so they are written once
+per filter setting and shared (translora.synthesize): the configurations differ in what is done with the same
+inputs. Kept under the work dir like the rest of the bench (a rerun resumes).
 """
 
 import json
 from pathlib import Path
 
 from serve.adapters.tasks import heldout_examples, task_examples
-from serve.adapters.translora import TransferFailed, transfer
+from serve.adapters.generation_schedule import AttemptPlan, Sampling
+from serve.adapters.translora import TransferFailed, synthesize, transfer
 from serve.bench.translora import HELDOUT, RANK, SAMPLES, TRAIN, Evaluations, _log, source_adapter
 from serve.bench.translora_table import primary
 from serve.store.writer import atomic_write
@@ -47,15 +50,22 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
     task on one target and seed; each transfer kept in work (a failed one as NAME.failed)."""
     name, base = target
     held = heldout_examples(task, HELDOUT)
+    plan = AttemptPlan.build(SAMPLES)
+    inputs: dict[bool, Sampling] = {}
+    """By filter: the synthetic inputs every configuration with that filter trains on, written once."""
     out = {}
     for config, change in CHANGES.items():
         moved = work / "ablation" / f"{name}-{task}-s{seed}-{slug(config)}"
         failed = moved.with_name(moved.name + ".failed")
         if not moved.exists() and not failed.exists():
             _log(f"ablation {name}, {task}, seed {seed}: {config}")
+            choices = {**AS_FILED, **change}
+            use_filter = choices["use_filter"]
+            if use_filter not in inputs:
+                inputs[use_filter] = synthesize(source, src, base, plan, use_filter, seed)
             try:
                 transfer(source, src, base, moved, samples=SAMPLES, rank=RANK, seed=seed, guard=False,
-                         **{**AS_FILED, **change})
+                         inputs=inputs[use_filter], **choices)
             except TransferFailed as e:  # too few inputs accepted: nothing to train
                 atomic_write(failed, [(str(e) + "\n").encode()])
         if failed.exists():

@@ -353,3 +353,23 @@ def test_an_unguarded_transfer_writes_the_student_the_guard_refuses(bases, sourc
     assert report.outcome == "unguarded" and (tmp_path / "unguarded" / "adapter_config.json").is_file()
     assert len(report.losses) == 3 and report.validation["curve"] == []
     assert (lengths[0], lengths[-1]) == (4, 6)  # one-word outputs: max(4, 1.5 x 2 tokens), then 3 x 2 tokens
+
+
+def test_transfers_given_the_same_inputs_train_on_them_without_writing_more(bases, source_adapter, tmp_path,
+                                                                            monkeypatch, any_student_passes):
+    """For the ablation bench: inputs written once by synthesize() serve several transfers, and inputs written for
+    another plan are refused."""
+    plan = translora.AttemptPlan.build(4, 48)
+    inputs = translora.synthesize(bases[0], source_adapter, bases[0], plan, seed=0)
+    assert inputs.accepted and len(inputs.accepted) <= 4
+
+    def no_more(*args, **kwargs):
+        raise AssertionError("a transfer given inputs wrote more")
+
+    monkeypatch.setattr(translora, "synthetic_inputs", no_more)
+    for lr in (1e-3, 1e-2):
+        report = translora.transfer(bases[0], source_adapter, bases[0], tmp_path / f"lr{lr}", samples=4,
+                                    max_attempts=48, steps=2, lr=lr, inputs=inputs)
+        assert report.accepted == len(inputs.accepted) and report.attempts == inputs.attempts
+    with pytest.raises(ValueError, match="written for"):
+        translora.transfer(bases[0], source_adapter, bases[0], tmp_path / "other", samples=8, inputs=inputs)

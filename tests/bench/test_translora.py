@@ -65,9 +65,14 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
 def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, tmp_path, monkeypatch, capsys):
     import serve.bench.translora_ablation as ablation
 
-    seen = []
+    seen, written = [], []
 
-    def transfer(source, src, base, out, samples, rank, seed, guard, **choices):
+    def synthesize(source, src, base, plan, use_filter, seed):
+        written.append(use_filter)
+        return f"inputs filtered={use_filter}"
+
+    def transfer(source, src, base, out, samples, rank, seed, guard, inputs, **choices):
+        assert inputs == f"inputs filtered={choices['use_filter']}"
         seen.append((Path(out).name, guard, choices))
         Path(out).mkdir(parents=True)
         (Path(out) / "translora_report.json").write_text(json.dumps(
@@ -75,6 +80,7 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
              "validation": {"best_step": 8}}))
 
     monkeypatch.setattr(ablation, "transfer", transfer)
+    monkeypatch.setattr(ablation, "synthesize", synthesize)
     args = (tmp_path / "a.json", tmp_path / "work")
     kw = {"seeds": 1, "tasks": ("headlines",), "targets": ("new-version",), "ablation": True}
     report = bench.run_translora_bench(*args, **kw)
@@ -85,6 +91,7 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
         choices = given[f"new-version-headlines-s0-{ablation.slug(config)}"]
         assert {k: v for k, v in choices.items() if ablation.AS_FILED[k] != v} == change, config
     assert runs["early stopping"]["best_step"] == 8 and runs["as filed"]["best_step"] is None
+    assert sorted(written) == [False, True]  # the inputs are written once per filter, shared by the rest
     assert "ablation, headlines on new-version" in capsys.readouterr().out
     bench.run_translora_bench(*args, **kw)
     assert len(seen) == len(ablation.CHANGES)  # a rerun moves nothing again
