@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
-from serve.adapters.generation_schedule import TEMPERATURES, AttemptPlan, Sampling, sample_inputs, shown_seeds
+from serve.adapters.generation_schedule import BATCH, TEMPERATURES, AttemptPlan, Sampling, sample_inputs, shown_seeds
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
@@ -134,7 +134,7 @@ def _tokens(tok, texts: list[str]) -> int:
 
 
 def generate_candidates(model, tok, seeds: list[str], name: str, count: int, seed: int,
-                        temperatures: tuple[float, ...] = TEMPERATURES, batch: int = 8) -> list[str]:
+                        temperatures: tuple[float, ...] = TEMPERATURES, batch: int = BATCH) -> list[str]:
     """`count` candidate inputs written by `model` after the seeds, in the seeds' frame ("" where it wrote
     nothing): batches take `temperatures` in turn, and each row's prompt shows its own subset of the seeds
     (generation_schedule.shown_seeds); the same `seed` writes the same candidates."""
@@ -288,8 +288,9 @@ class TransferReport:
 def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
                      plan: AttemptPlan, seed: int, tick: Progress) -> Sampling:
     """The inputs the target base wrote after the seeds and the discriminator took (all that are fresh without
-    one), batch by batch as generation_schedule plans, with every batch's fates."""
-    target, tok = load_lm(target_base)
+    one), batch by batch as generation_schedule plans, with every batch's fates. The target writes in bf16:
+    writing candidates is most of a transfer's time on a CPU, and bf16 takes two thirds of fp32's time there."""
+    target, tok = load_lm(target_base, dtype=torch.bfloat16)
 
     def write(n: int, temperature: float, at: int) -> list[str]:
         return generate_candidates(target, tok, seed_inputs, name, n, at, temperatures=(temperature,))

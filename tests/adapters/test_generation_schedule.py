@@ -40,15 +40,16 @@ def test_attempts_scale_with_the_acceptance_rate_measured_on_the_first_round(eve
 
 
 def test_a_batch_after_the_first_round_is_sized_to_what_is_still_needed():
-    plan = gs.AttemptPlan.build(samples=14, max_attempts=1000)
+    b = gs.BATCH
+    plan = gs.AttemptPlan.build(samples=3 * b // 2 + 2, max_attempts=1000)
     log = []
     out = gs.sample_inputs(distinct_writer(log), passing_one_in(2), plan, set(), seed=5)
-    assert [n for n, _, _ in log] == [8, 8, 8, 4]  # 12 passed in the first round; 2 more need 4 at 1 in 2
-    assert [s for _, _, s in log] == [5, 13, 21, 29] and out.count("surplus") == 0
+    assert [n for n, _, _ in log] == [b, b, b, 4]  # 3b/2 passed in the first round; 2 more need 4 at 1 in 2
+    assert [s for _, _, s in log] == [5, 5 + b, 5 + 2 * b, 5 + 3 * b] and out.count("surplus") == 0
 
 
 def test_batches_take_the_temperatures_in_turn():
-    plan = gs.AttemptPlan.build(samples=8, max_attempts=64)
+    plan = gs.AttemptPlan.build(samples=gs.BATCH, max_attempts=8 * gs.BATCH)
     log = []
     out = gs.sample_inputs(distinct_writer(log), passing_one_in(4), plan, set(), seed=0)
     assert [t for _, t, _ in log][:4] == [0.7, 1.0, 1.3, 0.7]

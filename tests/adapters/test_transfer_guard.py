@@ -132,10 +132,10 @@ def test_translora_says_how_many_inputs_passed_the_filter(bases, source_adapter,
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [True] * len(xs))
     monkeypatch.setattr(translora, "teach", an_oracle_teacher)
     code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(source_adapter), "--target-base",
-                 str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "8", "--max-attempts", "16",
+                 str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "8", "--max-attempts", "32",
                  "--steps", "30", "--lr", "1e-2"])
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "moved" / translora.REPORT_FILE).read_text())
     line = (f"{report['accepted']} of {report['attempts']} generated inputs accepted "
             f"({report['generation']['acceptance_rate']:.1%} passed the filter); ")
-    assert code == 0 and line in out and report["generation"]["temperatures"] == [0.7, 1.0]  # two batches of 8
+    assert code == 0 and line in out and report["generation"]["temperatures"] == [0.7, 1.0]  # two batches of 16

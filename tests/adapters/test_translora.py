@@ -123,11 +123,11 @@ def test_generation_varies_temperature_and_the_seeds_shown_and_a_seed_repeats_it
     tok = AutoTokenizer.from_pretrained(bases[0])
     model = AutoModelForCausalLM.from_pretrained(bases[0]).eval()
     seeds = [" ".join(VOCAB[i:i + 3]) for i in range(0, 15, 3)]
-    first = translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3)
+    first = translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3, batch=8)
     assert [t for t, _ in calls] == [0.7, 1.0, 1.3]
     prompts = [p for _, batch in calls for p in batch]
     assert len(set(prompts)) > 12  # each row its own subset and order of the seeds
-    assert translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3) == first
+    assert translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3, batch=8) == first
 
 
 def test_a_transfer_short_of_the_floor_fails_in_one_line_with_its_figures(bases, source_adapter, tmp_path, capsys,
