@@ -120,3 +120,34 @@ def test_neuzip_compress_decompress_and_store_add(files, capsys):
     code, _, err = run(capsys, "store", "add", "--store", store, "--kind", "full", "--name", "ft", "--base", "tiny",
                        "--model", str(d / "ft"), "--neuzip-bits", "3")
     assert code == 2 and "--neuzip-bits is for --kind base" in err
+
+
+def test_a_neuzip_lane_length_for_a_gpu_server_and_bad_ones(files, capsys):
+    """--lane gpu writes shorter lanes that decode to the same weights; a lane length that cannot work is one line
+    and writes nothing; --neuzip-lane without --neuzip-bits is refused."""
+    import torch
+
+    from serve.codecs import neuzip
+    from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile
+
+    d, _ = files
+    weights = dict(SafetensorsSource(d / "base.safetensors"))
+    model_dir(d / "basedir", weights)
+    code, _, _ = run(capsys, "neuzip", "compress", "--model", str(d / "basedir"), "--out", str(d / "nz"),
+                     "--lane", "gpu")
+    assert code == 0 and NzpFile(d / "nz" / NEUZIP_FILE).header.lane == neuzip.LANE_GPU
+    code, _, _ = run(capsys, "neuzip", "decompress", "--in", str(d / "nz"), "--out", str(d / "back"))
+    back = SafetensorsSource(d / "back")
+    assert code == 0 and all(same_bits(back[k], weights[k].to(torch.bfloat16)) for k in weights)
+    for lane in ("0", "fast", str(neuzip.MAX_LANE + 1)):
+        code, _, err = run(capsys, "neuzip", "compress", "--model", str(d / "basedir"), "--out", str(d / f"x{lane}"),
+                           "--lane", lane)
+        assert code == 2 and "NeuZip lane" in err and err.count("\n") == 1 and not (d / f"x{lane}").exists()
+    store = str(d / "store")
+    code, _, err = run(capsys, "store", "add", "--store", store, "--kind", "base", "--name", "tiny",
+                       "--model", str(d / "basedir"), "--neuzip-lane", "gpu")
+    assert code == 2 and "--neuzip-lane goes with --neuzip-bits" in err
+    code, _, _ = run(capsys, "store", "add", "--store", store, "--kind", "base", "--name", "tiny",
+                     "--model", str(d / "basedir"), "--neuzip-bits", "7", "--neuzip-lane", "64")
+    nzp = next((d / "store").rglob(NEUZIP_FILE))
+    assert code == 0 and NzpFile(nzp).header.lane == 64

@@ -37,8 +37,8 @@ from serve.store.tensors import SafetensorsSource, save_tensors
 
 EXPORTED = 5
 """Real decoder layers carried to the GPU machine."""
-LANES = (neuzip.LANE, 256, 64)
-"""Symbols a lane: the files' own, then shorter."""
+LANES = (neuzip.LANE, neuzip.LANE_GPU, 64)
+"""Symbols a lane: the default, a GPU server's (`--lane gpu`), and shorter still."""
 LAYERS_AT_ONCE = 6
 ROWS = (1, 8, 64)
 STANDIN_META = "standin.json"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from serve.cli.args import add_command, base_dir
 from serve.cli.console import human_bytes, progress
+from serve.errors import ConfigError
 
 
 def _tensors(path: str):
@@ -42,11 +43,22 @@ def neuzip_summary(stats, cast: bool) -> str:
             + ("; float32 weights were cast to bfloat16 first" if cast else ""))
 
 
+def neuzip_lane(value: str) -> int:
+    """--lane / --neuzip-lane as a number of symbols; a bad one is a ConfigError."""
+    from serve.codecs.neuzip import lane_of
+
+    try:
+        return lane_of(value)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def cmd_neuzip_compress(args: argparse.Namespace) -> None:
     from serve.codecs.neuzip_file import compress_dir
 
+    lane = neuzip_lane(args.lane)
     with progress("neuzip") as tick:
-        stats, cast = compress_dir(args.model, args.bits, args.out, progress=tick)
+        stats, cast = compress_dir(args.model, args.bits, args.out, progress=tick, lane=lane)
     print(f"{args.out}: {neuzip_summary(stats, cast)}")
 
 
@@ -91,12 +103,17 @@ def add_fmdelta_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--workers", type=int, default=None)
 
 
+LANE_HELP = ("symbols a lane: cpu (the default), gpu (shorter: a GPU's decoder runs a lane's steps one after "
+             "another in one thread) or a number")
+
+
 def add_neuzip_commands(sub: argparse._SubParsersAction) -> None:
     nz = sub.add_parser("neuzip", help="NeuZip model directories").add_subparsers(dest="action", required=True)
     c = add_command(nz, "compress", cmd_neuzip_compress, "a HF model directory -> NeuZip form (float32 cast to bf16)")
     c.add_argument("--model", required=True, help="a HF model directory")
     c.add_argument("--bits", type=int, choices=[0, 1, 3, 7], default=7, help="mantissa bits kept (7: lossless)")
     c.add_argument("--out", required=True, help="a new directory")
+    c.add_argument("--lane", default="cpu", help=LANE_HELP)
     d = add_command(nz, "decompress", cmd_neuzip_decompress, "NeuZip form -> a HF model directory of bf16 weights")
     d.add_argument("--in", required=True, help="a directory written by neuzip compress")
     d.add_argument("--out", required=True, help="a new directory")

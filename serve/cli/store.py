@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from serve.cli.adapters import add_sampling_arguments, add_student_arguments
 from serve.cli.args import add_command, open_store
-from serve.cli.codecs import neuzip_summary
+from serve.cli.codecs import LANE_HELP, neuzip_lane, neuzip_summary
 from serve.cli.console import human_bytes, progress
 from serve.errors import BatchIncomplete, ConfigError
 
@@ -43,7 +43,8 @@ def cmd_store_add(args: argparse.Namespace) -> None:
         from serve.codecs.neuzip_file import add_base
 
         with progress("neuzip") as tick:
-            entry, stats, cast = add_base(store, args.name, args.model, args.neuzip_bits, progress=tick)
+            entry, stats, cast = add_base(store, args.name, args.model, args.neuzip_bits, progress=tick,
+                                          lane=neuzip_lane(args.neuzip_lane or "cpu"))
         print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params) in NeuZip form: "
               f"{neuzip_summary(stats, cast)}")
         return
@@ -102,6 +103,8 @@ def _check_add_arguments(args: argparse.Namespace) -> None:
             raise ConfigError("store add needs --name and --model (or, for adapters, --from-dir DIR)")
     if args.kind != "base" and args.neuzip_bits is not None:
         raise ConfigError("--neuzip-bits is for --kind base")
+    if args.neuzip_lane is not None and args.neuzip_bits is None:
+        raise ConfigError("--neuzip-lane goes with --neuzip-bits")
     if args.kind != "auto" and (args.tolerance is not None or args.calibration):
         raise ConfigError("--tolerance and --calibration go with --kind auto")
     if args.kind == "auto" and args.tolerance is None:
@@ -254,6 +257,7 @@ def _add_add_arguments(add: argparse.ArgumentParser) -> None:
     add.add_argument("--base", help="for a variant: the store base it was fine-tuned from")
     add.add_argument("--neuzip-bits", type=int, choices=[0, 1, 3, 7], default=None,
                      help="for a base: serve it in NeuZip form keeping this many mantissa bits (7: lossless)")
+    add.add_argument("--neuzip-lane", default=None, help="with --neuzip-bits: " + LANE_HELP)
     add.add_argument("--tolerance", default=None,
                      help="auto: the share of labels (or greedy tokens) of the calibration set a form may answer "
                           "differently from the fine-tune, as 0.02 or 2%% (default 0: exact forms only)")

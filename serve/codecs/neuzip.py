@@ -28,8 +28,13 @@ from serve.codecs.entropy import normalize_counts
 BITS = (0, 1, 3, 7)
 """Mantissa bits kept: 7 is lossless."""
 LANE = 2048
-"""Symbols per lane: 8 bytes of state and offset per lane cost 0.2% of a lossless stream; a 576 x 192
-projection (SmolLM2's smallest) still has 54 lanes for a GPU's threads."""
+"""Symbols per lane, the default: 8 bytes of state and offset per lane cost 0.2% of a lossless stream, and a CPU
+thread walks its lanes in turn. A GPU runs a lane's steps as a chain of dependent reads, one lane a thread, so a
+launch takes as long as a lane whatever the tensor's size: a GPU server's files want shorter lanes (LANE_GPU)."""
+LANE_GPU = 256
+"""Symbols per lane for a GPU server: on an H200 the engine's decode step ran at 0.58x bf16 with these against
+0.15x with LANE, for 1.2 points more of bf16's bytes (bench-results/README.md#neuzip-on-a-gpu)."""
+MAX_LANE = 1 << 16
 EXPONENTS = 256
 
 
@@ -62,6 +67,22 @@ def check_bits(bits: int) -> int:
     if bits not in BITS:
         raise ValueError(f"NeuZip keeps 0, 1, 3 or 7 mantissa bits; got {bits}")
     return bits
+
+
+def check_lane(lane: int) -> int:
+    if not 1 <= lane <= MAX_LANE:
+        raise ValueError(f"a NeuZip lane holds 1 to {MAX_LANE} symbols; got {lane}")
+    return lane
+
+
+def lane_of(value: str) -> int:
+    """Symbols a lane from a command line: "cpu" (LANE), "gpu" (LANE_GPU) or a number."""
+    named = {"cpu": LANE, "gpu": LANE_GPU}
+    if value in named:
+        return named[value]
+    if not value.isdigit():
+        raise ValueError(f"a NeuZip lane length is cpu ({LANE}), gpu ({LANE_GPU}) or a number; got {value!r}")
+    return check_lane(int(value))
 
 
 def finite(bits16: np.ndarray) -> bool:

@@ -58,7 +58,7 @@ class NzpTensor(PayloadTensor):
 class NzpHeader(StrictModel):
     format: Literal["manyfold.neuzip"] = "manyfold.neuzip"
     bits: Literal[neuzip.BITS]  # type: ignore[valid-type]
-    lane: Annotated[int, Field(ge=1, le=1 << 16)] = neuzip.LANE
+    lane: Annotated[int, Field(ge=1, le=neuzip.MAX_LANE)] = neuzip.LANE
     checksum: Literal["xxh3_128"] = "xxh3_128"
     metadata: dict[str, str] = {}
     tensors: list[NzpTensor]
@@ -114,8 +114,10 @@ def _encode(name: str, t: torch.Tensor, bits: int, lane: int) -> tuple[dict, lis
 def compress(tensors: Mapping[str, torch.Tensor], bits: int, out: str | Path, metadata: dict[str, str] | None = None,
              workers: int | None = None, progress: Callable[[str], None] | None = None,
              lane: int = neuzip.LANE) -> NzpStats:
-    """Write `tensors` as an .nzp file keeping `bits` mantissa bits in the coded ones, atomically."""
+    """Write `tensors` as an .nzp file keeping `bits` mantissa bits in the coded ones, `lane` symbols a lane,
+    atomically."""
     neuzip.check_bits(bits)
+    neuzip.check_lane(lane)
     names = list(tensors)
     for n in names:
         if tensors[n].dtype == torch.float32 and codable(n, tensors[n].to(torch.bfloat16)):
@@ -299,13 +301,13 @@ def cast_to_bf16(model_dir: Path) -> bool:
 
 
 def encode_dir(model_dir: Path, bits: int, progress: Callable[[str], None] | None = None,
-               keep_weights: bool = False) -> tuple[NzpStats, bool]:
+               keep_weights: bool = False, lane: int = neuzip.LANE) -> tuple[NzpStats, bool]:
     """Add NEUZIP_FILE to a HF model directory, in place, float32 weights cast to bf16 first; without keep_weights
     its safetensors then go (a store keeps them: the lossless reference its variants are coded against).
     -> (stats, whether float32 was cast)."""
     cast = cast_to_bf16(model_dir)
     weights = SafetensorsSource(model_dir)
-    stats = compress({n: weights[n] for n in weights}, bits, model_dir / NEUZIP_FILE, progress=progress)
+    stats = compress({n: weights[n] for n in weights}, bits, model_dir / NEUZIP_FILE, progress=progress, lane=lane)
     if not keep_weights:
         for f in weight_files(model_dir):
             f.unlink()
@@ -314,11 +316,12 @@ def encode_dir(model_dir: Path, bits: int, progress: Callable[[str], None] | Non
 
 
 def compress_dir(model_dir: str | Path, bits: int, out_dir: str | Path,
-                 progress: Callable[[str], None] | None = None) -> tuple[NzpStats, bool]:
+                 progress: Callable[[str], None] | None = None, lane: int = neuzip.LANE) -> tuple[NzpStats, bool]:
     """A HF model directory -> out_dir (atomically) with its config, tokenizer and NEUZIP_FILE."""
+    neuzip.check_lane(lane)
     with atomic_dir(out_dir) as staged:
         shutil.copytree(model_dir, staged, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*NOT_COPIED))
-        return encode_dir(staged, bits, progress)
+        return encode_dir(staged, bits, progress, lane=lane)
 
 
 def decompress_dir(in_dir: str | Path, out_dir: str | Path) -> int:
@@ -333,11 +336,14 @@ def decompress_dir(in_dir: str | Path, out_dir: str | Path) -> int:
 
 
 def add_base(store: "Store", name: str, model_dir: str | Path, bits: int,
-             progress: Callable[[str], None] | None = None) -> tuple["BaseEntry", NzpStats, bool]:
+             progress: Callable[[str], None] | None = None, lane: int = neuzip.LANE
+             ) -> tuple["BaseEntry", NzpStats, bool]:
     """Store a base to be served in NeuZip form: its weights as bf16 safetensors (the lossless reference its
-    variants are coded against and a lossy base's full variants decode from) and NEUZIP_FILE beside them.
-    -> (entry, stats, whether float32 was cast)."""
+    variants are coded against and a lossy base's full variants decode from) and NEUZIP_FILE beside them, `lane`
+    symbols a lane (neuzip.LANE_GPU for a GPU server). -> (entry, stats, whether float32 was cast)."""
+    neuzip.check_bits(bits)
+    neuzip.check_lane(lane)
     done: list[tuple[NzpStats, bool]] = []
     entry = store.add_base(name, model_dir, derive=lambda staged: done.append(
-        encode_dir(staged, neuzip.check_bits(bits), progress, keep_weights=True)), neuzip_bits=bits)
+        encode_dir(staged, bits, progress, keep_weights=True, lane=lane)), neuzip_bits=bits)
     return entry, *done[0]

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from serve.codecs import neuzip
 from serve.codecs.neuzip_file import NEUZIP_FILE, add_base, cast_to_bf16
 from serve.config import ServeConfig
 from serve.engine.batch import BASE_ROW, BatchPlan
@@ -19,7 +20,9 @@ from tests.forwards import forward_rows
 from tests.models import write_lora, write_perturbed, write_tiny_bert, write_tiny_causal
 
 CLASSES = ["neg", "pos", "other"]
-LM_BASES = {"lm": None, "lm-nz": 7, "lm-k3": 3}  # name: NeuZip bits (None: uncompressed)
+LM_BASES = {"lm": None, "lm-nz": 7, "lm-k3": 3, "lm-nz64": 7}  # name: NeuZip bits (None: uncompressed)
+LANES = {"lm-nz64": 64}
+"""Bases written with lanes of other than neuzip.LANE symbols (as `--neuzip-lane` writes them for a GPU)."""
 ENC_BASES = {"enc": None, "enc-nz": 7}
 LM_MODELS = ["", "-lora", "-top", "-all", "-lora", ""]  # suffixes of each base's models, one row each
 PROMPTS = ["the cat sat on", "a big red dog", "one two three four", "the dog ran to", "hello world good day",
@@ -49,7 +52,7 @@ def served(tmp_path_factory):
             if bits is None:
                 store.add_base(name, src)
             else:
-                add_base(store, name, src, bits)
+                add_base(store, name, src, bits, lane=LANES.get(name, neuzip.LANE))
     for base in LM_BASES:
         add_full_variant(store, f"{base}-top", base, dirs["lm-top"])
         add_full_variant(store, f"{base}-all", base, dirs["lm-all"])
@@ -78,6 +81,12 @@ def test_a_lossless_neuzip_base_gives_the_uncompressed_bases_logits_exactly(engi
     plain, coded = mixed_logits(engine, "lm"), mixed_logits(engine, "lm-nz")
     assert torch.equal(plain, coded)
     assert not torch.equal(plain[0], plain[1])  # the rows' variants really differ
+
+
+def test_a_base_written_with_short_lanes_gives_the_same_logits(engine):
+    streams = engine.bases["lm-nz64"].coded.streams.values()
+    assert streams and all(s.offsets.numel() - 1 == -(-s.numel // 64) > 1 for s in streams)
+    assert torch.equal(mixed_logits(engine, "lm"), mixed_logits(engine, "lm-nz64"))
 
 
 def test_a_lossy_base_serves_its_full_variants_exactly(engine):
