@@ -142,6 +142,15 @@ class Sampling:
                 "temperatures": sorted({b.temperature for b in self.batches}),
                 "batches": [asdict(b) for b in self.batches]}
 
+    def to_dict(self) -> dict:
+        """Everything it holds, as JSON can write it (a benchmark keeps inputs it shares between runs)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Sampling":
+        return cls(AttemptPlan(**d["plan"]), list(d["accepted"]), [BatchRecord(**b) for b in d["batches"]],
+                   d["planned_attempts"])
+
     def shortfall(self) -> str:
         """The one line a transfer fails with when fewer than the floor were accepted: the figures, why it
         stopped, and what to change."""

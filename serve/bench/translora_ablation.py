@@ -36,8 +36,11 @@ CHANGES: dict[str, dict] = {
     "teacher up to 3x": {"teacher_length": 3.0},
     "no filter": {"use_filter": False},
     "current defaults": {"lr": None, "steps": None, "early_stop": True},
+    "lr 1e-4, early stopping": {"lr": 1e-4, "early_stop": True},
+    "lr 2e-5, early stopping, 300 steps": {"lr": 2e-5, "early_stop": True, "steps": 300},
 }
-"""Each configuration: what it changes from AS_FILED."""
+"""Each configuration: what it changes from AS_FILED. The last two combine the changes the first headlines run
+showed mattered (a lower rate, early stopping), as candidates for new defaults."""
 
 
 def slug(name: str) -> str:
@@ -52,7 +55,19 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
     held = heldout_examples(task, HELDOUT)
     plan = AttemptPlan.build(SAMPLES)
     inputs: dict[bool, Sampling] = {}
-    """By filter: the synthetic inputs every configuration with that filter trains on, written once."""
+    """By filter: the synthetic inputs every configuration with that filter trains on, written once (and kept in
+    work, so that a configuration added later trains on them too)."""
+
+    def shared(use_filter: bool) -> Sampling:
+        kept = work / "ablation" / f"{name}-{task}-s{seed}-inputs-{'filtered' if use_filter else 'unfiltered'}.json"
+        if use_filter not in inputs:
+            if kept.is_file():
+                inputs[use_filter] = Sampling.from_dict(json.loads(kept.read_text()))
+            else:
+                inputs[use_filter] = synthesize(source, src, base, plan, use_filter, seed)
+                atomic_write(kept, [(json.dumps(inputs[use_filter].to_dict()) + "\n").encode()])
+        return inputs[use_filter]
+
     out = {}
     for config, change in CHANGES.items():
         moved = work / "ablation" / f"{name}-{task}-s{seed}-{slug(config)}"
@@ -60,12 +75,9 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
         if not moved.exists() and not failed.exists():
             _log(f"ablation {name}, {task}, seed {seed}: {config}")
             choices = {**AS_FILED, **change}
-            use_filter = choices["use_filter"]
-            if use_filter not in inputs:
-                inputs[use_filter] = synthesize(source, src, base, plan, use_filter, seed)
             try:
                 transfer(source, src, base, moved, samples=SAMPLES, rank=RANK, seed=seed, guard=False,
-                         inputs=inputs[use_filter], **choices)
+                         inputs=shared(choices["use_filter"]), **choices)
             except TransferFailed as e:  # too few inputs accepted: nothing to train
                 atomic_write(failed, [(str(e) + "\n").encode()])
         if failed.exists():

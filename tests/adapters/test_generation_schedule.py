@@ -114,3 +114,12 @@ def test_each_prompt_shows_a_seeded_subset_of_the_seeds_in_its_own_order():
     assert all(3 <= len(s) <= 5 and len(set(s)) == len(s) and set(s) <= set(parts) for s in many)
     assert len({tuple(s) for s in many}) > 10
     assert gs.shown_seeds(["only"], rng) == ["only"]
+
+
+def test_a_sampling_read_back_from_json_is_the_one_written():
+    import json
+
+    plan = gs.AttemptPlan.build(samples=gs.BATCH, max_attempts=8 * gs.BATCH)
+    out = gs.sample_inputs(distinct_writer(), passing_one_in(4), plan, set(), seed=0)
+    back = gs.Sampling.from_dict(json.loads(json.dumps(out.to_dict())))
+    assert back == out and back.summary() == out.summary()

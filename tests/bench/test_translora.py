@@ -3,12 +3,14 @@ is run, a refused transfer is a failure of its seed, and a rerun reuses what the
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 import serve.bench.translora as bench
 import serve.data.models
+from serve.adapters.generation_schedule import Sampling
 from serve.adapters.transfer_guard import TransferFailed
 from serve.bench.translora_table import ALONE, MOVED, UNCHANGED
 
@@ -69,10 +71,10 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
 
     def synthesize(source, src, base, plan, use_filter, seed):
         written.append(use_filter)
-        return f"inputs filtered={use_filter}"
+        return Sampling(plan, [f"an input, filtered={use_filter}"])
 
     def transfer(source, src, base, out, samples, rank, seed, guard, inputs, **choices):
-        assert inputs == f"inputs filtered={choices['use_filter']}"
+        assert inputs.accepted == [f"an input, filtered={choices['use_filter']}"]
         seen.append((Path(out).name, guard, choices))
         Path(out).mkdir(parents=True)
         (Path(out) / "translora_report.json").write_text(json.dumps(
@@ -95,3 +97,6 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
     assert "ablation, headlines on new-version" in capsys.readouterr().out
     bench.run_translora_bench(*args, **kw)
     assert len(seen) == len(ablation.CHANGES)  # a rerun moves nothing again
+    shutil.rmtree(tmp_path / "work" / "ablation" / "new-version-headlines-s0-as-filed")
+    bench.run_translora_bench(*args, **kw)  # a configuration run again (or added) trains on the inputs kept
+    assert len(seen) == len(ablation.CHANGES) + 1 and sorted(written) == [False, True]
