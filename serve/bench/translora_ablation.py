@@ -102,6 +102,7 @@ def ablation_table(work: Path, source: Path, targets: dict[str, Path], tasks: tu
             for name, base in targets.items():
                 cell = out.setdefault(name, {}).setdefault(task, {"seeds": {}})
                 cell["seeds"][s] = ablation_runs(work, source, (name, base), task, src, s, evals)
+                cell.setdefault("unchanged", {})[s] = evals(task, base, src, held)
                 cell["target alone"] = evals(task, base, None, held)
     return out
 
@@ -111,8 +112,9 @@ def print_ablation(table: dict) -> None:
         for task, cell in tasks.items():
             metric, higher = primary(task)
             alone = cell["target alone"][metric]
-            print(f"\nablation, {task} on {target} (held-out {metric}, {'higher' if higher else 'lower'} is "
-                  f"better; the target alone: {alone:.3f})")
+            unchanged = ", ".join(f"{u[metric]:.3f} (seed {s})" for s, u in cell.get("unchanged", {}).items())
+            print(f"\nablation, {task} on {target} (held-out {metric}, {'higher' if higher > 0 else 'lower'} is "
+                  f"better; the target alone: {alone:.3f}; the source adapter unchanged: {unchanged})")
             print(f"{'configuration':<28}{'seed':>5}{'accepted':>9}{'steps':>7}{'lr':>9}{metric:>10}"
                   f"{'vs alone':>10}{'vs filed':>10}")
             for s, runs in cell["seeds"].items():
