@@ -9,8 +9,10 @@ source adapter (PiSSA, trained with a discriminator, on the task's examples less
 `adapter train --discriminator` holds out) on the source base; then per target: the target base alone (one run:
 no seed in it), the source adapter applied unchanged, the Trans-LoRA adapter (its guard reads that validation
 set), the same without the discriminator's filter, and an upper bound trained on the target with the same real
-data. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps, learning rate and
-seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds (translora_table.py).
+data. The transfers train their students as `manyfold translora` does by default (steps and rate scaled to the
+inputs accepted, early stopping on the validation set: serve/adapters/validation.py); every other adapter trains
+STEPS steps at LR. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
+learning rate and seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds (translora_table.py).
 Every adapter, transfer and evaluation is kept under the work dir, so a rerun resumes where one stopped.
 """
 
@@ -115,7 +117,7 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
             _log(f"{name}, {task}, seed {seed}: {row}, {SAMPLES} synthetic inputs")
             try:
                 transfer(source, src, base, moved[row], samples=SAMPLES, use_filter=use_filter, rank=RANK,
-                         steps=STEPS, lr=LR, seed=seed)
+                         seed=seed)
             except TransferFailed as e:
                 atomic_write(failed, [(str(e) + "\n").encode()])  # a rerun does not try again
         if failed.exists():

@@ -121,9 +121,9 @@ def print_ablation(table: dict) -> None:
                 filed = runs["as filed"].get("heldout", {}).get(metric)
                 for config, r in runs.items():
                     if "failed" in r:
-                        print(f"{config:<28}{s:>5}  failed: {r['failed'][:80]}")
+                        print(f"{config:<36}{s:>5}  failed: {r['failed'][:80]}")
                         continue
                     v = r["heldout"][metric]
                     vs_filed = f"{v - filed:>+10.3f}" if filed is not None else f"{'-':>10}"
-                    print(f"{config:<28}{s:>5}{r['accepted']:>9}{r['steps']:>7}{r['lr']:>9.1e}{v:>10.3f}"
+                    print(f"{config:<36}{s:>5}{r['accepted']:>9}{r['steps']:>7}{r['lr']:>9.1e}{v:>10.3f}"
                           f"{v - alone:>+10.3f}{vs_filed}")
