@@ -115,7 +115,7 @@ def print_ablation(table: dict) -> None:
             unchanged = ", ".join(f"{u[metric]:.3f} (seed {s})" for s, u in cell.get("unchanged", {}).items())
             print(f"\nablation, {task} on {target} (held-out {metric}, {'higher' if higher > 0 else 'lower'} is "
                   f"better; the target alone: {alone:.3f}; the source adapter unchanged: {unchanged})")
-            print(f"{'configuration':<28}{'seed':>5}{'accepted':>9}{'steps':>7}{'lr':>9}{metric:>10}"
+            print(f"{'configuration':<36}{'seed':>5}{'accepted':>9}{'steps':>7}{'lr':>9}{metric:>10}"
                   f"{'vs alone':>10}{'vs filed':>10}")
             for s, runs in cell["seeds"].items():
                 filed = runs["as filed"].get("heldout", {}).get(metric)
