@@ -9,11 +9,12 @@ from kernels._backend import dispatch
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
-from kernels.neuzip_decode import neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
+                                   neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
 from kernels.segments import NO_SLOT, Segments, make_segments
 
-__all__ = ["NO_SLOT", "Segments", "emr_delta", "lora_expand", "lora_shrink", "make_segments", "masked",
-           "neuzip_decode", "pack_bits", "unpack_bits"]
+__all__ = ["NO_SLOT", "DecodeGroup", "Segments", "emr_delta", "lora_expand", "lora_shrink", "make_segments",
+           "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits", "unpack_bits"]
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -40,3 +41,10 @@ def neuzip_decode(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tenso
     if not out.is_cuda:
         return neuzip_decode_numba(words, offsets, table, sm, bits, out)
     return dispatch(neuzip_decode_torch, neuzip_decode_triton, out)(words, offsets, table, sm, bits, out)
+
+
+def neuzip_decode_group(group: DecodeGroup) -> torch.Tensor:
+    """Every coded tensor of the group into its out, in place; -> status, nonzero where a lane did not decode
+    cleanly. On CUDA one Triton launch; elsewhere the parts in turn by the torch twin (CPU serving decodes with
+    numba through serve/engine/neuzip_decoder.py, not through groups)."""
+    return dispatch(neuzip_decode_group_torch, neuzip_decode_group_triton, group.parts[0][4])(group)

@@ -22,6 +22,9 @@ Three forms with one signature, (words, offsets, table, sm, bits, out) -> status
 - neuzip_decode_triton: one program per block of lanes.
 words int16 [W] (16-bit words), offsets int64 [L + 1], table int32 [4096], sm uint8, out int16 [n] (a bf16
 tensor's bits) written in place; status int32 [L], 0 where the lane decoded cleanly.
+
+And two forms for a DecodeGroup of such tensors, (group) -> status: neuzip_decode_group_torch (each in turn) and
+neuzip_decode_group_triton (all of them in one launch: what a GPU server runs).
 """
 
 import os
@@ -354,10 +357,10 @@ def neuzip_decode_numba(words: torch.Tensor, offsets: torch.Tensor, table: torch
 
 
 @triton.jit
-def _neuzip_decode_kernel(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, status_ptr, n, lanes, n_words,
-                          steps, BITS: tl.constexpr, LOG_PER: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: BLOCK lanes, every step; at step j its lanes write outputs j * lanes + lane."""
-    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS: tl.constexpr,
+                        LOG_PER: tl.constexpr):
+    """The block of lanes `lane` (those < lanes live) of one tensor, every step; at step j each lane writes
+    output j * lanes + lane. -> whether each lane decoded cleanly."""
     live = lane < lanes
     start = tl.load(offsets_ptr + lane, mask=live, other=0)
     end = tl.load(offsets_ptr + lane + 1, mask=live, other=0)
@@ -366,7 +369,7 @@ def _neuzip_decode_kernel(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, st
     w1 = tl.load(words_ptr + tl.minimum(start + 1, last), mask=live, other=0).to(tl.int64) & 0xFFFF
     x = w0 | (w1 << 16)
     ptr = start + 2
-    for j in range(0, steps):
+    for j in range(0, (n + lanes - 1) // lanes):
         i = j * lanes + lane
         act = live & (i < n)
         t = tl.load(table_ptr + (x & 0xFFF), mask=act, other=0).to(tl.int64) & 0xFFFFFFFF
@@ -380,8 +383,37 @@ def _neuzip_decode_kernel(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, st
         f = (byte >> ((i & ((1 << LOG_PER) - 1)) * (BITS + 1))) & ((1 << (BITS + 1)) - 1)
         v = ((f >> BITS) << 15) | ((t & 0xFF) << 7) | ((f & ((1 << BITS) - 1)) << (7 - BITS))
         tl.store(out_ptr + i, (v - ((v >> 15) << 16)).to(tl.int16), mask=act)
-    ok = (ptr == end) & (x == 65536) & (end - start >= 2)
-    tl.store(status_ptr + lane, tl.where(ok, 0, 1).to(tl.int32), mask=live)
+    return (ptr == end) & (x == 65536) & (end - start >= 2)
+
+
+@triton.jit
+def _neuzip_decode_kernel(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, status_ptr, n, lanes, n_words,
+                          BITS: tl.constexpr, LOG_PER: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: BLOCK lanes of the tensor."""
+    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = _decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS,
+                             LOG_PER)
+    tl.store(status_ptr + lane, tl.where(ok, 0, 1).to(tl.int32), mask=lane < lanes)
+
+
+@triton.jit
+def _neuzip_decode_group_kernel(meta_ptr, status_ptr, BITS: tl.constexpr, LOG_PER: tl.constexpr,
+                                BLOCK: tl.constexpr, META: tl.constexpr):
+    """One program: BLOCK lanes of one of the group's tensors, whose addresses and sizes are its row of meta
+    (DecodeGroup's layout); its lanes' status at status[program * BLOCK:]."""
+    pid = tl.program_id(0)
+    row = meta_ptr + pid * META
+    words_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
+    offsets_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int64))
+    table_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int32))
+    sm_ptr = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
+    out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int16))
+    n_words, lanes, n, first = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8)
+    lane = first + tl.arange(0, BLOCK)
+    ok = _decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS,
+                             LOG_PER)
+    at = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(status_ptr + at, tl.where(ok, 0, 1).to(tl.int32), mask=lane < lanes)
 
 
 def neuzip_decode_triton(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor,
@@ -391,6 +423,48 @@ def neuzip_decode_triton(words: torch.Tensor, offsets: torch.Tensor, table: torc
     status = torch.empty(lanes, dtype=torch.int32, device=out.device)
     log_per = log_fields_per_byte(bits)
     grid = (triton.cdiv(lanes, BLOCK_LANES),)
-    _neuzip_decode_kernel[grid](words, offsets, table, sm, out, status, n, lanes, words.numel(), -(-n // lanes),
-                                BITS=bits, LOG_PER=log_per, BLOCK=BLOCK_LANES)
+    _neuzip_decode_kernel[grid](words, offsets, table, sm, out, status, n, lanes, words.numel(), BITS=bits,
+                                LOG_PER=log_per, BLOCK=BLOCK_LANES)
     return status
+
+
+Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""One coded tensor of a group: (words, offsets, table, sm, out), as the one-tensor forms take them."""
+META = 9
+"""int64 per program of a group: words, offsets, table, sm and out addresses, then words, lanes, elements and the
+program's first lane."""
+
+
+class DecodeGroup:
+    """Coded tensors of one bit width decoded together: on a GPU one launch for all of them (a launch costs
+    about as long as one lane's steps, whatever its size, and a budget-0 forward decodes every weight), so a
+    caller decodes a group of weights where it would launch once a weight. The table of addresses is built once:
+    the parts' tensors must stay where they are for as long as the group is used."""
+
+    def __init__(self, parts: list[Part], bits: int):
+        for words, offsets, table, sm, out in parts:
+            _check(words, offsets, table, sm, bits, out)
+        self.parts, self.bits = parts, bits
+        self.device = parts[0][4].device
+        rows = []
+        for words, offsets, table, sm, out in parts:
+            lanes = offsets.numel() - 1
+            rows += [[t.data_ptr() for t in (words, offsets, table, sm, out)] + [words.numel(), lanes, out.numel(),
+                     first] for first in range(0, lanes, BLOCK_LANES)]
+        self.meta = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self.status = torch.zeros(len(rows) * BLOCK_LANES, dtype=torch.int32, device=self.device)
+        """The Triton form's status: each program's block of lanes (a block's lanes past its tensor's stay 0)."""
+
+
+def neuzip_decode_group_torch(group: DecodeGroup) -> torch.Tensor:
+    """Every part in turn, by the one-tensor specification; -> the parts' statuses, one after another."""
+    return torch.cat([neuzip_decode_torch(*part[:4], group.bits, part[4]) for part in group.parts])
+
+
+def neuzip_decode_group_triton(group: DecodeGroup) -> torch.Tensor:
+    """Every part in one launch; -> the status of each program's block of lanes (nonzero where a lane of a part
+    did not decode cleanly)."""
+    grid = (group.meta.shape[0],)
+    _neuzip_decode_group_kernel[grid](group.meta, group.status, BITS=group.bits,
+                                      LOG_PER=log_fields_per_byte(group.bits), BLOCK=BLOCK_LANES, META=META)
+    return group.status

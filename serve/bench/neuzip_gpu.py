@@ -1,8 +1,9 @@
 """`manyfold bench neuzip-gpu`: NeuZip on a CUDA GPU (issue 23, item 6), recorded beside the CPU table.
 
-- The Triton decoder's speed, GB/s of bf16 written, on SmolLM2's coded Linear weights: one launch per weight as
-  the engine decodes them at budget 0 (the whole model's weights back to back), and one launch over many
-  weights at once (LAYERS_AT_ONCE layers' weights as one tensor: the GPU full), at the lane length the files use
+- The Triton decoder's speed, GB/s of bf16 written, on SmolLM2's coded Linear weights: one launch per weight (the
+  whole model's weights back to back), one launch per group of weights as the engine decodes them at budget 0
+  (serve/engine/neuzip_groups.py), and one launch over many weights at once (LAYERS_AT_ONCE layers' weights as
+  one tensor: the GPU full), at the lane length the files use
   (serve/codecs/neuzip.py's LANE symbols a lane) and at shorter ones (more lanes: more parallel work and fewer
   steps a lane, for a few more bytes of lane starts). Every decode is checked bit for bit against the bf16
   weights before it is timed. DFloat11 reports about 262 GB/s on an A100 (METHODS.md).
@@ -18,6 +19,7 @@ is a real SmolLM2 weight and decodes as it would there; the embedding (its tied 
 is drawn at the real one's spread. Its logits are meaningless; its timings are SmolLM2's.
 """
 
+import itertools
 import json
 import shutil
 import statistics
@@ -121,7 +123,8 @@ def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> f
 def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repeats: int = 7) -> dict:
     """{lane: {per_weight_gbs, at_once_gbs, ...}}: the decoder over every coded weight, one launch each, and over
     LAYERS_AT_ONCE layers' weights as one tensor, checked against the bf16 weights first."""
-    from kernels import neuzip_decode
+    from kernels import DecodeGroup, neuzip_decode, neuzip_decode_group
+    from serve.engine.neuzip_groups import cut_groups
 
     weights = SafetensorsSource(bf16)
     out = {}
@@ -141,6 +144,21 @@ def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repea
 
         total = sum(s.numel for s in streams)
         per_weight = _median_s(every_weight, device, repeats)
+        place = torch.empty(total, dtype=torch.int16, device=device)
+        starts = dict(zip((s.name for s in streams), itertools.accumulate((s.numel for s in streams), initial=0)))
+        members = cut_groups({s.name: s.numel for s in streams})
+        by_name = {s.name: s for s in streams}
+        groups = [DecodeGroup([(by_name[n].words, by_name[n].offsets, by_name[n].table, by_name[n].sm,
+                                place[starts[n]: starts[n] + by_name[n].numel]) for n in g], 7) for g in members]
+
+        def every_group() -> None:
+            for g in groups:
+                neuzip_decode_group(g)
+
+        every_group()
+        if not torch.equal(place.cpu(), torch.cat([weights[s.name].view(torch.int16).reshape(-1) for s in streams])):
+            raise RuntimeError(f"lane {lane}: the groups do not decode to the bf16 weights")
+        per_group = _median_s(every_group, device, repeats)
         names = [s.name for s in streams if any(f"layers.{i}." in s.name for i in range(LAYERS_AT_ONCE))]
         flat = torch.cat([weights[n].view(torch.int16).reshape(-1) for n in names])
         enc = neuzip.encode(flat.numpy().view(np.uint16), 7, lane)
@@ -152,11 +170,12 @@ def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repea
         coded = sum(s.nbytes for s in streams)
         out[lane] = {"weights": len(streams), "elements": total, "coded_over_bf16": coded / (2 * total),
                      "per_weight_ms": 1e3 * per_weight, "per_weight_gbs": 2 * total / per_weight / 1e9,
-                     "launch_us": 1e6 * per_weight / len(streams),
+                     "launch_us": 1e6 * per_weight / len(streams), "groups": len(groups),
+                     "per_group_ms": 1e3 * per_group, "per_group_gbs": 2 * total / per_group / 1e9,
                      "at_once_elements": flat.numel(), "at_once_lanes": enc.lanes, "at_once_ms": 1e3 * at_once,
                      "at_once_gbs": 2 * flat.numel() / at_once / 1e9}
         print(f"lane {lane}: {out[lane]['per_weight_gbs']:.1f} GB/s a weight at a time, "
-              f"{out[lane]['at_once_gbs']:.1f} GB/s at once", flush=True)
+              f"{out[lane]['per_group_gbs']:.1f} a group at a time, {out[lane]['at_once_gbs']:.1f} at once", flush=True)
     return out
 
 
@@ -229,9 +248,11 @@ def print_report(r: dict) -> None:
     print(f"\nNeuZip on {r['device']}, Triton {r['triton']}; {r['model']}")
     print("\nTriton decoder, lossless k7, GB/s of bf16 written (DFloat11 reports about "
           f"{r['dfloat11_a100_gbs']} GB/s on an A100)")
-    print(f"{'lane':>6}{'held':>8}{'a weight at a time':>20}{'us/launch':>11}{'at once':>10}{'lanes':>9}")
+    print(f"{'lane':>6}{'held':>8}{'a weight at a time':>20}{'us/launch':>11}{'a group at a time':>19}{'at once':>10}"
+          f"{'lanes':>9}")
     for lane, d in r["decoder"].items():
-        print(f"{lane:>6}{d['coded_over_bf16']:>8.1%}{d['per_weight_gbs']:>20.1f}{d['launch_us']:>11.1f}"
+        group = f"{d['per_group_gbs']:.1f} ({d['groups']})" if "per_group_gbs" in d else "-"
+        print(f"{lane:>6}{d['coded_over_bf16']:>8.1%}{d['per_weight_gbs']:>20.1f}{d['launch_us']:>11.1f}{group:>19}"
               f"{d['at_once_gbs']:>10.1f}{d['at_once_lanes']:>9}")
     steps = r["engine_steps_ms"]
     print(f"\nengine forwards (step N: one new token for each of N rows over {r['context']} tokens), ms, medians; "

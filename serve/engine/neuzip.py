@@ -4,8 +4,9 @@ The model is built without weights (accelerate's init_empty_weights); raw tensor
 serve/codecs/neuzip_file.py says which) are loaded as they are, and every coded weight stays a meta
 placeholder of the right shape and dtype, so the variant seam (serve/engine/layers.py, slots.py) sees the
 module it always sees. Two hooks per coded module:
-- before its forward: have the weight decoded (serve/engine/neuzip_decoder.py: into a buffer shared by all
-  modules, or already decoded ahead into the second of two) and put it in place of the placeholder (only if
+- before its forward: have the weight decoded (on the CPU serve/engine/neuzip_decoder.py: inline, or already
+  decoded ahead into a buffer of its own; on a GPU serve/engine/neuzip_groups.py: its group of weights decoded in
+  one launch) and put it in place of the placeholder (only if
   the placeholder is there: a full variant's rows run the module through functional_call with their own
   tensor, which must not be overwritten);
 - after its forward (last of its hooks, so the variant corrections have run; also when the forward raised):
@@ -21,6 +22,7 @@ import torch
 
 from serve.codecs.neuzip_file import NzpFile, Stream, decode
 from serve.engine.neuzip_decoder import AHEAD_MAX_TOKENS, WeightDecoder
+from serve.engine.neuzip_groups import GroupDecoder
 from serve.errors import ArtifactError
 
 
@@ -94,9 +96,12 @@ class CodedWeights:
         self.decoder = self._new_decoder()
         self.keep(decoded_bytes)
 
-    def _new_decoder(self) -> WeightDecoder:
-        return WeightDecoder({n.rsplit(".", 1)[0]: s for n, s in self.streams.items()}, self._device,
-                             self._ahead_max_tokens)
+    def _new_decoder(self) -> WeightDecoder | GroupDecoder:
+        """On the CPU decoding ahead or inline, measured (WeightDecoder); elsewhere a group of weights a launch."""
+        streams = {n.rsplit(".", 1)[0]: s for n, s in self.streams.items()}
+        if self._device.type != "cpu":
+            return GroupDecoder(streams, self._device)
+        return WeightDecoder(streams, self._device, self._ahead_max_tokens)
 
     def keep(self, budget: int) -> int:
         """Decode weights for good, in model order, while their bf16 bytes fit `budget` (a weight that does not

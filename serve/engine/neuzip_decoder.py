@@ -20,7 +20,7 @@ size (WayChooser): which is faster depends on the rows, on how many weights are 
 - inline, for long forwards (prefill), where compute needs every core and decoding is a small share, and for
   steps where few weights are still coded: the compute thread decodes each weight, its lanes split over
   torch's threads, then the module computes.
-On another device each weight is decoded by the kernels' device form (Triton on CUDA), into one buffer.
+On another device serve/engine/neuzip_groups.py decodes instead.
 """
 
 import statistics
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kernels.neuzip_decode import decode_lanes, lane_cuts, run_split
-from serve.codecs.neuzip_file import Stream, decode
+from serve.codecs.neuzip_file import Stream
 
 AHEAD_MAX_TOKENS = 256
 """Forwards of more tokens always decode inline: compute then needs every core (a prefill of 8 x 256 tokens
@@ -116,9 +116,10 @@ class WeightDecoder:
                  ahead_weights: int = AHEAD_WEIGHTS):
         """streams: each coded weight's stream by the name of its module. ahead_max_tokens: forwards of at most
         this many tokens decode ahead (CPU only; 0: never), up to ahead_weights weights ahead."""
+        if device.type != "cpu":
+            raise ValueError(f"WeightDecoder decodes on the CPU; on {device} GroupDecoder does")
         self.streams = streams
-        self.cpu = device.type == "cpu"
-        self.ahead_max_tokens = ahead_max_tokens if self.cpu else 0
+        self.ahead_max_tokens = ahead_max_tokens
         size = max((s.numel for s in streams.values()), default=0)
         buffers = 1 + ahead_weights if self.ahead_max_tokens and streams else 1
         self.buffers = [torch.empty(size, dtype=torch.bfloat16, device=device) for _ in range(buffers)]
@@ -239,10 +240,7 @@ class WeightDecoder:
 
     def _decode(self, module: str, b: int, threads: int) -> None:
         t0 = time.perf_counter()
-        if self.cpu:
-            run_split(decode_lanes(self.streams[module].bits), self._calls_for(threads)[module][b])
-        else:
-            decode(self.streams[module], self.params[module][b].data, check=False)
+        run_split(decode_lanes(self.streams[module].bits), self._calls_for(threads)[module][b])
         self.decode_s += time.perf_counter() - t0
 
     def close(self) -> None:

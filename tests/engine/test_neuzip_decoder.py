@@ -45,3 +45,25 @@ def test_each_size_of_forward_is_timed_both_ways_then_keeps_the_faster():
     assert ways.chosen() == {1: "ahead", 64: "inline"}
     assert ways.ahead(1) and not ways.ahead(50)  # 50 tokens: the size of 64
     assert ways.ahead(200)  # a size not measured yet starts with a trial ahead
+
+
+def test_a_gpu_decodes_a_group_of_weights_a_launch_and_hands_out_each_exactly(monkeypatch):
+    """GroupDecoder (a GPU's way; here its torch twin on the CPU): weights in model order cut into groups, the
+    first weight asked for of a group decodes all of it once, and a weight asked for out of turn decodes its group
+    again; every weight handed out equals its own decoding."""
+    import serve.engine.neuzip_groups as groups
+
+    gen = torch.Generator().manual_seed(1)
+    streams = {m: coded(m, (40 + 3 * i, 32), gen) for i, m in enumerate("abcde")}
+    want = {m: decode(s) for m, s in streams.items()}
+    launches = []
+    real = groups.neuzip_decode_group
+    monkeypatch.setattr(groups, "neuzip_decode_group", lambda g: launches.append(g) or real(g))
+    decoder = groups.GroupDecoder(streams, torch.device("cpu"), group_elements=3 * 44 * 32)
+    assert [[p[4].numel() for p in g.parts] for g in decoder.groups] == [[1280, 1376, 1472], [1568, 1664]]
+    for order, decodes in ((list("abcde"), 2), (list("abcde"), 2), (list("adbe"), 4)):
+        launches.clear()
+        for m in order:
+            assert torch.equal(decoder.weight(m).view(torch.int16), want[m].view(torch.int16)), (order, m)
+        assert len(launches) == decodes
+    assert groups.cut_groups({"big": 10, "small": 1}, most=4) == [["big"], ["small"]]

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.neuzip_decode import neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
+                                   neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
 from serve.codecs import neuzip
 
 # name: (elements, lane): one lane, a ragged last step, lanes of one symbol, many lanes.
@@ -77,3 +78,36 @@ def test_forms_refuse_arguments_of_the_wrong_kind(gen):
         neuzip_decode_numba(words, offsets, table, sm, 3, out.float())
     with pytest.raises(ValueError, match="sm has"):
         neuzip_decode_numba(words, offsets, table, sm[:10], 3, out)
+
+
+@pytest.mark.parametrize("bits", neuzip.BITS)
+def test_a_group_decodes_in_one_launch_what_each_part_decodes_alone(bits, triton_device, gen):
+    """Parts of every shape (one lane, ragged, one-symbol lanes, many lanes) at their own lane lengths, their
+    outputs at odd places of one buffer, as a GPU server's group of weights is."""
+    buffer = torch.zeros(sum(n for n, _ in SHAPES.values()) + 3 * len(SHAPES), dtype=torch.int16,
+                         device=triton_device)
+    parts, wants, at = [], [], 3
+    for n, lane in SHAPES.values():
+        enc, args = streams(n, lane, bits, gen, triton_device)
+        parts.append((*args, buffer[at:at + n]))
+        wants.append(torch.from_numpy(neuzip.decode(enc).view(np.int16)))
+        at += n + 3
+    group = DecodeGroup(parts, bits)
+    assert not neuzip_decode_group_triton(group).any()
+    got = [p[4].clone() for p in parts]
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, wants))
+    buffer.zero_()
+    assert not neuzip_decode_group_torch(group).any()
+    assert all(torch.equal(g, p[4]) for g, p in zip(got, parts))
+    assert buffer[:3].eq(0).all()  # nothing written outside the parts
+
+
+def test_a_group_flags_a_damaged_part(triton_device, gen):
+    enc, (words, offsets, table, sm) = streams(*SHAPES["many-lanes"], 7, gen, triton_device)
+    _, good = streams(*SHAPES["ragged"], 7, gen, triton_device)
+    flipped = words.clone()
+    flipped[int(offsets[5]) + 3] ^= 0x5A5A
+    out = torch.empty(enc.n + 1001, dtype=torch.int16, device=triton_device)
+    parts = [(*good, out[:1001]), (flipped, offsets, table, sm, out[1001:])]
+    for form in (neuzip_decode_group_triton, neuzip_decode_group_torch):
+        assert form(DecodeGroup(parts, 7)).any()
