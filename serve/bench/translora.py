@@ -12,7 +12,8 @@ set), the same without the discriminator's filter, and an upper bound trained on
 data. The transfers train their students as `manyfold translora` does by default (steps and rate scaled to the
 inputs accepted, early stopping on the validation set: serve/adapters/validation.py); every other adapter trains
 STEPS steps at LR. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
-learning rate and seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds (translora_table.py).
+learning rate and seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds
+(translora_table.py).
 Every adapter, transfer and evaluation is kept under the work dir, so a rerun resumes where one stopped.
 """
 
