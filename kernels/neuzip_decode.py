@@ -442,10 +442,15 @@ class DecodeGroup:
     the parts' tensors must stay where they are for as long as the group is used."""
 
     def __init__(self, parts: list[Part], bits: int):
-        for words, offsets, table, sm, out in parts:
-            _check(words, offsets, table, sm, bits, out)
-        self.parts, self.bits = parts, bits
+        if not parts:
+            raise ValueError("a decode group needs at least one coded tensor")
         self.device = parts[0][4].device
+        for part in parts:
+            _check(*part[:4], bits, part[4])
+            if any(t.device != self.device or not t.is_contiguous() for t in part):
+                raise ValueError(f"a decode group's tensors are contiguous and on {self.device}: its kernel reads "
+                                 "them by address")
+        self.parts, self.bits = parts, bits
         rows = []
         for words, offsets, table, sm, out in parts:
             lanes = offsets.numel() - 1
@@ -463,7 +468,8 @@ def neuzip_decode_group_torch(group: DecodeGroup) -> torch.Tensor:
 
 def neuzip_decode_group_triton(group: DecodeGroup) -> torch.Tensor:
     """Every part in one launch; -> the status of each program's block of lanes (nonzero where a lane of a part
-    did not decode cleanly)."""
+    did not decode cleanly). The two forms lay their status out differently, so only where it is nonzero means
+    anything to a caller; this one is the group's own buffer, which the next launch overwrites."""
     grid = (group.meta.shape[0],)
     _neuzip_decode_group_kernel[grid](group.meta, group.status, BITS=group.bits,
                                       LOG_PER=log_fields_per_byte(group.bits), BLOCK=BLOCK_LANES, META=META)

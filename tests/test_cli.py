@@ -147,6 +147,9 @@ def test_a_neuzip_lane_length_for_a_gpu_server_and_bad_ones(files, capsys):
     code, _, err = run(capsys, "store", "add", "--store", store, "--kind", "base", "--name", "tiny",
                        "--model", str(d / "basedir"), "--neuzip-lane", "gpu")
     assert code == 2 and "--neuzip-lane goes with --neuzip-bits" in err
+    code, _, err = run(capsys, "store", "add", "--store", str(d / "new-store"), "--kind", "base", "--name", "tiny",
+                       "--model", str(d / "basedir"), "--neuzip-bits", "7", "--neuzip-lane", "fast")
+    assert code == 2 and "NeuZip lane" in err and not (d / "new-store").exists()  # refused before any store is made
     code, _, _ = run(capsys, "store", "add", "--store", store, "--kind", "base", "--name", "tiny",
                      "--model", str(d / "basedir"), "--neuzip-bits", "7", "--neuzip-lane", "64")
     nzp = next((d / "store").rglob(NEUZIP_FILE))

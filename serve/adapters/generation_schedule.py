@@ -148,6 +148,7 @@ class Sampling:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Sampling":
+        """The Sampling to_dict wrote."""
         return cls(AttemptPlan(**d["plan"]), list(d["accepted"]), [BatchRecord(**b) for b in d["batches"]],
                    d["planned_attempts"])
 

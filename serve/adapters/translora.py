@@ -349,8 +349,9 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     kept (generation_schedule.AttemptPlan's defaults) is TransferFailed too, with the figures. rank: the new
     adapter's; by default the source adapter's as trained. steps, lr: by default scaled to the accepted inputs
     (validation.student_schedule); the student stops early on its validation loss and keeps its best point.
-    inputs: what `synthesize` wrote for this adapter, target, plan, filter and seed (a benchmark's configurations
-    that differ only after it share it); None: written here."""
+    inputs: what `synthesize` wrote for this adapter and target with this filter and seed (the caller's to match;
+    only the plan is checked), so that a benchmark's configurations that differ only after it share it; None:
+    written here."""
     plan = AttemptPlan.build(samples, max_attempts, min_accepted)
     task, seeds, _ = read_assets(adapter_dir)
     held, held_from = validation_set(adapter_dir, seeds)
@@ -360,7 +361,8 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     t0 = time.perf_counter()
     if inputs is not None and inputs.plan != plan:
         raise ValueError(f"the inputs given were written for {inputs.plan}, this transfer plans {plan}")
-    sampling = inputs or synthesize(source_base, adapter_dir, target_base, plan, use_filter, seed, tick)
+    sampling = inputs if inputs is not None else synthesize(source_base, adapter_dir, target_base, plan, use_filter,
+                                                             seed, tick)
     times["generate_and_filter"] = time.perf_counter() - t0
     accepted = sampling.accepted
     if len(accepted) < plan.floor:

@@ -19,7 +19,6 @@ is a real SmolLM2 weight and decodes as it would there; the embedding (its tied 
 is drawn at the real one's spread. Its logits are meaningless; its timings are SmolLM2's.
 """
 
-import itertools
 import json
 import shutil
 import statistics
@@ -120,11 +119,22 @@ def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> f
     return statistics.median(times)
 
 
+def model_order(model_dir: Path) -> list[str]:
+    """The model's parameter names in its own order (a file's are sorted by name)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return [n for n, _ in model.named_parameters()]
+
+
 def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repeats: int = 7) -> dict:
-    """{lane: {per_weight_gbs, at_once_gbs, ...}}: the decoder over every coded weight, one launch each, and over
-    LAYERS_AT_ONCE layers' weights as one tensor, checked against the bf16 weights first."""
-    from kernels import DecodeGroup, neuzip_decode, neuzip_decode_group
-    from serve.engine.neuzip_groups import cut_groups
+    """{lane: {per_weight_gbs, per_group_gbs, at_once_gbs, ...}}: the decoder over every coded weight, one launch
+    each, a group a launch (the engine's GroupDecoder, in model order), and over LAYERS_AT_ONCE layers' weights as
+    one tensor, each checked against the bf16 weights first."""
+    from kernels import neuzip_decode, neuzip_decode_group
+    from serve.engine.neuzip_groups import GroupDecoder
 
     weights = SafetensorsSource(bf16)
     out = {}
@@ -144,20 +154,16 @@ def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repea
 
         total = sum(s.numel for s in streams)
         per_weight = _median_s(every_weight, device, repeats)
-        place = torch.empty(total, dtype=torch.int16, device=device)
-        starts = dict(zip((s.name for s in streams), itertools.accumulate((s.numel for s in streams), initial=0)))
-        members = cut_groups({s.name: s.numel for s in streams})
         by_name = {s.name: s for s in streams}
-        groups = [DecodeGroup([(by_name[n].words, by_name[n].offsets, by_name[n].table, by_name[n].sm,
-                                place[starts[n]: starts[n] + by_name[n].numel]) for n in g], 7) for g in members]
+        decoder = GroupDecoder({n.rsplit(".", 1)[0]: by_name[n] for n in model_order(bf16) if n in by_name}, device)
 
-        def every_group() -> None:
-            for g in groups:
+        def every_group() -> None:  # a budget-0 forward's decoding, as the engine does it on a GPU
+            for g in decoder.groups:
                 neuzip_decode_group(g)
 
-        every_group()
-        if not torch.equal(place.cpu(), torch.cat([weights[s.name].view(torch.int16).reshape(-1) for s in streams])):
-            raise RuntimeError(f"lane {lane}: the groups do not decode to the bf16 weights")
+        for m in decoder.params:  # each weight as a forward gets it: its group decoded when first asked
+            if not torch.equal(decoder.weight(m).cpu(), weights[f"{m}.weight"]):
+                raise RuntimeError(f"lane {lane}: '{m}' does not decode to its bf16 weight in its group")
         per_group = _median_s(every_group, device, repeats)
         names = [s.name for s in streams if any(f"layers.{i}." in s.name for i in range(LAYERS_AT_ONCE))]
         flat = torch.cat([weights[n].view(torch.int16).reshape(-1) for n in names])
@@ -170,7 +176,7 @@ def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repea
         coded = sum(s.nbytes for s in streams)
         out[lane] = {"weights": len(streams), "elements": total, "coded_over_bf16": coded / (2 * total),
                      "per_weight_ms": 1e3 * per_weight, "per_weight_gbs": 2 * total / per_weight / 1e9,
-                     "launch_us": 1e6 * per_weight / len(streams), "groups": len(groups),
+                     "launch_us": 1e6 * per_weight / len(streams), "groups": len(decoder.groups),
                      "per_group_ms": 1e3 * per_group, "per_group_gbs": 2 * total / per_group / 1e9,
                      "at_once_elements": flat.numel(), "at_once_lanes": enc.lanes, "at_once_ms": 1e3 * at_once,
                      "at_once_gbs": 2 * flat.numel() / at_once / 1e9}
@@ -215,6 +221,7 @@ def engine_steps(bf16: Path, dirs: dict[int, Path], device: torch.device, repeat
 
 
 def gpu_name(device: torch.device) -> str:
+    """The device as a report names it."""
     if device.type != "cuda":
         return f"{device.type} (no GPU)"
     p = torch.cuda.get_device_properties(device)

@@ -14,7 +14,9 @@ inputs accepted, early stopping on the validation set: serve/adapters/validation
 STEPS steps at LR. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
 learning rate and seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds
 (translora_table.py).
-Every adapter, transfer and evaluation is kept under the work dir, so a rerun resumes where one stopped.
+Every adapter, transfer and evaluation is kept under the work dir, so a rerun resumes where one stopped (a work
+dir from before the students trained with transfer's defaults holds students trained at STEPS and LR: start a
+new one).
 """
 
 import json

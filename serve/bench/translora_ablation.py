@@ -61,9 +61,10 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
     def shared(use_filter: bool) -> Sampling:
         kept = work / "ablation" / f"{name}-{task}-s{seed}-inputs-{'filtered' if use_filter else 'unfiltered'}.json"
         if use_filter not in inputs:
-            if kept.is_file():
-                inputs[use_filter] = Sampling.from_dict(json.loads(kept.read_text()))
-            else:
+            loaded = Sampling.from_dict(json.loads(kept.read_text())) if kept.is_file() else None
+            if loaded is not None and loaded.plan == plan:
+                inputs[use_filter] = loaded
+            else:  # none kept, or kept for another plan (SAMPLES changed): written again
                 inputs[use_filter] = synthesize(source, src, base, plan, use_filter, seed)
                 atomic_write(kept, [(json.dumps(inputs[use_filter].to_dict()) + "\n").encode()])
         return inputs[use_filter]

@@ -44,7 +44,7 @@ def cmd_store_add(args: argparse.Namespace) -> None:
 
         with progress("neuzip") as tick:
             entry, stats, cast = add_base(store, args.name, args.model, args.neuzip_bits, progress=tick,
-                                          lane=neuzip_lane(args.neuzip_lane or "cpu"))
+                                          lane=args.neuzip_lane)
         print(f"added base '{entry.name}' ({entry.architecture}, {entry.params:,} params) in NeuZip form: "
               f"{neuzip_summary(stats, cast)}")
         return
@@ -105,6 +105,7 @@ def _check_add_arguments(args: argparse.Namespace) -> None:
         raise ConfigError("--neuzip-bits is for --kind base")
     if args.neuzip_lane is not None and args.neuzip_bits is None:
         raise ConfigError("--neuzip-lane goes with --neuzip-bits")
+    args.neuzip_lane = neuzip_lane(args.neuzip_lane or "cpu")
     if args.kind != "auto" and (args.tolerance is not None or args.calibration):
         raise ConfigError("--tolerance and --calibration go with --kind auto")
     if args.kind == "auto" and args.tolerance is None:

@@ -35,6 +35,7 @@ LANE_GPU = 256
 """Symbols per lane for a GPU server: on an H200 every budget-0 forward of the engine ran at 0.81-0.89x bf16 with
 these, 0.53-0.86x with LANE, for 1.2 points more of bf16's bytes (bench-results/README.md#neuzip-on-a-gpu)."""
 MAX_LANE = 1 << 16
+"""The longest lane a file may declare (its header's bound)."""
 EXPONENTS = 256
 
 
@@ -70,6 +71,7 @@ def check_bits(bits: int) -> int:
 
 
 def check_lane(lane: int) -> int:
+    """The lane length, if a file may have it; else ValueError."""
     if not 1 <= lane <= MAX_LANE:
         raise ValueError(f"a NeuZip lane holds 1 to {MAX_LANE} symbols; got {lane}")
     return lane

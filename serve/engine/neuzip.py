@@ -4,16 +4,16 @@ The model is built without weights (accelerate's init_empty_weights); raw tensor
 serve/codecs/neuzip_file.py says which) are loaded as they are, and every coded weight stays a meta
 placeholder of the right shape and dtype, so the variant seam (serve/engine/layers.py, slots.py) sees the
 module it always sees. Two hooks per coded module:
-- before its forward: have the weight decoded (on the CPU serve/engine/neuzip_decoder.py: inline, or already
-  decoded ahead into a buffer of its own; on a GPU serve/engine/neuzip_groups.py: its group of weights decoded in
-  one launch) and put it in place of the placeholder (only if
-  the placeholder is there: a full variant's rows run the module through functional_call with their own
-  tensor, which must not be overwritten);
+- before its forward: have the weight decoded (on the CPU by serve/engine/neuzip_decoder.py, inline or ahead
+  into a buffer of its own; on a GPU by serve/engine/neuzip_groups.py, its group of weights in one launch) and
+  put it in place of the placeholder (only if the placeholder is there: a full variant's rows run the module
+  through functional_call with their own tensor, which must not be overwritten);
 - after its forward (last of its hooks, so the variant corrections have run; also when the forward raised):
   put the placeholder back.
-Resident weights are then the coded streams, the raw tensors and two decoded weights. A decoded-layer budget
-keeps some weights decoded for good, in model order until the budget is spent: every weight runs once per
-forward, so which ones are kept only changes how much decoding is saved, byte for byte.
+Resident weights are then the coded streams, the raw tensors and the decoders' buffers (on the CPU four decoded
+weights, on a GPU one group's). A decoded-layer budget keeps some weights decoded for good, in model order until
+the budget is spent: every weight runs once per forward, so which ones are kept only changes how much decoding
+is saved, byte for byte.
 """
 
 from pathlib import Path
@@ -44,9 +44,10 @@ def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     streams, raw = {}, {}
-    for name, r in nzp.records.items():
-        if name not in params:
-            continue  # a tensor the architecture does not hold (an unused pooler, say)
+    for name in params:  # the model's order (the file's is by name): a GPU decodes weights in groups of neighbours
+        r = nzp.records.get(name)
+        if r is None:
+            continue  # tied, or a tensor the file does not hold (the check below names those missing)
         if tuple(r.shape) != tuple(params[name].shape):
             raise ArtifactError(f"{nzp.path}: tensor '{name}' has shape {list(r.shape)}, the model's config says "
                                 f"{list(params[name].shape)}")

@@ -40,7 +40,8 @@ def cut_groups(sizes: dict[str, int], most: int = GROUP_ELEMENTS) -> list[list[s
 
 class GroupDecoder:
     """Decodes the coded weights of one model on use, by module name, a group at a time (see the module's
-    docstring); WeightDecoder's interface."""
+    docstring). What CodedWeights and the runtime call of a decoder: forward, weight, nbytes, decode_s, wait_s,
+    close (WeightDecoder's too; its ways of decoding ahead are the CPU's alone)."""
 
     def __init__(self, streams: dict[str, Stream], device: torch.device, group_elements: int = GROUP_ELEMENTS):
         """streams: each coded weight's stream by the name of its module, in model order."""
@@ -75,6 +76,7 @@ class GroupDecoder:
 
     @contextmanager
     def forward(self, tokens: int) -> Iterator[None]:
+        """Nothing to choose per forward: the GPU decodes each group when its first weight is asked for."""
         yield
 
     def weight(self, module: str) -> torch.nn.Parameter:
@@ -91,4 +93,5 @@ class GroupDecoder:
         return self.params[module]
 
     def close(self) -> None:
+        """Nothing runs beside the compute thread; the buffer is forgotten as held."""
         self._held = None

@@ -314,3 +314,20 @@ def test_decoding_ahead_gives_inline_decodings_logits_even_when_the_next_module_
             assert torch.equal(rt.call(plan, input_ids=ids).logits, inline)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_coded_weights_come_in_the_models_order_not_the_files(tmp_path):
+    """A GPU decodes neighbours in one launch, so the streams follow the model (layers 0, 1, 2, ... 11 and q, k, v,
+    o, gate, up, down in each), not the file's order by name (layers.1, layers.10, ...; mlp before self_attn)."""
+    from transformers import AutoModelForCausalLM
+
+    from serve.codecs.neuzip_file import NzpFile, compress_dir
+    from serve.engine.neuzip import load_model
+
+    lm = write_tiny_causal(tmp_path / "lm", layers=12)
+    compress_dir(lm, 7, tmp_path / "nz")
+    model, streams = load_model(AutoModelForCausalLM, tmp_path / "nz", NzpFile(tmp_path / "nz" / NEUZIP_FILE),
+                                torch.device("cpu"))
+    order = [n for n, _ in model.named_parameters(remove_duplicate=False) if n in streams]
+    assert list(streams) == order and len(order) == 12 * 7
+    assert order[:2] == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"]

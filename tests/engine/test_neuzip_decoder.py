@@ -54,16 +54,19 @@ def test_a_gpu_decodes_a_group_of_weights_a_launch_and_hands_out_each_exactly(mo
     import serve.engine.neuzip_groups as groups
 
     gen = torch.Generator().manual_seed(1)
-    streams = {m: coded(m, (40 + 3 * i, 32), gen) for i, m in enumerate("abcde")}
+    streams = {m: coded(m, (40 + 3 * i, 32), gen) for i, m in enumerate("ecabd")}  # model order, not by name
     want = {m: decode(s) for m, s in streams.items()}
     launches = []
     real = groups.neuzip_decode_group
     monkeypatch.setattr(groups, "neuzip_decode_group", lambda g: launches.append(g) or real(g))
     decoder = groups.GroupDecoder(streams, torch.device("cpu"), group_elements=3 * 44 * 32)
     assert [[p[4].numel() for p in g.parts] for g in decoder.groups] == [[1280, 1376, 1472], [1568, 1664]]
-    for order, decodes in ((list("abcde"), 2), (list("abcde"), 2), (list("adbe"), 4)):
+    for order, decodes in ((list("ecabd"), 2), (list("ecabd"), 2), (list("ebcd"), 4)):
         launches.clear()
         for m in order:
             assert torch.equal(decoder.weight(m).view(torch.int16), want[m].view(torch.int16)), (order, m)
         assert len(launches) == decodes
+    first = decoder.weight("e")  # its group again: one more decode
+    decoder.weight("a")  # a sibling of the same group: no decode, and e's weight is still e's
+    assert torch.equal(first.view(torch.int16), want["e"].view(torch.int16)) and len(launches) == 5
     assert groups.cut_groups({"big": 10, "small": 1}, most=4) == [["big"], ["small"]]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
+from kernels.neuzip_decode import (BLOCK_LANES, DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
                                    neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
 from serve.codecs import neuzip
 
@@ -83,31 +83,42 @@ def test_forms_refuse_arguments_of_the_wrong_kind(gen):
 @pytest.mark.parametrize("bits", neuzip.BITS)
 def test_a_group_decodes_in_one_launch_what_each_part_decodes_alone(bits, triton_device, gen):
     """Parts of every shape (one lane, ragged, one-symbol lanes, many lanes) at their own lane lengths, their
-    outputs at odd places of one buffer, as a GPU server's group of weights is."""
-    buffer = torch.zeros(sum(n for n, _ in SHAPES.values()) + 3 * len(SHAPES), dtype=torch.int16,
-                         device=triton_device)
-    parts, wants, at = [], [], 3
+    outputs at odd places of one buffer, as a GPU server's group of weights is; nothing else is written."""
+    sentinel = 0x5A5A
+    buffer = torch.full((sum(n for n, _ in SHAPES.values()) + 3 * len(SHAPES) + 3,), sentinel, dtype=torch.int16,
+                        device=triton_device)
+    parts, wants, at, gaps = [], [], 3, torch.ones(buffer.numel(), dtype=torch.bool)
     for n, lane in SHAPES.values():
         enc, args = streams(n, lane, bits, gen, triton_device)
         parts.append((*args, buffer[at:at + n]))
         wants.append(torch.from_numpy(neuzip.decode(enc).view(np.int16)))
+        gaps[at:at + n] = False
         at += n + 3
     group = DecodeGroup(parts, bits)
     assert not neuzip_decode_group_triton(group).any()
-    got = [p[4].clone() for p in parts]
-    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, wants))
-    buffer.zero_()
+    assert all(torch.equal(p[4].cpu(), w) for p, w in zip(parts, wants))
+    assert buffer.cpu()[gaps].eq(sentinel).all()
+    buffer.fill_(sentinel)
     assert not neuzip_decode_group_torch(group).any()
-    assert all(torch.equal(g, p[4]) for g, p in zip(got, parts))
-    assert buffer[:3].eq(0).all()  # nothing written outside the parts
+    assert all(torch.equal(p[4].cpu(), w) for p, w in zip(parts, wants)) and buffer.cpu()[gaps].eq(sentinel).all()
 
 
-def test_a_group_flags_a_damaged_part(triton_device, gen):
+def test_a_group_flags_the_damaged_lane_of_the_damaged_part_only(triton_device, gen):
+    _, good = streams(*SHAPES["ragged"], 7, gen, triton_device)  # 16 lanes: the Triton form's first block
     enc, (words, offsets, table, sm) = streams(*SHAPES["many-lanes"], 7, gen, triton_device)
-    _, good = streams(*SHAPES["ragged"], 7, gen, triton_device)
     flipped = words.clone()
     flipped[int(offsets[5]) + 3] ^= 0x5A5A
     out = torch.empty(enc.n + 1001, dtype=torch.int16, device=triton_device)
-    parts = [(*good, out[:1001]), (flipped, offsets, table, sm, out[1001:])]
-    for form in (neuzip_decode_group_triton, neuzip_decode_group_torch):
-        assert form(DecodeGroup(parts, 7)).any()
+    group = DecodeGroup([(*good, out[:1001]), (flipped, offsets, table, sm, out[1001:])], 7)
+    bad_at = {neuzip_decode_group_triton: BLOCK_LANES + 5, neuzip_decode_group_torch: 16 + 5}  # each form's layout
+    for form, at in bad_at.items():
+        assert form(group).nonzero().flatten().tolist() == [at], form.__name__
+
+
+def test_a_group_refuses_tensors_it_cannot_read_by_address(gen):
+    _, args = streams(*SHAPES["ragged"], 7, gen)
+    out = torch.empty(2 * 1001, dtype=torch.int16)
+    with pytest.raises(ValueError, match="contiguous"):
+        DecodeGroup([(*args, out[::2])], 7)
+    with pytest.raises(ValueError, match="at least one"):
+        DecodeGroup([], 7)
