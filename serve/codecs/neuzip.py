@@ -32,8 +32,9 @@ LANE = 2048
 thread walks its lanes in turn. A GPU runs a lane's steps as a chain of dependent reads, one lane a thread, so a
 launch takes as long as a lane whatever the tensor's size: a GPU server's files want shorter lanes (LANE_GPU)."""
 LANE_GPU = 256
-"""Symbols per lane for a GPU server: on an H200 every budget-0 forward of the engine ran at 0.81-0.89x bf16 with
-these, 0.53-0.86x with LANE, for 1.2 points more of bf16's bytes (bench-results/README.md#neuzip-on-a-gpu)."""
+"""Symbols per lane for a GPU server: a launch of 256-symbol lanes takes a seventh of one of LANE's. On an H200
+every budget-0 forward of the engine ran at 0.91-0.94x bf16 with these, 0.88-0.90x with LANE, for 1.2 points
+more of bf16's bytes (bench-results/README.md#neuzip-on-a-gpu)."""
 MAX_LANE = 1 << 16
 """The longest lane a file may declare (its header's bound)."""
 EXPONENTS = 256
