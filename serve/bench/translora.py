@@ -152,7 +152,8 @@ def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sou
     runs[ALONE] = [evals(task, target[1], None, held)]  # no seed in it: one run
     rows = {row: summarize(r) for row, r in runs.items()}
     return {"metric": primary(task)[0], "heldout": len(held), "runs": runs, "rows": rows,
-            "reports": {row: [r and {k: r[k] for k in ("accepted", "attempts", "seconds", "outcome")} for r in rs]
+            "reports": {row: [r and {**{k: r[k] for k in ("accepted", "attempts", "seconds", "outcome", "steps", "lr")},
+                                     "best_step": r["validation"].get("best_step")} for r in rs]
                         for row, rs in reports.items()},
             "failures": failures, "verdicts": task_verdicts(task, rows)}
 

@@ -96,13 +96,20 @@ def print_transfer(target: str, info: dict, tasks: dict) -> None:
         print(f"{row:<56}" + "".join(f"{cell(tasks[task]['rows'][row], m):>30}" for task, m in cols))
     for task, t in tasks.items():
         for name, reports in t["reports"].items():
-            kept = ", ".join("-" if r is None else f"{r['accepted']}/{r['attempts']}" for r in reports)
+            kept = ", ".join("-" if r is None else f"{r['accepted']}/{r['attempts']}" + student(r) for r in reports)
             print(f"{task}, {name}: inputs kept of generated, per seed: {kept}")
         for name, whys in t["failures"].items():
             for seed, why in whys.items():
                 print(f"{task}, {name}, seed {seed}: no adapter: {why}")
         for line in statement(task, t["verdicts"], t["rows"]):
             print(line)
+
+
+def student(report: dict) -> str:
+    """How a seed's student trained, where its report says: " (N steps at LR, best at step B)"."""
+    if "steps" not in report:
+        return ""
+    return f" ({report['steps']} steps at {report['lr']:.1e}, best at step {report['best_step']})"
 
 
 def window_means(losses: list[float], width: int = 8) -> list[float]:
@@ -141,8 +148,9 @@ def print_inits(r: dict) -> None:
 
 def print_report(r: dict) -> None:
     print(f"\nTrans-LoRA on {r['machine']}: source {r['source']}; adapters rank {r['rank']}, {r['steps']} steps, "
-          f"lr {r['lr']}; {r['train_examples']} real training examples per task, {r['samples']} synthetic inputs "
-          f"per transfer; seeds {', '.join(map(str, range(r['seeds'])))}")
+          f"lr {r['lr']} (students: transfer's defaults, early stopping on the validation set); "
+          f"{r['train_examples']} real training examples per task, {r['samples']} synthetic inputs per transfer; "
+          f"seeds {', '.join(map(str, range(r['seeds'])))}")
     for target, tasks in r["transfer"].items():
         print_transfer(target, r["targets"][target], tasks)
     if r.get("inits"):

@@ -31,7 +31,8 @@ def stubs(monkeypatch, tmp_path):
             raise TransferFailed("x: failed: no better than the target alone (student 3.10, target alone 3.00)")
         Path(out).mkdir()
         (Path(out) / "translora_report.json").write_text(json.dumps(
-            {"accepted": 40, "attempts": 90, "seconds": {"train": 1.0}, "outcome": "student"}))
+            {"accepted": 40, "attempts": 90, "seconds": {"train": 1.0}, "outcome": "student", "steps": 100,
+             "lr": 3.125e-4, "validation": {"best_step": 45}}))
 
     def evaluate(task, base, adapter, examples):
         calls["evaluate"] += 1
@@ -58,7 +59,10 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
     assert tweets["runs"][MOVED][1] is None and "seed 1" not in tweets["failures"]["Trans-LoRA"][1]
     assert tweets["verdicts"][ALONE] == "no adapter"
     assert json.loads(out.read_text())["seeds"] == 2
-    assert "tweets (loss): Trans-LoRA is not judged against the target base alone" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tweets (loss): Trans-LoRA is not judged against the target base alone" in printed
+    assert "tweets, Trans-LoRA: inputs kept of generated, per seed: 40/90 (100 steps at 3.1e-04, best at step 45), -" \
+        in printed  # each seed's student: how it trained, or none
     first = dict(stubs)
     bench.run_translora_bench(out, work, seeds=2, tasks=("spam", "tweets"), targets=("neuzip-k0", "new-version"))
     assert stubs == first  # nothing trained, moved or evaluated twice, refused transfers included
