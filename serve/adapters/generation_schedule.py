@@ -39,11 +39,29 @@ def temperature(batch: int) -> float:
     return TEMPERATURES[batch % len(TEMPERATURES)]
 
 
-def shown_seeds(parts: list[str], rng: random.Random) -> list[str]:
-    """A random subset of the seeds (at least MIN_SHOWN) in random order: one prompt's examples. Different
-    examples and orders per prompt steer the generator away from writing the same input again."""
-    k = rng.randint(min(MIN_SHOWN, len(parts)), len(parts))
-    return rng.sample(parts, k)
+def shown_seeds(parts: list[str], rng: random.Random, group: list[int] | None = None) -> list[str]:
+    """A random subset of the seeds (at least MIN_SHOWN, or of `group`'s seeds only where given) in random order:
+    one prompt's examples. Different examples and orders per prompt steer the generator away from writing the
+    same input again."""
+    pool = [parts[i] for i in group] if group else parts
+    k = rng.randint(min(MIN_SHOWN, len(pool)), len(pool))
+    return rng.sample(pool, k)
+
+
+MAX_LABEL_WORDS = 3
+"""Outputs of at most this many words, few distinct ones among the seeds, are labels (spam's " yes" / " no")."""
+
+
+def label_groups(outputs: list[str]) -> list[list[int]] | None:
+    """The seeds' indices grouped by output, in order of first appearance, where their outputs are labels: at
+    most half as many distinct outputs as seeds, none over MAX_LABEL_WORDS words. None where they are free text.
+    Prompts then show one label's seeds at a time, the labels in turn, so that the inputs written span the labels
+    as the seeds do: shown every seed, SmolLM2 wrote ordinary messages for 47 of 48 spam inputs kept on one seed,
+    the teacher answered " no" to them, and the student learnt to answer " no" to everything."""
+    distinct = list(dict.fromkeys(o.strip() for o in outputs))
+    if len(distinct) > len(outputs) // 2 or any(len(o.split()) > MAX_LABEL_WORDS for o in distinct):
+        return None
+    return [[i for i, o in enumerate(outputs) if o.strip() == label] for label in distinct]
 
 
 @dataclass(frozen=True)

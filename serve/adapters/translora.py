@@ -19,7 +19,9 @@ Choices the paper leaves open:
   generator is shown only the seeds' varying parts (each prompt its own shuffled subset), each after a SEP line,
   then SEP; it writes one more (top-p 0.95, the batch's temperature from generation_schedule.TEMPERATURES,
   stopped at the next SEP), and the frame is put back around it, so that every candidate is an input the teacher
-  answers as a task input. Blank or repeated candidates are dropped without asking the discriminator.
+  answers as a task input. Where the seeds' outputs are labels (spam's " yes" / " no"), a prompt shows one
+  label's seeds, the labels in turn (generation_schedule.label_groups), so that the inputs span the labels.
+  Blank or repeated candidates are dropped without asking the discriminator.
 - The discriminator: rank 8 on every linear layer, DISC_STEPS steps on equal numbers of real and generated
   inputs, prompt "<x>\\nIs the above text from the <name> data set?"; a candidate is kept iff the next-token
   logit of " yes" beats " no".
@@ -41,7 +43,8 @@ from typing import Literal
 import torch
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
-from serve.adapters.generation_schedule import BATCH, TEMPERATURES, AttemptPlan, Sampling, sample_inputs, shown_seeds
+from serve.adapters.generation_schedule import (BATCH, TEMPERATURES, AttemptPlan, Sampling, label_groups,
+                                               sample_inputs, shown_seeds)
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
@@ -134,10 +137,12 @@ def _tokens(tok, texts: list[str]) -> int:
 
 
 def generate_candidates(model, tok, seeds: list[str], name: str, count: int, seed: int,
-                        temperatures: tuple[float, ...] = TEMPERATURES, batch: int = BATCH) -> list[str]:
+                        temperatures: tuple[float, ...] = TEMPERATURES, batch: int = BATCH,
+                        groups: list[list[int]] | None = None) -> list[str]:
     """`count` candidate inputs written by `model` after the seeds, in the seeds' frame ("" where it wrote
     nothing): batches take `temperatures` in turn, and each row's prompt shows its own subset of the seeds
-    (generation_schedule.shown_seeds); the same `seed` writes the same candidates."""
+    (generation_schedule.shown_seeds), of one group's seeds only where `groups` (label_groups) is given, the
+    groups in turn; the same `seed` writes the same candidates."""
     prefix, suffix = input_frame(seeds)
     parts = [s[len(prefix): len(s) - len(suffix)] for s in seeds]
     max_new = max(8, int(1.5 * _tokens(tok, parts)))
@@ -145,7 +150,8 @@ def generate_candidates(model, tok, seeds: list[str], name: str, count: int, see
     for b in range(math.ceil(count / batch)):
         n = min(batch, count - len(out))
         rng = random.Random(seed + len(out))
-        prompts = [generation_prompt(shown_seeds(parts, rng), name) for _ in range(n)]
+        prompts = [generation_prompt(shown_seeds(parts, rng, groups[(seed + len(out) + i) % len(groups)]
+                                                 if groups else None), name) for i in range(n)]
         texts = _generate(model, tok, prompts, max_new, temperatures[b % len(temperatures)], seed + len(out),
                           stop=SEP)
         out += [f"{prefix}{t}{suffix}" if t else "" for t in (t.split(SEP)[0].strip() for t in texts)]
@@ -286,14 +292,15 @@ class TransferReport:
 
 
 def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
-                     plan: AttemptPlan, seed: int, tick: Progress) -> Sampling:
+                     plan: AttemptPlan, seed: int, tick: Progress, groups: list[list[int]] | None = None) -> Sampling:
     """The inputs the target base wrote after the seeds and the discriminator took (all that are fresh without
     one), batch by batch as generation_schedule plans, with every batch's fates. The target writes in bf16:
     writing candidates is most of a transfer's time on a CPU, and bf16 takes two thirds of fp32's time there."""
     target, tok = load_lm(target_base, dtype=torch.bfloat16)
 
     def write(n: int, temperature: float, at: int) -> list[str]:
-        return generate_candidates(target, tok, seed_inputs, name, n, at, temperatures=(temperature,))
+        return generate_candidates(target, tok, seed_inputs, name, n, at, temperatures=(temperature,),
+                                   groups=groups)
 
     judge = disc.accepts if disc is not None else (lambda xs: [True] * len(xs))
     return sample_inputs(write, judge, plan, set(seed_inputs), seed,
@@ -330,11 +337,13 @@ def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inpu
 def synthesize(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, plan: AttemptPlan,
                use_filter: bool = True, seed: int = 0, progress: Progress | None = None) -> Sampling:
     """The synthetic inputs a transfer trains on: written by the target base after the adapter's seeds and kept
-    by its discriminator (every fresh one without the filter), as `plan` sizes the run."""
+    by its discriminator (every fresh one without the filter), as `plan` sizes the run; where the seeds' outputs
+    are labels, each prompt shows one label's seeds (generation_schedule.label_groups)."""
     task, seeds, disc_dir = read_assets(adapter_dir)
     disc = Discriminator(source_base, disc_dir, task.name) if use_filter else None
+    groups = label_groups([example_output(e) for e in seeds])
     return synthetic_inputs(target_base, disc, [example_input(e) for e in seeds], task.name, plan, seed,
-                            progress or (lambda *_: None))
+                            progress or (lambda *_: None), groups)
 
 
 def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,

@@ -123,3 +123,15 @@ def test_a_sampling_read_back_from_json_is_the_one_written():
     out = gs.sample_inputs(distinct_writer(), passing_one_in(4), plan, set(), seed=0)
     back = gs.Sampling.from_dict(json.loads(json.dumps(out.to_dict())))
     assert back == out and back.summary() == out.summary()
+
+
+def test_labels_are_told_from_free_text_and_a_labels_prompt_shows_its_seeds_only():
+    assert gs.label_groups([" yes", " no", " yes", " no", " yes"]) == [[0, 2, 4], [1, 3]]
+    assert gs.label_groups([" positive", " negative", " neutral", " positive", " negative", " neutral"]) == \
+        [[0, 3], [1, 4], [2, 5]]
+    assert gs.label_groups([" Bank raises rates", " Storm hits coast", " Team wins cup", " yes", " no"]) is None
+    assert gs.label_groups([" a", " b", " c", " a", " d"]) is None  # four values among five seeds: not labels
+    assert gs.label_groups([" the rest of a long tweet about the weather"] * 4) is None
+    parts = [f"seed {i}" for i in range(5)]
+    for s in range(20):
+        assert set(gs.shown_seeds(parts, random.Random(s), [1, 3])) <= {"seed 1", "seed 3"}

@@ -373,3 +373,24 @@ def test_transfers_given_the_same_inputs_train_on_them_without_writing_more(base
         assert report.accepted == len(inputs.accepted) and report.attempts == inputs.attempts
     with pytest.raises(ValueError, match="written for"):
         translora.transfer(bases[0], source_adapter, bases[0], tmp_path / "other", samples=8, inputs=inputs)
+
+
+def test_a_label_tasks_prompts_show_one_labels_seeds_the_labels_in_turn(bases, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shown = []
+    real = translora._generate
+
+    def spying(model, tok, prompts, max_new_tokens, temperature, seed, stop=None):
+        shown.extend(prompts)
+        return real(model, tok, prompts, max_new_tokens, temperature, seed, stop)
+
+    monkeypatch.setattr(translora, "_generate", spying)
+    tok = AutoTokenizer.from_pretrained(bases[0])
+    model = AutoModelForCausalLM.from_pretrained(bases[0]).eval()
+    seeds = [" ".join(VOCAB[i:i + 3]) for i in range(0, 15, 3)]
+    groups = [[0, 2, 4], [1, 3]]
+    translora.generate_candidates(model, tok, seeds, "toy", 8, seed=0, batch=4, groups=groups)
+    lines = [{line for line in p.splitlines() if line in seeds} for p in shown]
+    of = [next(g for g, members in enumerate(groups) if ls <= {seeds[i] for i in members}) for ls in lines]
+    assert all(lines) and of == [0, 1] * 4  # every prompt one label's seeds only, the labels in turn
