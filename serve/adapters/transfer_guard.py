@@ -1,6 +1,7 @@
 """The guard on every Trans-LoRA transfer: on the adapter's validation set, the student against the target base
 alone and, where the shapes allow, the source adapter applied unchanged to the target; a student that is no
-better than the target alone is refused, so a transfer never leaves a tenant worse off than no adapter at all."""
+better than the target alone is refused, so a transfer never leaves a tenant worse off than no adapter at all.
+Where the completions are labels, better means a higher accuracy (validation.Score), else a lower loss."""
 
 import shutil
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import Literal
 
 from serve.adapters.data import PromptExample
 from serve.adapters.load import load_lm
-from serve.adapters.validation import completion_loss
+from serve.adapters.validation import Score, labels_of, score
 from serve.errors import ArtifactError, ManyfoldError, VariantIncompatible
 from serve.variants.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LABELS_CONFIG
 
@@ -27,20 +28,39 @@ class TransferFailed(ManyfoldError):
 
 @dataclass(frozen=True)
 class Comparison:
-    """Validation losses (mean cross-entropy per completion token) on the target base."""
+    """Validation figures on the target base: losses (mean cross-entropy per completion token) and, where the
+    completions are labels, accuracies (None otherwise, and in reports written before they were kept)."""
 
     student: float
     target_alone: float
     unchanged: float | None
     """The source adapter applied unchanged to the target; None where it does not fit (unfit says why)."""
     unfit: str | None
+    student_accuracy: float | None = None
+    target_alone_accuracy: float | None = None
+    unchanged_accuracy: float | None = None
+
+    @classmethod
+    def of(cls, student: Score, target_alone: Score, unchanged: Score | None, unfit: str | None) -> "Comparison":
+        loss, accuracy = (None, None) if unchanged is None else (unchanged.loss, unchanged.accuracy)
+        return cls(student.loss, target_alone.loss, loss, unfit, student.accuracy, target_alone.accuracy, accuracy)
+
+    def score(self, who: str) -> Score | None:
+        loss = getattr(self, who)
+        return None if loss is None else Score(loss, getattr(self, f"{who}_accuracy"))
 
     def unchanged_wins(self) -> bool:
-        return self.unchanged is not None and self.unchanged < self.student - MIN_GAIN
+        unchanged = self.score("unchanged")
+        return unchanged is not None and unchanged.beats(self.score("student"), MIN_GAIN)
 
     def figures(self) -> str:
-        unchanged = "" if self.unchanged is None else f", source adapter unchanged {self.unchanged:.2f}"
-        return f"student {self.student:.2f}, target alone {self.target_alone:.2f}{unchanged}"
+        def one(who: str, label: str) -> str:
+            s = self.score(who)
+            accuracy = "" if s.accuracy is None else f" (accuracy {s.accuracy:.2f})"
+            return f"{label} {s.loss:.2f}{accuracy}"
+
+        unchanged = "" if self.unchanged is None else f", {one('unchanged', 'source adapter unchanged')}"
+        return f"{one('student', 'student')}, {one('target_alone', 'target alone')}{unchanged}"
 
 
 def unfit_reason(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path) -> str | None:
@@ -62,28 +82,29 @@ def unfit_reason(source_base: str | Path, adapter_dir: str | Path, target_base: 
 
 def compare(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, student_dir: str | Path,
             held: list[PromptExample]) -> Comparison:
-    """Each model's loss on the real validation completions, each loaded as it would be served."""
+    """Each model's score on the real validation completions, each loaded as it would be served."""
+    labels = labels_of(held)
     target, tok = load_lm(target_base)
-    target_alone = completion_loss(target, tok, held)
+    target_alone = score(target, tok, held, labels)
     unfit = unfit_reason(source_base, adapter_dir, target_base)
     unchanged = None
     if unfit is None:
         from peft import PeftModel
 
-        unchanged = completion_loss(PeftModel.from_pretrained(target, adapter_dir).eval(), tok, held)
+        unchanged = score(PeftModel.from_pretrained(target, adapter_dir).eval(), tok, held, labels)
     del target
     student, tok = load_lm(target_base, student_dir)
-    return Comparison(completion_loss(student, tok, held), target_alone, unchanged, unfit)
+    return Comparison.of(score(student, tok, held, labels), target_alone, unchanged, unfit)
 
 
 def choose(c: Comparison, keep_unchanged: bool) -> Outcome:
     """The adapter to keep: the student, or with keep_unchanged the source adapter unchanged where it does better;
     TransferFailed (with the figures) when the one chosen is no better than the target alone."""
     outcome: Outcome = "unchanged" if keep_unchanged and c.unchanged_wins() else "student"
-    loss = c.unchanged if outcome == "unchanged" else c.student
-    if loss is None or loss >= c.target_alone - MIN_GAIN:
+    alone, unchanged = c.score("target_alone"), c.score("unchanged")
+    if not c.score(outcome).beats(alone, MIN_GAIN):
         hint = ("; the source adapter unchanged does better: --keep-unchanged-if-better keeps it"
-                if c.unchanged is not None and c.unchanged < c.target_alone - MIN_GAIN else "")
+                if unchanged is not None and unchanged.beats(alone, MIN_GAIN) else "")
         raise TransferFailed(f"no better than the target alone ({c.figures()}){hint}")
     return outcome
 
@@ -101,4 +122,4 @@ def summary(compared: dict) -> str:
     c = Comparison(**compared)
     better = ("; the source adapter unchanged does better than the student (--keep-unchanged-if-better keeps it)"
               if c.unchanged_wins() else "")
-    return f"validation loss: {c.figures()}{better}"
+    return f"validation: {c.figures()}{better}"

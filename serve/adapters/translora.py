@@ -48,7 +48,7 @@ from serve.adapters.generation_schedule import (BATCH, TEMPERATURES, AttemptPlan
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
-from serve.adapters.validation import (VALIDATION, EarlyStopping, completion_loss, read_validation, split_examples,
+from serve.adapters.validation import (VALIDATION, EarlyStopping, labels_of, read_validation, score, split_examples,
                                        student_schedule, write_validation)
 from serve.errors import ArtifactError, ConfigError
 from serve.store.manifest import StrictModel
@@ -287,8 +287,9 @@ class TransferReport:
     """generation_schedule.Sampling.summary: min_accepted, max_attempts, planned_attempts (sized by the first
     round's acceptance rate), acceptance_rate, the temperatures used, and each batch's temperature and fates."""
     compared: dict = field(default_factory=dict)
-    """transfer_guard.Comparison: validation losses on the target of the student, the target alone and the source
-    adapter unchanged (None where it does not fit; `unfit` says why)."""
+    """transfer_guard.Comparison: validation losses (and accuracies, where the completions are labels) on the target
+    of the student, the target alone and the source adapter unchanged (None where it does not fit; `unfit` says
+    why)."""
 
 
 def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
@@ -357,10 +358,10 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     validation set (transfer_guard; else TransferFailed and nothing is written). Fewer than min_accepted inputs
     kept (generation_schedule.AttemptPlan's defaults) is TransferFailed too, with the figures. rank: the new
     adapter's; by default the source adapter's as trained. steps, lr: by default scaled to the accepted inputs
-    (validation.student_schedule); the student stops early on its validation loss and keeps its best point.
-    inputs: what `synthesize` wrote for this adapter and target with this filter and seed (the caller's to match;
-    only the plan is checked), so that a benchmark's configurations that differ only after it share it; None:
-    written here."""
+    (validation.student_schedule); the student stops early on its validation score (validation.Score) and keeps
+    its best point. inputs: what `synthesize` wrote for this adapter and target with this filter and seed (the
+    caller's to match; only the plan is checked), so that a benchmark's configurations that differ only after it
+    share it; None: written here."""
     plan = AttemptPlan.build(samples, max_attempts, min_accepted)
     task, seeds, _ = read_assets(adapter_dir)
     held, held_from = validation_set(adapter_dir, seeds)
@@ -405,8 +406,10 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
 
 
 def _early_stopping(target_base: str | Path, held: list[PromptExample]) -> EarlyStopping:
-    """Early stopping of a student on the target base by its loss on the real validation completions."""
+    """Early stopping of a student on the target base by its score on the real validation completions (its
+    accuracy first where they are labels)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_base)
-    return EarlyStopping(lambda model: completion_loss(model, tok, held))
+    labels = labels_of(held)
+    return EarlyStopping(lambda model: score(model, tok, held, labels))

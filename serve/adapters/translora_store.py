@@ -75,7 +75,7 @@ def _move(store, name: str, new: str, from_base: str, to_base: str, options: dic
             kind = "lora" if options.get("init") == "lora" else "pissa"
             register(store, new, to_base, Path(tmp) / "adapter", kind, "student")
     if report.outcome == "unchanged":
-        figures = f"validation loss: {Comparison(**report.compared).figures()}"
+        figures = f"validation: {Comparison(**report.compared).figures()}"
         return "kept", f"{name}: kept unchanged as '{new}', not transferred ({figures})"
     return "moved", (f"{name}: moved to '{new}' ({report.accepted} of {report.attempts} inputs accepted; "
                      f"{summary(report.compared)})")

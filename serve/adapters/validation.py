@@ -1,5 +1,6 @@
-"""Trans-LoRA's validation set: real examples kept beside an adapter that nobody trains on, the loss of their
-completions under a model, and the early stopping of a student on that loss.
+"""Trans-LoRA's validation set: real examples kept beside an adapter that nobody trains on, a model's score on it
+(the loss of their completions, and where the completions are labels its accuracy), and the early stopping of a
+student on that score.
 
 At `adapter train --discriminator` the owner's examples are split, in file order, into SEEDS seeds (shown to the
 generator), a validation set (at most VALIDATION, and at most half of what is left past the seeds) and the rest;
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from serve.adapters.data import IGNORE, PromptExample, TrainExample, collate, parse_example, tokenize_examples
+from serve.adapters.generation_schedule import label_groups
 from serve.errors import ArtifactError
 from serve.variants.lora import TRANSLORA_DIR
 
@@ -60,20 +62,73 @@ def read_validation(adapter_dir: str | Path) -> list[TrainExample] | None:
 
 
 @torch.no_grad()
-def completion_loss(model, tok, examples: list[PromptExample], max_length: int = 128, batch: int = 8) -> float:
-    """Mean cross-entropy per completion token (eos included) over every example: lower is better, and it
-    compares models of one tokenizer on the same texts."""
+def completion_nll(model, tok, examples: list[TrainExample], max_length: int = 128, batch: int = 8
+                   ) -> tuple[list[float], list[int]]:
+    """Each example's summed cross-entropy over its completion tokens (eos included), and how many there are."""
     features = tokenize_examples(tok, examples, max_length)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    total, count = 0.0, 0
+    sums: list[float] = []
+    counts: list[int] = []
     for i in range(0, len(features), batch):
         b = collate(features[i:i + batch], pad)
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]  # [rows, t-1, vocab]
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # [rows, t, vocab]
         labels = b["labels"][:, 1:]  # [rows, t-1]
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                                   ignore_index=IGNORE, reduction="sum").item()
-        count += int((labels != IGNORE).sum())
-    return total / max(count, 1)
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels, ignore_index=IGNORE,
+                                                reduction="none")  # [rows, t-1]
+        sums += nll.sum(dim=1).tolist()
+        counts += (labels != IGNORE).sum(dim=1).tolist()
+    return sums, counts
+
+
+def completion_loss(model, tok, examples: list[TrainExample], max_length: int = 128, batch: int = 8) -> float:
+    """Mean cross-entropy per completion token (eos included) over every example: lower is better, and it
+    compares models of one tokenizer on the same texts."""
+    sums, counts = completion_nll(model, tok, examples, max_length, batch)
+    return sum(sums) / max(sum(counts), 1)
+
+
+@dataclass(frozen=True)
+class Score:
+    """A model on the validation set: its loss per completion token and, where the completions are labels, its
+    accuracy. Accuracy comes first where there is one: a student can learn a label's form (its loss falls from 6.6
+    to 0.4 nats on spam) and still answer one label to everything (accuracy 0.49, the target alone's 0.50)."""
+
+    loss: float
+    accuracy: float | None = None
+
+    def key(self) -> tuple[float, float]:
+        """Larger is better: accuracy, then lower loss."""
+        return (self.accuracy if self.accuracy is not None else 0.0, -self.loss)
+
+    def beats(self, other: "Score", min_gain: float) -> bool:
+        """Better by a margin that is not noise: a higher accuracy where both have one, else a loss lower by
+        more than min_gain."""
+        if self.accuracy is not None and other.accuracy is not None:
+            return self.accuracy > other.accuracy
+        return self.loss < other.loss - min_gain
+
+
+def labels_of(examples: list[TrainExample]) -> list[str] | None:
+    """The distinct completions, where they are labels (generation_schedule.label_groups); None for free text."""
+    if not examples or not all(isinstance(e, PromptExample) for e in examples):
+        return None
+    outputs = [e.completion for e in examples]
+    return list(dict.fromkeys(outputs)) if label_groups(outputs) is not None else None
+
+
+def score(model, tok, examples: list[TrainExample], labels: list[str] | None = None) -> Score:
+    """The model's Score on examples. With labels (labels_of), every label is scored as each example's
+    completion: the loss is the true label's, and the answer the label whose completion is likeliest."""
+    if labels is None:
+        return Score(completion_loss(model, tok, examples))
+    options = [PromptExample(prompt=e.prompt, completion=label) for e in examples for label in labels]
+    sums, counts = completion_nll(model, tok, options)
+    n = len(labels)
+    truth = [labels.index(e.completion) for e in examples]
+    true_sums = [sums[i * n + t] for i, t in enumerate(truth)]
+    loss = sum(true_sums) / max(sum(counts[i * n + t] for i, t in enumerate(truth)), 1)
+    answers = [min(range(n), key=lambda j: sums[i * n + j]) for i in range(len(examples))]
+    return Score(loss, sum(a == t for a, t in zip(answers, truth)) / len(examples))
 
 
 def student_schedule(accepted: int, steps: int | None, lr: float | None,
@@ -91,16 +146,16 @@ def student_schedule(accepted: int, steps: int | None, lr: float | None,
 @dataclass
 class EarlyStopping:
     """Validate a training model at step 0, every `every` steps and at the last; keep a copy of its trainable
-    weights at the best loss, and say stop after `patience` validations without a new best. restore() puts the
-    best weights back, so what is saved is the best point, not the last."""
+    weights at the best score (Score.key), and say stop after `patience` validations without a new best.
+    restore() puts the best weights back, so what is saved is the best point, not the last."""
 
-    evaluate: Callable[[object], float]
-    """Called with the model in eval mode: the loss to minimise."""
+    evaluate: Callable[[object], Score]
+    """Called with the model in eval mode."""
     every: int = EVAL_EVERY
     patience: int = PATIENCE
     curve: list[dict[str, float]] = field(default_factory=list)
     best_step: int = 0
-    best_loss: float = math.inf
+    best: Score | None = None
     _best: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def check(self, model, step: int, last: bool = False) -> bool:
@@ -109,11 +164,12 @@ class EarlyStopping:
             return False
         was_training = model.training
         model.eval()
-        loss = self.evaluate(model)
+        now = self.evaluate(model)
         model.train(was_training)
-        self.curve.append({"step": step, "loss": loss})
-        if loss < self.best_loss:
-            self.best_step, self.best_loss = step, loss
+        self.curve.append({"step": step, "loss": now.loss}
+                          | ({} if now.accuracy is None else {"accuracy": now.accuracy}))
+        if self.best is None or now.key() > self.best.key():
+            self.best_step, self.best = step, now
             self._best = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         return step - self.best_step >= self.every * self.patience
 

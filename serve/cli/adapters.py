@@ -129,7 +129,8 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     """The student's options, shared by `translora` and `store translora`."""
     p.add_argument("--steps", type=int, default=None,
                    help="the student's steps at most (default: 10 epochs of the accepted inputs, 20 to 200); it "
-                        "stops early on its validation loss and keeps its best point")
+                        "stops early on its validation score (accuracy first where the completions are labels) "
+                        "and keeps its best point")
     p.add_argument("--lr", type=float, default=None,
                    help="the student's lr (default: 5e-4 x accepted / 64, at most 5e-4)")
     p.add_argument("--seed", type=int, default=0)

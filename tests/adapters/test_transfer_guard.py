@@ -21,7 +21,10 @@ from serve.variants import variant_kind
 from tests.adapters.test_translora import VOCAB, toy_task
 from tests.models import write_perturbed, write_tiny_causal
 
-FIGURES = r"student (\d+\.\d\d), target alone (\d+\.\d\d), source adapter unchanged (\d+\.\d\d)"
+ACC = r" \(accuracy (\d\.\d\d)\)"
+FIGURES = (rf"student (\d+\.\d\d){ACC}, target alone (\d+\.\d\d){ACC}, "
+           rf"source adapter unchanged (\d+\.\d\d){ACC}")
+"""The toy task's completions are labels (" yes", " no"), so the guard compares accuracies, losses beside them."""
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +74,8 @@ def test_a_student_that_beats_the_target_alone_is_registered_as_a_student(store,
     code = store_translora(store, "--steps", "30", "--lr", "1e-2")
     out = capsys.readouterr().out
     assert code == 0 and re.match(r"toy: moved to 'toy.new' \(\d of 16 inputs accepted; ", out)  # blanks dropped
-    student, target_alone, _ = map(float, re.search(FIGURES, out).groups())
-    assert student < target_alone
+    _, student, _, target_alone, _, _ = map(float, re.search(FIGURES, out).groups())
+    assert student > target_alone  # accuracy
     store.reload()
     entry = store.variant("toy.new")
     assert entry.base == "new" and entry.kind == "pissa" and entry.translora == "student"
@@ -83,8 +86,8 @@ def test_a_student_no_better_than_the_target_alone_is_refused_by_name_and_not_re
     captured = capsys.readouterr()
     line = captured.out.strip()
     assert code == 1 and line.startswith("toy: failed: no better than the target alone (student ")
-    student, target_alone, unchanged = map(float, re.search(FIGURES, line).groups())
-    assert student == target_alone and unchanged < target_alone
+    figures = list(map(float, re.search(FIGURES, line).groups()))  # loss, accuracy for each
+    assert figures[:2] == figures[2:4] and figures[5] > figures[3]  # the unchanged adapter's accuracy is higher
     assert line.endswith("the source adapter unchanged does better: --keep-unchanged-if-better keeps it")
     assert captured.err.startswith("manyfold: error: 1 adapter could not move") and captured.err.count("\n") == 1
     store.reload()
@@ -94,7 +97,7 @@ def test_a_student_no_better_than_the_target_alone_is_refused_by_name_and_not_re
 def test_keep_unchanged_if_better_registers_the_source_adapter_marked_not_transferred(store, capsys):
     code = store_translora(store, "--steps", "2", "--lr", "0", "--keep-unchanged-if-better")
     out = capsys.readouterr().out
-    assert code == 0 and out.startswith("toy: kept unchanged as 'toy.new', not transferred (validation loss: ")
+    assert code == 0 and out.startswith("toy: kept unchanged as 'toy.new', not transferred (validation: student ")
     store.reload()
     entry, source = store.variant("toy.new"), store.variant("toy")
     assert entry.base == "new" and entry.kind == "lora" and entry.translora == "unchanged"
@@ -122,9 +125,10 @@ def test_the_student_kept_is_its_best_point_on_the_validation_curve(bases, sourc
                                 max_attempts=16, steps=30, lr=1e-2)
     curve = report.validation["curve"]
     assert report.validation["examples"] == 21 and [p["step"] for p in curve][:3] == [0, 5, 10]
-    best = min(curve, key=lambda p: p["loss"])
+    best = max(curve, key=lambda p: (p["accuracy"], -p["loss"]))  # labels: accuracy first, then loss
     assert report.validation["best_step"] == best["step"] > 0
     assert report.compared["student"] == pytest.approx(best["loss"], abs=1e-3)  # as served, not as trained
+    assert report.compared["student_accuracy"] == best["accuracy"] > report.compared["target_alone_accuracy"]
     assert curve[0]["loss"] == pytest.approx(report.compared["target_alone"], abs=1e-3)  # PiSSA starts as the target
 
 

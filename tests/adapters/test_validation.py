@@ -1,9 +1,15 @@
-"""Trans-LoRA's validation set and early stopping: what is held out, and which weights a student keeps."""
+"""Trans-LoRA's validation set, a model's score on it, and early stopping: what is held out, what counts as
+better, and which weights a student keeps."""
 
+import pytest
 import torch
 
-from serve.adapters.data import TextExample
-from serve.adapters.validation import EarlyStopping, split_examples, student_schedule
+from serve.adapters.data import PromptExample, TextExample
+from serve.adapters.load import load_lm
+from serve.adapters.transfer_guard import Comparison, TransferFailed, choose
+from serve.adapters.validation import (EarlyStopping, Score, completion_loss, labels_of, score, split_examples,
+                                       student_schedule)
+from tests.models import write_tiny_causal
 
 
 def test_the_validation_set_is_held_out_between_the_seeds_and_the_rest():
@@ -17,7 +23,7 @@ def test_the_validation_set_is_held_out_between_the_seeds_and_the_rest():
 def test_early_stopping_stops_after_its_patience_and_restores_the_best_weights():
     model = torch.nn.Linear(2, 2)
     losses = iter([3.0, 2.0, 2.5, 2.6, 2.7, 2.8])
-    early = EarlyStopping(lambda m: next(losses), every=5, patience=4)
+    early = EarlyStopping(lambda m: Score(next(losses)), every=5, patience=4)
     stopped_at = None
     for step in range(0, 100):
         with torch.no_grad():
@@ -36,3 +42,50 @@ def test_a_student_schedule_scales_with_what_was_accepted_unless_given():
     assert student_schedule(64, None, None) == (160, 5e-4)
     assert student_schedule(500, None, None) == (200, 5e-4)
     assert student_schedule(6, 7, 1e-3) == (7, 1e-3)
+
+
+def test_where_the_completions_are_labels_accuracy_orders_first_then_loss():
+    scores = iter([Score(6.6, 0.50), Score(0.4, 0.50), Score(0.9, 0.75), Score(0.5, 0.75), Score(0.3, 0.70)])
+    early = EarlyStopping(lambda m: next(scores), every=1, patience=10)
+    for step in range(5):
+        early.check(torch.nn.Linear(1, 1), step)
+    assert early.best_step == 3 and early.best == Score(0.5, 0.75)
+    assert early.curve[1] == {"step": 1, "loss": 0.4, "accuracy": 0.5}
+
+
+def test_a_student_that_learnt_the_labels_form_but_not_the_task_is_refused():
+    """Spam, seed 2, on the new-version target: the student's loss fell from 6.63 to 0.42 nats, and it answered
+    " no" to everything; judged on loss it was registered at held-out accuracy 0.49."""
+    c = Comparison(student=0.42, target_alone=6.63, unchanged=0.10, unfit=None, student_accuracy=0.50,
+                   target_alone_accuracy=0.50, unchanged_accuracy=0.97)
+    with pytest.raises(TransferFailed, match=r"^no better than the target alone \(student 0\.42 \(accuracy 0\.50\), "
+                                             r"target alone 6\.63 \(accuracy 0\.50\), source adapter unchanged 0\.10 "
+                                             r"\(accuracy 0\.97\)\); the source adapter unchanged does better"):
+        choose(c, keep_unchanged=False)
+    assert choose(c, keep_unchanged=True) == "unchanged"
+    assert choose(Comparison(0.42, 6.63, None, "shapes", 0.53, 0.50), keep_unchanged=True) == "student"
+    assert choose(Comparison(3.5, 5.7, None, "shapes"), keep_unchanged=False) == "student"  # free text: loss
+    with pytest.raises(TransferFailed):
+        choose(Comparison(5.7, 5.7, None, "shapes"), keep_unchanged=False)
+
+
+def test_labels_are_told_from_free_text():
+    spam = [PromptExample(prompt=f"m{i}", completion=" yes" if i % 3 else " no") for i in range(8)]
+    assert labels_of(spam) == [" no", " yes"]
+    assert labels_of([PromptExample(prompt=f"a{i}", completion=f" headline {i}") for i in range(8)]) is None
+    assert labels_of([TextExample(text="a tweet")]) is None and labels_of([]) is None
+
+
+def test_a_label_score_is_each_examples_likeliest_label_and_the_true_labels_loss(tmp_path):
+    """Checked against scoring every (example, label) pair one at a time."""
+    model, tok = load_lm(write_tiny_causal(tmp_path / "llama"))
+    labels = [" yes", " no", " good"]
+    held = [PromptExample(prompt=f"the {w} sat on {w}", completion=labels[i % 3])
+            for i, w in enumerate("cat dog mat tree fish bird sun moon book pen".split())]
+    got = score(model, tok, held, labels)
+    answers = [min(labels, key=lambda label: completion_loss(model, tok, [PromptExample(prompt=e.prompt,
+                                                                                    completion=label)]))
+               for e in held]
+    assert got.accuracy == sum(a == e.completion for a, e in zip(answers, held)) / len(held)
+    assert got.loss == pytest.approx(completion_loss(model, tok, held), rel=1e-5)
+    assert score(model, tok, held) == Score(completion_loss(model, tok, held))
