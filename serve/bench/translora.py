@@ -33,8 +33,8 @@ from serve.adapters.translora import (SEEDS, YES, TransferFailed, answer_tokens,
                                       train_discriminator, transfer)
 from serve.adapters.validation import completion_loss, split_examples
 from serve.bench.report import finish, machine
-from serve.bench.translora_table import ALONE, ROWS, mean_curve, init_verdicts, plot, primary, print_report, \
-    summarize, task_verdicts
+from serve.bench.translora_table import ALONE, MOVED, ROWS, UNFILTERED, mean_curve, init_verdicts, plot, primary, \
+    print_report, summarize, task_verdicts
 from serve.bench.translora_targets import TARGETS, target_base, target_info
 from serve.errors import ConfigError
 from serve.store.writer import atomic_write
@@ -105,15 +105,17 @@ def source_adapter(work: Path, source: Path, task: str, train: list[TrainExample
 
 
 def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src: Path,
-              train: list[TrainExample], seed: int) -> tuple[dict, dict, dict]:
-    """One seed on one target: (adapter of each row but the target alone or None where it made none, transfer
-    reports, failures)."""
+              train: list[TrainExample], seed: int, rows: tuple[str, ...] = ROWS) -> tuple[dict, dict, dict]:
+    """One seed on one target: (adapter of each of `rows` but the target alone or None where it made none,
+    transfer reports, failures)."""
     name, base = target
     seeds, _, rest = split_examples(train, SEEDS)
     real = work / f"{name}-{task}-s{seed}-real"
     _train(base, seeds + rest, real, "pissa", seed)
     reports, failures, moved = {}, {}, {}
-    for row, use_filter in (("Trans-LoRA", True), ("Trans-LoRA, no filter", False)):
+    for row, use_filter in ((MOVED, True), (UNFILTERED, False)):
+        if row not in rows:
+            continue
         moved[row] = work / f"{name}-{task}-s{seed}-{'filtered' if use_filter else 'unfiltered'}"
         failed = moved[row].with_name(moved[row].name + ".failed")
         if not moved[row].exists() and not failed.exists():
@@ -127,20 +129,20 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
             failures[row] = failed.read_text().strip()
         else:
             reports[row] = json.loads((moved[row] / "translora_report.json").read_text())
-    adapters = dict(zip(ROWS, ((source, src), None, (base, src), (base, moved["Trans-LoRA"]),
-                               (base, moved["Trans-LoRA, no filter"]), (base, real))))
-    return {row: None if row in failures else a for row, a in adapters.items()}, reports, failures
+    adapters = dict(zip(ROWS, ((source, src), None, (base, src), (base, moved[MOVED]),
+                               (base, moved.get(UNFILTERED)), (base, real))))
+    return {row: None if row in failures else adapters[row] for row in rows}, reports, failures
 
 
 def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sources: list[Path],
-              evals: Evaluations) -> dict:
+              evals: Evaluations, rows: tuple[str, ...] = ROWS) -> dict:
     """One task on one target over every seed: each row's runs and summary, reports, failures, verdicts."""
     train, held = task_examples(task, "train", TRAIN), heldout_examples(task, HELDOUT)
-    runs: dict[str, list] = {row: [] for row in ROWS}
-    reports: dict[str, list] = {"Trans-LoRA": [], "Trans-LoRA, no filter": []}
+    runs: dict[str, list] = {row: [] for row in rows}
+    reports: dict[str, list] = {row: [] for row in (MOVED, UNFILTERED) if row in rows}
     failures: dict[str, dict[int, str]] = {}
     for seed, src in enumerate(sources):
-        adapters, rep, fail = seed_runs(work, source, target, task, src, train, seed)
+        adapters, rep, fail = seed_runs(work, source, target, task, src, train, seed, rows)
         _log(f"{target[0]}, {task}, seed {seed}: evaluating on {len(held)} held-out examples")
         for row, a in adapters.items():
             if row != ALONE:
@@ -159,14 +161,14 @@ def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sou
 
 
 def transfer_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: int,
-                   evals: Evaluations) -> dict:
+                   evals: Evaluations, rows: tuple[str, ...] = ROWS) -> dict:
     """{target: {task: task_runs}}; each task's source adapters are trained once and moved to every target."""
     out: dict[str, dict] = {name: {} for name in targets}
     for task in tasks:
         train = task_examples(task, "train", TRAIN)
         sources = [source_adapter(work, source, task, train, seed) for seed in range(seeds)]
         for name, base in targets.items():
-            out[name][task] = task_runs(work, source, (name, base), task, sources, evals)
+            out[name][task] = task_runs(work, source, (name, base), task, sources, evals, rows)
     return out
 
 
@@ -202,9 +204,11 @@ def choose(given: str | None, known: tuple[str, ...], what: str) -> tuple[str, .
 
 
 def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tasks: tuple[str, ...] = TASKS,
-                        targets: tuple[str, ...] = TARGETS, inits: bool = True, ablation: bool = False) -> dict:
+                        targets: tuple[str, ...] = TARGETS, inits: bool = True, ablation: bool = False,
+                        unfiltered: bool = True) -> dict:
     """The whole bench (or the subset of tasks and targets given): tables on stdout, JSON at out, PNG beside.
-    ablation: the ablation instead (serve/bench/translora_ablation.py)."""
+    ablation: the ablation instead (serve/bench/translora_ablation.py). unfiltered: False leaves out the
+    transfer without the discriminator's filter (a third of the bench's time; the ablation measures the filter)."""
     from serve.data.cache import home
     from serve.data.models import smollm2_dir
 
@@ -226,7 +230,8 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
     report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seeds, "rank": RANK,
               "steps": STEPS, "lr": LR, "train_examples": TRAIN, "samples": SAMPLES,
               "targets": {name: target_info(name, base) for name, base in bases.items()},
-              "transfer": transfer_table(work, source, bases, tasks, seeds, evals),
+              "transfer": transfer_table(work, source, bases, tasks, seeds, evals,
+                                         ROWS if unfiltered else tuple(r for r in ROWS if r != UNFILTERED)),
               "inits": init_table(work, source, tasks, seeds, evals) if inits else {}}
     report["seconds"] = time.perf_counter() - t0
     finish(report, out, print_report)

@@ -52,9 +52,9 @@ AGAINST = {ALONE: "the target base alone", UNCHANGED: "the source adapter applie
 
 
 def task_verdicts(task: str, rows: dict[str, dict]) -> dict[str, str]:
-    """Trans-LoRA against each row of AGAINST on the task's metric (versus), keyed by that row."""
+    """Trans-LoRA against each row of AGAINST that ran, on the task's metric (versus), keyed by that row."""
     metric, sign = primary(task)
-    return {row: versus(rows[MOVED], rows[row], metric, sign) for row in AGAINST}
+    return {row: versus(rows[MOVED], rows[row], metric, sign) for row in AGAINST if row in rows}
 
 
 def cell(s: dict | None, metric: str) -> str:
@@ -92,8 +92,8 @@ def print_transfer(target: str, info: dict, tasks: dict) -> None:
     sizes = ", ".join(f"{k} {t['heldout']}" for k, t in tasks.items())
     print(f"held-out ({sizes} examples; loss per completion token; mean (min..max) over seeds)")
     print(f"{'':<56}" + "".join(f"{task + ' ' + m:>30}" for task, m in cols))
-    for row in ROWS:
-        print(f"{row:<56}" + "".join(f"{cell(tasks[task]['rows'][row], m):>30}" for task, m in cols))
+    for row in (r for r in ROWS if any(r in t["rows"] for t in tasks.values())):
+        print(f"{row:<56}" + "".join(f"{cell(tasks[task]['rows'].get(row), m):>30}" for task, m in cols))
     for task, t in tasks.items():
         for name, reports in t["reports"].items():
             kept = ", ".join("-" if r is None else f"{r['accepted']}/{r['attempts']}" + student(r) for r in reports)

@@ -53,7 +53,7 @@ def cmd_bench_translora(args: argparse.Namespace) -> None:
     out = args.out or f"bench-results/translora{'-ablation' if args.ablation else ''}.json"
     run_translora_bench(Path(out), Path(args.work) if args.work else None, args.seeds,
                         choose(args.tasks, TASKS, "tasks"), choose(args.targets, TARGETS, "targets"),
-                        inits=not args.no_inits, ablation=args.ablation)
+                        inits=not args.no_inits, ablation=args.ablation, unfiltered=not args.no_unfiltered)
 
 
 def cmd_bench_neuzip(args: argparse.Namespace) -> None:
@@ -89,6 +89,8 @@ def _add_translora(bench: argparse._SubParsersAction) -> None:
     bt.add_argument("--tasks", help="a subset of spam,headlines,tweets, joined by commas (default: all)")
     bt.add_argument("--targets", help="a subset of neuzip-k0,new-version, joined by commas (default: both)")
     bt.add_argument("--no-inits", action="store_true", help="skip PiSSA against LoRA")
+    bt.add_argument("--no-unfiltered", action="store_true", help="skip the transfer without the discriminator's "
+                    "filter (a third of the time; --ablation measures the filter)")
     bt.add_argument("--ablation", action="store_true", help="instead, the ablation: the transfer as issue 22 "
                     "measured it, then one choice changed at a time (serve/bench/translora_ablation.py)")
 

@@ -12,7 +12,7 @@ import serve.bench.translora as bench
 import serve.data.models
 from serve.adapters.generation_schedule import Sampling
 from serve.adapters.transfer_guard import TransferFailed
-from serve.bench.translora_table import ALONE, MOVED, UNCHANGED
+from serve.bench.translora_table import ALONE, MOVED, UNCHANGED, UNFILTERED
 
 
 @pytest.fixture
@@ -104,3 +104,13 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
     shutil.rmtree(tmp_path / "work" / "ablation" / "new-version-headlines-s0-as-filed")
     bench.run_translora_bench(*args, **kw)  # a configuration run again (or added) trains on the inputs kept
     assert len(seen) == len(ablation.CHANGES) + 1 and sorted(written) == [False, True]
+
+
+def test_without_the_unfiltered_transfer_its_row_and_verdict_are_left_out(stubs, tmp_path, capsys):
+    report = bench.run_translora_bench(tmp_path / "r.json", tmp_path / "work", seeds=1, tasks=("headlines",),
+                                       targets=("new-version",), inits=False, unfiltered=False)
+    headlines = report["transfer"]["new-version"]["headlines"]
+    assert stubs["transfer"] == 1 and UNFILTERED not in headlines["rows"] and UNFILTERED not in headlines["reports"]
+    assert list(headlines["verdicts"]) == [ALONE, UNCHANGED]
+    printed = capsys.readouterr().out
+    assert MOVED in printed and "no filter" not in printed and "without the discriminator's filter" not in printed
