@@ -63,27 +63,32 @@ def read_validation(adapter_dir: str | Path) -> list[TrainExample] | None:
 
 @torch.no_grad()
 def completion_nll(model, tok, examples: list[TrainExample], max_length: int = 128, batch: int = 8
-                   ) -> tuple[list[float], list[int]]:
-    """Each example's summed cross-entropy over its completion tokens (eos included), and how many there are."""
+                   ) -> tuple[list[float], list[int], list[float]]:
+    """Per example: the summed cross-entropy over its completion tokens (eos included), how many there are, and
+    the last one's (the eos, which tokenize_example appends)."""
     features = tokenize_examples(tok, examples, max_length)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     sums: list[float] = []
     counts: list[int] = []
+    ends: list[float] = []
     for i in range(0, len(features), batch):
         b = collate(features[i:i + batch], pad)
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # [rows, t, vocab]
         labels = b["labels"][:, 1:]  # [rows, t-1]
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels, ignore_index=IGNORE,
-                                                reduction="none")  # [rows, t-1]
+                                                reduction="none")  # [rows, t-1], 0 where ignored
+        scored = labels != IGNORE  # [rows, t-1]
+        last = (scored * torch.arange(scored.shape[1])).argmax(dim=1)  # [rows]
         sums += nll.sum(dim=1).tolist()
-        counts += (labels != IGNORE).sum(dim=1).tolist()
-    return sums, counts
+        counts += scored.sum(dim=1).tolist()
+        ends += nll.gather(1, last[:, None])[:, 0].tolist()
+    return sums, counts, ends
 
 
 def completion_loss(model, tok, examples: list[TrainExample], max_length: int = 128, batch: int = 8) -> float:
     """Mean cross-entropy per completion token (eos included) over every example: lower is better, and it
     compares models of one tokenizer on the same texts."""
-    sums, counts = completion_nll(model, tok, examples, max_length, batch)
+    sums, counts, _ = completion_nll(model, tok, examples, max_length, batch)
     return sum(sums) / max(sum(counts), 1)
 
 
@@ -118,16 +123,17 @@ def labels_of(examples: list[TrainExample]) -> list[str] | None:
 
 def score(model, tok, examples: list[TrainExample], labels: list[str] | None = None) -> Score:
     """The model's Score on examples. With labels (labels_of), every label is scored as each example's
-    completion: the loss is the true label's, and the answer the label whose completion is likeliest."""
+    completion: the loss is the true label's, and the answer the label whose tokens are likeliest (its end of text
+    left out, as lm-eval scores a choice: an untrained base's odds of stopping after a word are no answer)."""
     if labels is None:
         return Score(completion_loss(model, tok, examples))
     options = [PromptExample(prompt=e.prompt, completion=label) for e in examples for label in labels]
-    sums, counts = completion_nll(model, tok, options)
+    sums, counts, ends = completion_nll(model, tok, options)
     n = len(labels)
     truth = [labels.index(e.completion) for e in examples]
     true_sums = [sums[i * n + t] for i, t in enumerate(truth)]
     loss = sum(true_sums) / max(sum(counts[i * n + t] for i, t in enumerate(truth)), 1)
-    answers = [min(range(n), key=lambda j: sums[i * n + j]) for i in range(len(examples))]
+    answers = [min(range(n), key=lambda j: sums[i * n + j] - ends[i * n + j]) for i in range(len(examples))]
     return Score(loss, sum(a == t for a, t in zip(answers, truth)) / len(examples))
 
 

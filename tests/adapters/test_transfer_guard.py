@@ -2,9 +2,13 @@
 target alone on the validation set is registered; one that does not is refused by name and nothing is
 registered; --keep-unchanged-if-better registers the source adapter unchanged when it does better.
 
-The source is a tiny Llama with a LoRA that learnt the toy task; the target a perturbed copy of it (same
+The source is a tiny Llama with a LoRA that learnt a copying task; the target a perturbed copy of it (same
 tokenizer and shapes, so the unchanged adapter fits). A student that learnt nothing is made with lr 0; one that
-learns is taught by a teacher that knows the task's rule. The comparison itself always runs for real."""
+learns is taught by a teacher that knows the task's rule. The comparison itself always runs for real. The task's
+completions are free text, so the guard compares losses; where they are labels it compares accuracies first
+(tests/adapters/test_validation.py)."""
+
+import random
 
 import json
 import re
@@ -18,13 +22,21 @@ from serve.adapters.validation import split_examples
 from serve.cli import main
 from serve.store.store import Store
 from serve.variants import variant_kind
-from tests.adapters.test_translora import VOCAB, toy_task
+from tests.adapters.test_translora import VOCAB
 from tests.models import write_perturbed, write_tiny_causal
 
-ACC = r" \(accuracy (\d\.\d\d)\)"
-FIGURES = (rf"student (\d+\.\d\d){ACC}, target alone (\d+\.\d\d){ACC}, "
-           rf"source adapter unchanged (\d+\.\d\d){ACC}")
-"""The toy task's completions are labels (" yes", " no"), so the guard compares accuracies, losses beside them."""
+FIGURES = r"student (\d+\.\d\d), target alone (\d+\.\d\d), source adapter unchanged (\d+\.\d\d)"
+
+
+def copy_task(n: int, seed: int) -> list[PromptExample]:
+    """Five words, then the first two again."""
+    rng = random.Random(seed)
+    return [PromptExample(prompt=" ".join(words), completion=copied(" ".join(words)))
+            for words in (rng.choices(VOCAB, k=5) for _ in range(n))]
+
+
+def copied(prompt: str) -> str:
+    return " " + " ".join(prompt.split()[:2])
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +48,9 @@ def bases(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def source_adapter(bases, tmp_path_factory):
-    """A LoRA that learnt the toy task on the source (never on the validation set kept beside it)."""
+    """A LoRA that learnt the copying task on the source (never on the validation set kept beside it)."""
     out = tmp_path_factory.mktemp("adapter") / "toy"
-    examples = toy_task(48, seed=1)
+    examples = copy_task(48, seed=1)
     seeds, _, rest = split_examples(examples, 5)
     train_adapter(bases[0], seeds + rest, out, init="lora", rank=4, steps=40, lr=1e-2, progress=lambda *_: None)
     translora.train_discriminator(bases[0], out, examples, "toy", steps=2)
@@ -56,12 +68,8 @@ def store(bases, source_adapter, tmp_path, monkeypatch):
 
 
 def an_oracle_teacher(source_base, adapter_dir, task, inputs, seed, tick, length=None):
-    """Completes each input by the toy task's rule, so the student has something true to learn."""
-    def answer(x: str) -> str:
-        first = x.split()[0] if x.split() else ""
-        return " yes" if first in VOCAB and VOCAB.index(first) < 30 else " no"
-
-    return [PromptExample(prompt=x, completion=answer(x)) for x in inputs]
+    """Completes each input by the copying task's rule, so the student has something true to learn."""
+    return [PromptExample(prompt=x, completion=copied(x)) for x in inputs if x.split()]
 
 
 def store_translora(store: Store, *extra: str) -> int:
@@ -74,8 +82,8 @@ def test_a_student_that_beats_the_target_alone_is_registered_as_a_student(store,
     code = store_translora(store, "--steps", "30", "--lr", "1e-2")
     out = capsys.readouterr().out
     assert code == 0 and re.match(r"toy: moved to 'toy.new' \(\d of 16 inputs accepted; ", out)  # blanks dropped
-    _, student, _, target_alone, _, _ = map(float, re.search(FIGURES, out).groups())
-    assert student > target_alone  # accuracy
+    student, target_alone, _ = map(float, re.search(FIGURES, out).groups())
+    assert student < target_alone
     store.reload()
     entry = store.variant("toy.new")
     assert entry.base == "new" and entry.kind == "pissa" and entry.translora == "student"
@@ -86,8 +94,8 @@ def test_a_student_no_better_than_the_target_alone_is_refused_by_name_and_not_re
     captured = capsys.readouterr()
     line = captured.out.strip()
     assert code == 1 and line.startswith("toy: failed: no better than the target alone (student ")
-    figures = list(map(float, re.search(FIGURES, line).groups()))  # loss, accuracy for each
-    assert figures[:2] == figures[2:4] and figures[5] > figures[3]  # the unchanged adapter's accuracy is higher
+    student, target_alone, unchanged = map(float, re.search(FIGURES, line).groups())
+    assert student == target_alone and unchanged < target_alone
     assert line.endswith("the source adapter unchanged does better: --keep-unchanged-if-better keeps it")
     assert captured.err.startswith("manyfold: error: 1 adapter could not move") and captured.err.count("\n") == 1
     store.reload()
@@ -125,10 +133,9 @@ def test_the_student_kept_is_its_best_point_on_the_validation_curve(bases, sourc
                                 max_attempts=16, steps=30, lr=1e-2)
     curve = report.validation["curve"]
     assert report.validation["examples"] == 21 and [p["step"] for p in curve][:3] == [0, 5, 10]
-    best = max(curve, key=lambda p: (p["accuracy"], -p["loss"]))  # labels: accuracy first, then loss
+    best = min(curve, key=lambda p: p["loss"])
     assert report.validation["best_step"] == best["step"] > 0
     assert report.compared["student"] == pytest.approx(best["loss"], abs=1e-3)  # as served, not as trained
-    assert report.compared["student_accuracy"] == best["accuracy"] > report.compared["target_alone_accuracy"]
     assert curve[0]["loss"] == pytest.approx(report.compared["target_alone"], abs=1e-3)  # PiSSA starts as the target
 
 

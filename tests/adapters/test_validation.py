@@ -77,15 +77,23 @@ def test_labels_are_told_from_free_text():
 
 
 def test_a_label_score_is_each_examples_likeliest_label_and_the_true_labels_loss(tmp_path):
-    """Checked against scoring every (example, label) pair one at a time."""
+    """Checked against scoring every (example, label) pair one at a time, the label's tokens without the eos."""
     model, tok = load_lm(write_tiny_causal(tmp_path / "llama"))
-    labels = [" yes", " no", " good"]
+    labels = [" yes", " no", " good day"]
     held = [PromptExample(prompt=f"the {w} sat on {w}", completion=labels[i % 3])
             for i, w in enumerate("cat dog mat tree fish bird sun moon book pen".split())]
     got = score(model, tok, held, labels)
-    answers = [min(labels, key=lambda label: completion_loss(model, tok, [PromptExample(prompt=e.prompt,
-                                                                                    completion=label)]))
-               for e in held]
+
+    def label_nll(prompt: str, label: str) -> float:
+        full = completion_loss(model, tok, [PromptExample(prompt=prompt, completion=label)])
+        end = len(tok(label, add_special_tokens=False)["input_ids"]) + 1  # the label's tokens and the eos
+        with torch.no_grad():
+            ids = tok(prompt + label, return_tensors="pt")["input_ids"]
+            eos = torch.tensor([[tok.eos_token_id]])
+            logits = model(input_ids=torch.cat([ids, eos], dim=1)).logits[0, -2]
+        return full * end - float(-torch.log_softmax(logits, -1)[tok.eos_token_id])
+
+    answers = [min(labels, key=lambda label: label_nll(e.prompt, label)) for e in held]
     assert got.accuracy == sum(a == e.completion for a, e in zip(answers, held)) / len(held)
     assert got.loss == pytest.approx(completion_loss(model, tok, held), rel=1e-5)
     assert score(model, tok, held) == Score(completion_loss(model, tok, held))
