@@ -1,7 +1,8 @@
 """The guard on every Trans-LoRA transfer: on the adapter's validation set, the student against the target base
 alone and, where the shapes allow, the source adapter applied unchanged to the target; a student that is no
 better than the target alone is refused, so a transfer never leaves a tenant worse off than no adapter at all.
-Where the completions are labels, better means a higher accuracy (validation.Score), else a lower loss."""
+Where the completions are labels, better means a higher accuracy by more than chance on the validation set
+(validation.Score.beats), else a lower loss."""
 
 import shutil
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Literal
 
 from serve.adapters.data import PromptExample
 from serve.adapters.load import load_lm
-from serve.adapters.validation import Score, labels_of, score
+from serve.adapters.validation import Score, accuracy_margin, labels_of, score
 from serve.errors import ArtifactError, ManyfoldError, VariantIncompatible
 from serve.variants.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LABELS_CONFIG
 
@@ -39,15 +40,18 @@ class Comparison:
     student_accuracy: float | None = None
     target_alone_accuracy: float | None = None
     unchanged_accuracy: float | None = None
+    examples: int = 0
+    """How many validation examples the accuracies are over (validation.accuracy_margin)."""
 
     @classmethod
     def of(cls, student: Score, target_alone: Score, unchanged: Score | None, unfit: str | None) -> "Comparison":
         loss, accuracy = (None, None) if unchanged is None else (unchanged.loss, unchanged.accuracy)
-        return cls(student.loss, target_alone.loss, loss, unfit, student.accuracy, target_alone.accuracy, accuracy)
+        return cls(student.loss, target_alone.loss, loss, unfit, student.accuracy, target_alone.accuracy, accuracy,
+                   student.examples)
 
     def score(self, who: str) -> Score | None:
         loss = getattr(self, who)
-        return None if loss is None else Score(loss, getattr(self, f"{who}_accuracy"))
+        return None if loss is None else Score(loss, getattr(self, f"{who}_accuracy"), self.examples)
 
     def unchanged_wins(self) -> bool:
         unchanged = self.score("unchanged")
@@ -60,7 +64,10 @@ class Comparison:
             return f"{label} {s.loss:.2f}{accuracy}"
 
         unchanged = "" if self.unchanged is None else f", {one('unchanged', 'source adapter unchanged')}"
-        return f"{one('student', 'student')}, {one('target_alone', 'target alone')}{unchanged}"
+        margin = ("" if self.student_accuracy is None or not self.examples else
+                  f"; an accuracy counts as better when it leads by more than {accuracy_margin(self.examples):.2f} "
+                  f"on {self.examples} examples")
+        return f"{one('student', 'student')}, {one('target_alone', 'target alone')}{unchanged}{margin}"
 
 
 def unfit_reason(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path) -> str | None:

@@ -7,8 +7,8 @@ import torch
 from serve.adapters.data import PromptExample, TextExample
 from serve.adapters.load import load_lm
 from serve.adapters.transfer_guard import Comparison, TransferFailed, choose
-from serve.adapters.validation import (EarlyStopping, Score, completion_loss, labels_of, score, split_examples,
-                                       student_schedule)
+from serve.adapters.validation import (EarlyStopping, Score, accuracy_margin, completion_loss, labels_of, score,
+                                       split_examples, student_schedule)
 from tests.models import write_tiny_causal
 
 
@@ -55,18 +55,23 @@ def test_where_the_completions_are_labels_accuracy_orders_first_then_loss():
 
 def test_a_student_that_learnt_the_labels_form_but_not_the_task_is_refused():
     """Spam, seed 2, on the new-version target: the student's loss fell from 6.63 to 0.42 nats, and it answered
-    " no" to everything; judged on loss it was registered at held-out accuracy 0.49."""
-    c = Comparison(student=0.42, target_alone=6.63, unchanged=0.10, unfit=None, student_accuracy=0.50,
-                   target_alone_accuracy=0.50, unchanged_accuracy=0.97)
-    with pytest.raises(TransferFailed, match=r"^no better than the target alone \(student 0\.42 \(accuracy 0\.50\), "
-                                             r"target alone 6\.63 \(accuracy 0\.50\), source adapter unchanged 0\.10 "
-                                             r"\(accuracy 0\.97\)\); the source adapter unchanged does better"):
-        choose(c, keep_unchanged=False)
-    assert choose(c, keep_unchanged=True) == "unchanged"
-    assert choose(Comparison(0.42, 6.63, None, "shapes", 0.53, 0.50), keep_unchanged=True) == "student"
+    " no" to nearly everything: judged on loss it was registered at held-out accuracy 0.49; judged on validation
+    accuracy it led the target alone by 2 of 32 at its best point (0.56 against 0.50), and answered 0.49 of the
+    held-out messages right."""
+    for student_accuracy in (0.50, 0.5625):
+        c = Comparison(student=0.42, target_alone=6.63, unchanged=0.10, unfit=None, student_accuracy=student_accuracy,
+                       target_alone_accuracy=0.50, unchanged_accuracy=0.97, examples=32)
+        refused = (r"^no better than the target alone \(student 0\.42 \(accuracy 0\.5\d\), target alone 6\.63 "
+                   r"\(accuracy 0\.50\), source adapter unchanged 0\.10 \(accuracy 0\.97\); an accuracy counts as "
+                   r"better when it leads by more than 0\.18 on 32 examples\); the source adapter unchanged")
+        with pytest.raises(TransferFailed, match=refused):
+            choose(c, keep_unchanged=False)
+        assert choose(c, keep_unchanged=True) == "unchanged"
+    assert choose(Comparison(0.08, 6.63, None, "shapes", 0.91, 0.50, examples=32), keep_unchanged=True) == "student"
     assert choose(Comparison(3.5, 5.7, None, "shapes"), keep_unchanged=False) == "student"  # free text: loss
     with pytest.raises(TransferFailed):
         choose(Comparison(5.7, 5.7, None, "shapes"), keep_unchanged=False)
+    assert accuracy_margin(32) == pytest.approx(0.177, abs=1e-3) and accuracy_margin(100) == 0.1
 
 
 def test_labels_are_told_from_free_text():
