@@ -25,7 +25,7 @@ from serve.store.writer import atomic_write
 
 AS_FILED = {"init": "pissa", "lr": 5e-4, "steps": 100, "early_stop": False, "teacher_length": 1.5,
             "use_filter": True}
-"""The transfer the issue measured (bench-results/translora.json before issue 22)."""
+"""The transfer the issue measured (bench-results/translora-first-layout.json, before issue 22)."""
 CHANGES: dict[str, dict] = {
     "as filed": {},
     "lr 2e-5 (PiSSA paper)": {"lr": 2e-5},
