@@ -120,13 +120,12 @@ def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> f
 
 
 def model_order(model_dir: Path) -> list[str]:
-    """The model's parameter names in its own order (a file's are sorted by name)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model's parameter names in its own order (a file's are sorted by name), as the engine loads it."""
+    from transformers import AutoModelForCausalLM
 
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return [n for n, _ in model.named_parameters()]
+    from serve.engine.neuzip import empty_model
+
+    return [n for n, _ in empty_model(AutoModelForCausalLM, model_dir).named_parameters()]
 
 
 def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repeats: int = 7) -> dict:

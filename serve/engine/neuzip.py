@@ -26,19 +26,26 @@ from serve.engine.neuzip_groups import GroupDecoder
 from serve.errors import ArtifactError
 
 
+def empty_model(cls, model_dir: str | Path) -> torch.nn.Module:
+    """model_dir's architecture in bf16 with every parameter a meta placeholder (buffers are real), its
+    parameters in the model's own order."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    with init_empty_weights(include_buffers=False):
+        return cls.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
+
+
 def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -> tuple[torch.nn.Module,
                                                                                           dict[str, Stream]]:
     """(the model with coded weights as meta placeholders and everything else loaded on `device`, the coded
     weights' streams on `device` by parameter name). Every stream is decoded and checked once here."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.pytorch_utils import Conv1D
 
     matmuls = (torch.nn.Linear, Conv1D)  # a forward reads their whole weight: only these decode it on use
 
-    config = AutoConfig.from_pretrained(model_dir)
-    with init_empty_weights(include_buffers=False):
-        model = cls.from_config(config, dtype=torch.bfloat16)
+    model = empty_model(cls, model_dir)
     if (Path(model_dir) / "generation_config.json").exists():  # as from_pretrained reads it (eos tokens)
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
