@@ -140,8 +140,8 @@ def score(model, tok, examples: list[TrainExample], labels: list[str] | None = N
     sums, counts, ends = completion_nll(model, tok, options)
     n = len(labels)
     truth = [labels.index(e.completion) for e in examples]
-    true_sums = [sums[i * n + t] for i, t in enumerate(truth)]
-    loss = sum(true_sums) / max(sum(counts[i * n + t] for i, t in enumerate(truth)), 1)
+    true = [i * n + t for i, t in enumerate(truth)]  # each example's row with its own label
+    loss = sum(sums[k] for k in true) / max(sum(counts[k] for k in true), 1)
     answers = [min(range(n), key=lambda j: sums[i * n + j] - ends[i * n + j]) for i in range(len(examples))]
     return Score(loss, sum(a == t for a, t in zip(answers, truth)) / len(examples), len(examples))
 
@@ -171,7 +171,8 @@ class EarlyStopping:
     curve: list[dict[str, float]] = field(default_factory=list)
     best_step: int = 0
     best: Score | None = None
-    _best: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    """The trainable weights at the best point."""
 
     def check(self, model, step: int, last: bool = False) -> bool:
         """Validate if this step is due; True when training should stop."""
@@ -185,11 +186,11 @@ class EarlyStopping:
                           | ({} if now.accuracy is None else {"accuracy": now.accuracy}))
         if self.best is None or now.key() > self.best.key():
             self.best_step, self.best = step, now
-            self._best = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            self._weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         return step - self.best_step >= self.every * self.patience
 
     @torch.no_grad()
     def restore(self, model) -> None:
         for n, p in model.named_parameters():
-            if n in self._best:
-                p.copy_(self._best[n])
+            if n in self._weights:
+                p.copy_(self._weights[n])
