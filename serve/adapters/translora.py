@@ -15,13 +15,13 @@ Choices the paper leaves open:
 - A task's input is a prompt-completion example's prompt; for a plain-text task, the text's first
   PREFIX_WORDS words (the teacher writes the rest).
 - Candidates: the seeds' inputs often share a frame (a prompt task's fixed words around its varying part, as
-  "Is this message spam? " ... "\nAnswer:"), found as their common prefix and suffix cut at whitespace. The
-  generator is shown only the seeds' varying parts (each prompt its own shuffled subset), each after a SEP line,
-  then SEP; it writes one more (top-p 0.95, the batch's temperature from generation_schedule.TEMPERATURES,
-  stopped at the next SEP), and the frame is put back around it, so that every candidate is an input the teacher
-  answers as a task input. Where the seeds' outputs are labels (spam's " yes" / " no"), a prompt shows one
-  label's seeds, the labels in turn (generation_schedule.label_groups), so that the inputs span the labels.
-  Blank or repeated candidates are dropped without asking the discriminator.
+  "Is this message spam? " ... "\nAnswer:"), found as their common prefix and suffix cut at whitespace
+  (candidates.py). The generator is shown only the seeds' varying parts (each prompt its own shuffled subset),
+  each after a SEP line, then SEP; it writes one more (top-p 0.95, the batch's temperature from
+  generation_schedule.TEMPERATURES, stopped at the next SEP), and the frame is put back around it, so that every
+  candidate is an input the teacher answers as a task input. Where the seeds' outputs are labels (spam's " yes" /
+  " no"), a prompt shows one label's seeds, the labels in turn (generation_schedule.label_groups), so that the
+  inputs span the labels. Blank or repeated candidates are dropped without asking the discriminator.
 - The discriminator: rank 8 on every linear layer, DISC_STEPS steps on equal numbers of real and generated
   inputs, prompt "<x>\\nIs the above text from the <name> data set?"; a candidate is kept iff the next-token
   logit of " yes" beats " no".
@@ -30,9 +30,6 @@ Choices the paper leaves open:
 """
 
 import json
-import math
-import os
-import random
 import shutil
 import time
 from collections.abc import Callable
@@ -42,9 +39,9 @@ from typing import Literal
 
 import torch
 
+from serve.adapters.candidates import generate, generate_candidates, synthetic_inputs
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
-from serve.adapters.generation_schedule import (BATCH, TEMPERATURES, AttemptPlan, Sampling, label_groups,
-                                               sample_inputs, shown_seeds)
+from serve.adapters.generation_schedule import AttemptPlan, Sampling, label_groups
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
@@ -61,7 +58,6 @@ DISC_DIR = "discriminator"
 REPORT_FILE = "translora_report.json"
 SEEDS = 5
 PREFIX_WORDS = 8
-SEP = "###"
 DISC_RANK = 8
 DISC_STEPS = 60
 YES, NO = " yes", " no"
@@ -86,76 +82,8 @@ def example_output(e: TrainExample) -> str:
     return e.completion if isinstance(e, PromptExample) else " " + " ".join(e.text.split()[PREFIX_WORDS:])
 
 
-def input_frame(inputs: list[str]) -> tuple[str, str]:
-    """(prefix, suffix) that every input has, each cut at whitespace so that no part of a word is taken
-    ("Article: The ..." and "Article: Then ..." share "Article: "); the suffix is sought after the prefix."""
-    prefix = os.path.commonprefix(inputs)
-    prefix = prefix[: max((i + 1 for i, c in enumerate(prefix) if c.isspace()), default=0)]
-    suffix = os.path.commonprefix([x[len(prefix):][::-1] for x in inputs])[::-1]
-    suffix = suffix[next((i for i, c in enumerate(suffix) if c.isspace()), len(suffix)):]
-    return prefix, suffix
-
-
-def generation_prompt(parts: list[str], name: str) -> str:
-    blocks = "".join(f"{SEP}\n{s.strip()}\n" for s in parts)
-    return f"Examples of inputs from the {name} data set, one after each {SEP} line:\n{blocks}{SEP}\n"
-
-
 def disc_prompt(x: str, name: str) -> str:
     return f"{x.strip()}\nIs the above text from the {name} data set?"
-
-
-class _StopAfter:
-    """A transformers stopping criterion: a row is done once its continuation holds `stop` (decoded text, so it
-    works whatever pieces the tokenizer writes it in)."""
-
-    def __init__(self, tok, stop: str, prompt_len: int):
-        self.tok, self.stop, self.prompt_len = tok, stop, prompt_len
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        texts = self.tok.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
-        return torch.tensor([self.stop in t for t in texts], dtype=torch.bool, device=input_ids.device)
-
-
-@torch.no_grad()
-def _generate(model, tok, prompts: list[str], max_new_tokens: int, temperature: float | None, seed: int,
-              stop: str | None = None) -> list[str]:
-    """Each prompt's continuation, sampled at `temperature` (greedy where None); with `stop`, a row ends once it
-    has written it (the batch, once all have)."""
-    torch.manual_seed(seed)
-    enc = tok(prompts, return_tensors="pt", padding=True)
-    kwargs = ({"do_sample": False} if temperature is None else
-              {"do_sample": True, "temperature": temperature, "top_p": 0.95})
-    if stop is not None:
-        kwargs["stopping_criteria"] = [_StopAfter(tok, stop, enc["input_ids"].shape[1])]
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kwargs)
-    return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
-def _tokens(tok, texts: list[str]) -> int:
-    return max(len(tok(t)["input_ids"]) for t in texts)
-
-
-def generate_candidates(model, tok, seeds: list[str], name: str, count: int, seed: int,
-                        temperatures: tuple[float, ...] = TEMPERATURES, batch: int = BATCH,
-                        groups: list[list[int]] | None = None) -> list[str]:
-    """`count` candidate inputs written by `model` after the seeds, in the seeds' frame ("" where it wrote
-    nothing): batches take `temperatures` in turn, and each row's prompt shows its own subset of the seeds
-    (generation_schedule.shown_seeds), of one group's seeds only where `groups` (label_groups) is given, the
-    groups in turn; the same `seed` writes the same candidates."""
-    prefix, suffix = input_frame(seeds)
-    parts = [s[len(prefix): len(s) - len(suffix)] for s in seeds]
-    max_new = max(8, int(1.5 * _tokens(tok, parts)))
-    out: list[str] = []
-    for b in range(math.ceil(count / batch)):
-        n = min(batch, count - len(out))
-        rng = random.Random(seed + len(out))
-        prompts = [generation_prompt(shown_seeds(parts, rng, groups[(seed + len(out) + i) % len(groups)]
-                                                 if groups else None), name) for i in range(n)]
-        texts = _generate(model, tok, prompts, max_new, temperatures[b % len(temperatures)], seed + len(out),
-                          stop=SEP)
-        out += [f"{prefix}{t}{suffix}" if t else "" for t in (t.split(SEP)[0].strip() for t in texts)]
-    return out
 
 
 def answer_tokens(tok) -> tuple[int, int]:
@@ -292,22 +220,6 @@ class TransferReport:
     why)."""
 
 
-def synthetic_inputs(target_base: str | Path, disc: "Discriminator | None", seed_inputs: list[str], name: str,
-                     plan: AttemptPlan, seed: int, tick: Progress, groups: list[list[int]] | None = None) -> Sampling:
-    """The inputs the target base wrote after the seeds and the discriminator took (all that are fresh without
-    one), batch by batch as generation_schedule plans, with every batch's fates. The target writes in bf16:
-    writing candidates is most of a transfer's time on a CPU, and bf16 takes two thirds of fp32's time there."""
-    target, tok = load_lm(target_base, dtype=torch.bfloat16)
-
-    def write(n: int, temperature: float, at: int) -> list[str]:
-        return generate_candidates(target, tok, seed_inputs, name, n, at, temperatures=(temperature,),
-                                   groups=groups)
-
-    judge = disc.accepts if disc is not None else (lambda xs: [True] * len(xs))
-    return sample_inputs(write, judge, plan, set(seed_inputs), seed,
-                         lambda done, total: tick("generate", done, total))
-
-
 def validation_set(adapter_dir: str | Path, seeds: list[TrainExample]) -> tuple[list[PromptExample], str]:
     """(the real examples a transfer is validated on, as input -> completion pairs; which they are): the
     validation set kept beside the adapter, or for assets kept before there were validation sets, the seeds."""
@@ -329,7 +241,7 @@ def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inpu
     max_new = max(4, int(length * task.max_output_words * 2))  # about two tokens a word
     outputs: list[str] = []
     for i in range(0, len(inputs), 8):
-        outputs += _generate(teacher, tok, inputs[i:i + 8], max_new, None, seed)
+        outputs += generate(teacher, tok, inputs[i:i + 8], max_new, None, seed)
         tick("teach", len(outputs), len(inputs))
     return [PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
             for x, y in zip(inputs, outputs) if y.strip()]
@@ -341,9 +253,9 @@ def synthesize(source_base: str | Path, adapter_dir: str | Path, target_base: st
     by its discriminator (every fresh one without the filter), as `plan` sizes the run; where the seeds' outputs
     are labels, each prompt shows one label's seeds (generation_schedule.label_groups)."""
     task, seeds, disc_dir = read_assets(adapter_dir)
-    disc = Discriminator(source_base, disc_dir, task.name) if use_filter else None
+    judge = Discriminator(source_base, disc_dir, task.name).accepts if use_filter else None
     groups = label_groups([example_output(e) for e in seeds])
-    return synthetic_inputs(target_base, disc, [example_input(e) for e in seeds], task.name, plan, seed,
+    return synthetic_inputs(target_base, judge, [example_input(e) for e in seeds], task.name, plan, seed,
                             progress or (lambda *_: None), groups)
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from serve.adapters import translora, translora_store
+from serve.adapters import candidates, translora, translora_store
 from serve.adapters.data import PromptExample
 from serve.adapters.train import train_adapter
 from serve.adapters.validation import read_validation
@@ -93,14 +93,14 @@ def test_transfer_across_architectures_and_tokenizers(bases, source_adapter, tmp
 
 def test_a_generator_that_never_passes_stops_at_the_cap(bases, source_adapter, tmp_path, monkeypatch):
     written = []
-    real = translora.generate_candidates
+    real = candidates.generate_candidates
 
     def counting(*args, **kwargs):
         out = real(*args, **kwargs)
         written.extend(out)
         return out
 
-    monkeypatch.setattr(translora, "generate_candidates", counting)
+    monkeypatch.setattr(candidates, "generate_candidates", counting)
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [False] * len(xs))
     short = (r"only 0 of 20 generated inputs accepted \(0.0%\), short of the 1 a student needs \(--min-accepted\), "
              r"after ")
@@ -113,21 +113,21 @@ def test_generation_varies_temperature_and_the_seeds_shown_and_a_seed_repeats_it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     calls = []
-    real = translora._generate
+    real = candidates.generate
 
     def spying(model, tok, prompts, max_new_tokens, temperature, seed, stop=None):
         calls.append((temperature, prompts))
         return real(model, tok, prompts, max_new_tokens, temperature, seed, stop)
 
-    monkeypatch.setattr(translora, "_generate", spying)
+    monkeypatch.setattr(candidates, "generate", spying)
     tok = AutoTokenizer.from_pretrained(bases[0])
     model = AutoModelForCausalLM.from_pretrained(bases[0]).eval()
     seeds = [" ".join(VOCAB[i:i + 3]) for i in range(0, 15, 3)]
-    first = translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3, batch=8)
+    first = candidates.generate_candidates(model, tok, seeds, "toy", 24, seed=3, batch=8)
     assert [t for t, _ in calls] == [0.7, 1.0, 1.3]
     prompts = [p for _, batch in calls for p in batch]
     assert len(set(prompts)) > 12  # each row its own subset and order of the seeds
-    assert translora.generate_candidates(model, tok, seeds, "toy", 24, seed=3, batch=8) == first
+    assert candidates.generate_candidates(model, tok, seeds, "toy", 24, seed=3, batch=8) == first
 
 
 def test_a_transfer_short_of_the_floor_fails_in_one_line_with_its_figures(bases, source_adapter, tmp_path, capsys,
@@ -298,10 +298,10 @@ def test_a_verdict_does_not_depend_on_the_other_inputs_of_its_batch(bases, tmp_p
 def test_candidates_keep_the_seeds_frame():
     seeds = ["Is this message spam? Win a prize now\nAnswer:", "Is this message spam? See you at six\nAnswer:",
              "Is this message spam? Sorry, running late\nAnswer:"]
-    assert translora.input_frame(seeds) == ("Is this message spam? ", "\nAnswer:")
+    assert candidates.input_frame(seeds) == ("Is this message spam? ", "\nAnswer:")
     shared_by_chance = ["Article: Then the bank rose.\nHeadline:", "Article: The team won.\nHeadline:"]
-    assert translora.input_frame(shared_by_chance) == ("Article: ", "\nHeadline:")
-    assert translora.input_frame(["one two", "three four"]) == ("", "")
+    assert candidates.input_frame(shared_by_chance) == ("Article: ", "\nHeadline:")
+    assert candidates.input_frame(["one two", "three four"]) == ("", "")
 
 
 def test_generated_candidates_come_back_in_the_frame(bases):
@@ -310,7 +310,7 @@ def test_generated_candidates_come_back_in_the_frame(bases):
     tok = AutoTokenizer.from_pretrained(bases[0])
     model = AutoModelForCausalLM.from_pretrained(bases[0]).eval()
     seeds = [f"{a} {b} {c} yes" for a, b, c in zip(VOCAB[:4], VOCAB[4:8], VOCAB[8:12])]
-    out = translora.generate_candidates(model, tok, seeds, "toy", 5, seed=0)
+    out = candidates.generate_candidates(model, tok, seeds, "toy", 5, seed=0)
     assert len(out) == 5 and all(c == "" or (c.endswith(" yes") and c != " yes") for c in out)
 
 
@@ -335,7 +335,7 @@ def test_an_unguarded_transfer_writes_the_student_the_guard_refuses(bases, sourc
         raise translora.TransferFailed("no better than the target alone")
 
     lengths = []
-    generate = translora._generate
+    generate = translora.generate
 
     def recording(model, tok, prompts, max_new_tokens, temperature, seed, stop=None):
         if temperature is None:  # the teacher decodes greedily
@@ -343,7 +343,7 @@ def test_an_unguarded_transfer_writes_the_student_the_guard_refuses(bases, sourc
         return generate(model, tok, prompts, max_new_tokens, temperature, seed, stop)
 
     monkeypatch.setattr(translora, "choose", refuse)
-    monkeypatch.setattr(translora, "_generate", recording)
+    monkeypatch.setattr(translora, "generate", recording)
     with pytest.raises(translora.TransferFailed):
         translora.transfer(bases[0], source_adapter, bases[0], tmp_path / "guarded", samples=4, max_attempts=48,
                            steps=3)
@@ -379,18 +379,18 @@ def test_a_label_tasks_prompts_show_one_labels_seeds_the_labels_in_turn(bases, m
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     shown = []
-    real = translora._generate
+    real = candidates.generate
 
     def spying(model, tok, prompts, max_new_tokens, temperature, seed, stop=None):
         shown.extend(prompts)
         return real(model, tok, prompts, max_new_tokens, temperature, seed, stop)
 
-    monkeypatch.setattr(translora, "_generate", spying)
+    monkeypatch.setattr(candidates, "generate", spying)
     tok = AutoTokenizer.from_pretrained(bases[0])
     model = AutoModelForCausalLM.from_pretrained(bases[0]).eval()
     seeds = [" ".join(VOCAB[i:i + 3]) for i in range(0, 15, 3)]
     groups = [[0, 2, 4], [1, 3]]
-    translora.generate_candidates(model, tok, seeds, "toy", 8, seed=0, batch=4, groups=groups)
+    candidates.generate_candidates(model, tok, seeds, "toy", 8, seed=0, batch=4, groups=groups)
     lines = [{line for line in p.splitlines() if line in seeds} for p in shown]
     of = [next(g for g, members in enumerate(groups) if ls <= {seeds[i] for i in members}) for ls in lines]
     assert all(lines) and of == [0, 1] * 4  # every prompt one label's seeds only, the labels in turn
