@@ -95,6 +95,40 @@ def _add_translora(bench: argparse._SubParsersAction) -> None:
                     "measured it, then one choice changed at a time (serve/bench/translora_ablation.py)")
 
 
+def _add_neuzip(bench: argparse._SubParsersAction) -> None:
+    bn = add_command(bench, "neuzip", cmd_bench_neuzip, "NeuZip bases against bf16 and int8 on SmolLM2 and MiniLM")
+    bn.add_argument("--out", default="bench-results/neuzip.json")
+    bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "
+                                   "(default: $MANYFOLD_HOME/bench-neuzip)")
+    bn.add_argument("--steps-only", action="store_true",
+                    help="only the engine's decode steps and prefill, bf16 against k7, split (a few minutes)")
+    bg = add_command(bench, "neuzip-gpu", cmd_bench_neuzip_gpu, "NeuZip's Triton decoder and a NeuZip base's engine "
+                     "forwards on a CUDA GPU, from a SmolLM2 stand-in built of real layers (--export them first)")
+    bg.add_argument("--export", help="write the real layers, config and tokenizer the stand-in is built from "
+                                     "to this folder, and stop (on a machine with the packaged model)")
+    bg.add_argument("--src", default="neuzip-gpu-src", help="--export's folder")
+    bg.add_argument("--work", default="neuzip-gpu-work", help="where the stand-in and its NeuZip copies are built")
+    bg.add_argument("--out", default="bench-results/neuzip-gpu.json")
+    bg.add_argument("--device", default="cuda")
+    bg.add_argument("--layers", type=int, help="decoder layers of the stand-in (default: SmolLM2's 30)")
+    bg.add_argument("--repeats", type=int, default=7)
+
+
+def _add_soak(bench: argparse._SubParsersAction) -> None:
+    so = add_command(bench, "soak", cmd_bench_soak, "a long mixed-kind run at a share of saturation with variants "
+                     "added and removed over the admin API: errors, hung requests, latency, RSS over time")
+    so.add_argument("--store", help="where the soak's small store is built once and reused "
+                                    "(default: $MANYFOLD_HOME/soak-store)")
+    so.add_argument("--out", default="bench-results/soak.json", help="the JSON; the PNG goes beside it")
+    so.add_argument("--duration-s", type=float, default=600.0, help="seconds of open-loop arrivals")
+    so.add_argument("--load", type=float, default=0.8, help="offered rate as a share of the saturation rate")
+    so.add_argument("--churn-s", type=float, default=60.0, help="seconds between variant adds (and removes)")
+    so.add_argument("--warmup-s", type=float, default=60.0, help="RSS is compared from the first sample past this")
+    so.add_argument("--probe-s", type=float, default=30.0, help="seconds of the closed-loop saturation probe")
+    so.add_argument("--probe-concurrency", type=int, default=16, help="requests in flight during the probe")
+    so.add_argument("--timeout-s", type=float, default=120.0, help="a request unanswered this long counts as hung")
+
+
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
     b = add_command(bench, "fmdelta", cmd_bench_fmdelta,
@@ -133,31 +167,5 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bf.add_argument("--mergekit", help="a mergekit-extract-lora command (mergekit in a venv of its own) to compare "
                                        "against at the same ranks")
     _add_translora(bench)
-    bn = add_command(bench, "neuzip", cmd_bench_neuzip, "NeuZip bases against bf16 and int8 on SmolLM2 and MiniLM")
-    bn.add_argument("--out", default="bench-results/neuzip.json")
-    bn.add_argument("--work", help="where the bf16 and NeuZip copies of the models are kept "
-                                   "(default: $MANYFOLD_HOME/bench-neuzip)")
-    bn.add_argument("--steps-only", action="store_true",
-                    help="only the engine's decode steps and prefill, bf16 against k7, split (a few minutes)")
-    bg = add_command(bench, "neuzip-gpu", cmd_bench_neuzip_gpu, "NeuZip's Triton decoder and a NeuZip base's engine "
-                     "forwards on a CUDA GPU, from a SmolLM2 stand-in built of real layers (--export them first)")
-    bg.add_argument("--export", help="write the real layers, config and tokenizer the stand-in is built from "
-                                     "to this folder, and stop (on a machine with the packaged model)")
-    bg.add_argument("--src", default="neuzip-gpu-src", help="--export's folder")
-    bg.add_argument("--work", default="neuzip-gpu-work", help="where the stand-in and its NeuZip copies are built")
-    bg.add_argument("--out", default="bench-results/neuzip-gpu.json")
-    bg.add_argument("--device", default="cuda")
-    bg.add_argument("--layers", type=int, help="decoder layers of the stand-in (default: SmolLM2's 30)")
-    bg.add_argument("--repeats", type=int, default=7)
-    so = add_command(bench, "soak", cmd_bench_soak, "a long mixed-kind run at a share of saturation with variants "
-                     "added and removed over the admin API: errors, hung requests, latency, RSS over time")
-    so.add_argument("--store", help="where the soak's small store is built once and reused "
-                                    "(default: $MANYFOLD_HOME/soak-store)")
-    so.add_argument("--out", default="bench-results/soak.json", help="the JSON; the PNG goes beside it")
-    so.add_argument("--duration-s", type=float, default=600.0, help="seconds of open-loop arrivals")
-    so.add_argument("--load", type=float, default=0.8, help="offered rate as a share of the saturation rate")
-    so.add_argument("--churn-s", type=float, default=60.0, help="seconds between variant adds (and removes)")
-    so.add_argument("--warmup-s", type=float, default=60.0, help="RSS is compared from the first sample past this")
-    so.add_argument("--probe-s", type=float, default=30.0, help="seconds of the closed-loop saturation probe")
-    so.add_argument("--probe-concurrency", type=int, default=16, help="requests in flight during the probe")
-    so.add_argument("--timeout-s", type=float, default=120.0, help="a request unanswered this long counts as hung")
+    _add_neuzip(bench)
+    _add_soak(bench)
