@@ -6,15 +6,35 @@ The engine imports only these names; kernels/ imports nothing from serve/.
 import torch
 
 from kernels._backend import dispatch
+from kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
+from kernels.lora_bgmv import bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch, bgmv_shrink_triton
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
 from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
                                    neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
 from kernels.segments import NO_SLOT, Segments, make_segments
 
-__all__ = ["NO_SLOT", "DecodeGroup", "Segments", "emr_delta", "lora_expand", "lora_shrink", "make_segments",
-           "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits", "unpack_bits"]
+__all__ = ["NO_SLOT", "DecodeGroup", "Segments", "bgmv_expand", "bgmv_shrink", "decode_attention", "emr_delta",
+           "lora_expand", "lora_shrink", "make_segments", "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits",
+           "unpack_bits"]
+
+
+def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor,
+                     scale: float, max_length: int) -> torch.Tensor:
+    """o[b] = attention of q[b] over slot b's first lengths[b] keys and values (GQA); a new [B, H, D] tensor."""
+    return dispatch(decode_attention_torch, decode_attention_triton, q)(q, k_store, v_store, lengths, scale,
+                                                                        max_length)
+
+
+def bgmv_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """z[t] = scale[r] * x[t] @ a_stacked[r].T for r = rows[t] >= 0, else 0; z is a new [T, R] fp32 tensor."""
+    return dispatch(bgmv_shrink_torch, bgmv_shrink_triton, x)(x, a_stacked, scale, rows)
+
+
+def bgmv_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y[t] += z[t] @ b_stacked[r].T for r = rows[t] >= 0, in place. Returns y."""
+    return dispatch(bgmv_expand_torch, bgmv_expand_triton, y)(z, b_stacked, rows, y)
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Chooses, per call, between an op's Triton form and its torch twin; the only place kernels/ imports triton.
 
 "triton" on CUDA tensors, otherwise "torch", whatever TRITON_INTERPRET says: a server on CPU never runs an
-emulator. MANYFOLD_KERNELS=torch|triton overrides; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before
-kernels/ is first imported, and is for tests that ask for the interpreter explicitly.
+emulator. MANYFOLD_KERNELS=torch|triton overrides; it is read once, when kernels/ is first imported (a step runs
+hundreds of ops: none reads the environment). "triton" on CPU tensors needs TRITON_INTERPRET=1 set before then,
+and is for tests that ask for the interpreter explicitly (they set FORCED).
 """
 
 import os
@@ -37,15 +38,24 @@ except Exception as e:  # a broken install can fail with more than ImportError (
     triton = tl = _Missing()
 
 
+def parse_forced(value: str) -> Backend | None:
+    """MANYFOLD_KERNELS's value -> the form it forces (None: chosen by the tensors' device)."""
+    if not value:
+        return None
+    if value not in ("torch", "triton"):
+        raise ValueError(f"MANYFOLD_KERNELS must be 'torch' or 'triton'; got {value!r}")
+    if value == "triton" and TRITON_ERROR is not None:
+        raise RuntimeError(f"MANYFOLD_KERNELS=triton but triton cannot be imported: {TRITON_ERROR}")
+    return value  # type: ignore[return-value]
+
+
+FORCED: Backend | None = parse_forced(os.environ.get("MANYFOLD_KERNELS", ""))
+
+
 def select(*tensors: torch.Tensor) -> Backend:
-    """Which form runs this call; MANYFOLD_KERNELS is read at call time so tests and operators can flip it."""
-    forced = os.environ.get("MANYFOLD_KERNELS", "")
-    if forced:
-        if forced not in ("torch", "triton"):
-            raise ValueError(f"MANYFOLD_KERNELS must be 'torch' or 'triton'; got {forced!r}")
-        if forced == "triton" and TRITON_ERROR is not None:
-            raise RuntimeError(f"MANYFOLD_KERNELS=triton but triton cannot be imported: {TRITON_ERROR}")
-        return forced
+    """Which form runs this call: FORCED, else Triton for CUDA tensors."""
+    if FORCED is not None:
+        return FORCED
     if TRITON_ERROR is not None:
         return "torch"
     return "triton" if any(t.is_cuda for t in tensors) else "torch"

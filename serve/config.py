@@ -34,6 +34,15 @@ class BatchConfig(StrictModel):
     """Requests waiting beyond this are refused with 429."""
     max_concurrent_groups: Annotated[int, Field(ge=1, le=64)] = 4
     """Variant groups in flight at once: while one waits for its variant's decode, the others run."""
+    max_step_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 512
+    """Tokens one generation step runs (vLLM's max_num_batched_tokens): every running row's next token, then the
+    admitted prompts' tokens up to this budget, a long prompt over several steps."""
+    max_model_len: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
+    """Positions a causal row may hold, prompt and generated tokens together (at most the model's own): the
+    length of each slot of the KV store, and the context a request is checked against."""
+    kv_cache_mib: Annotated[float, Field(gt=0)] | None = None
+    """Memory for a causal base's KV store, allocated once: its slots (rows) hold max_model_len positions each, at
+    most max_batch_size of them. None: max_batch_size slots."""
 
 
 class SlotsConfig(StrictModel):
@@ -94,6 +103,12 @@ class DeploymentConfig(StrictModel):
     None: Ray's `memory` resource of the replica, when it has one."""
 
 
+class EngineConfig(StrictModel):
+    cuda_graphs: Literal["auto", "off"] = "auto"
+    """On CUDA, decode steps are captured as CUDA graphs per row bucket and replayed (serve/engine/graphs.py);
+    "off": every step runs eagerly. Ignored on CPU."""
+
+
 class TenantConfig(StrictModel):
     name: str
     key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
@@ -134,6 +149,7 @@ class ServeConfig(StrictModel):
     slots' budgets are counted (serve/engine/memory.py)."""
     cache: CacheConfig = CacheConfig()
     batch: BatchConfig = BatchConfig()
+    engine: EngineConfig = EngineConfig()
     slots: SlotsConfig = SlotsConfig()
     limits: LimitsConfig = LimitsConfig()
 

@@ -34,6 +34,14 @@ def cmd_bench_mixed(args: argparse.Namespace) -> None:
     run_mixed_bench(Path(args.out), tuple(int(r) for r in args.rows.split(",")), args.repeats)
 
 
+def cmd_bench_engine(args: argparse.Namespace) -> None:
+    from serve.bench.engine import run_engine_bench
+
+    out = args.out or f"bench-results/engine-{'cpu' if args.device == 'cpu' else 'gpu'}.json"
+    run_engine_bench(Path(out), Path(args.work), args.device, args.large, args.repeats, args.context,
+                     args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end)
+
+
 def cmd_bench_emr(args: argparse.Namespace) -> None:
     from serve.bench.emr import run_emr_bench
 
@@ -152,6 +160,16 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("--out", default="bench-results/mixed.json")
     mx.add_argument("--repeats", type=int, default=5)
     mx.add_argument("--rows", default="8,32", help="batch sizes, joined by commas")
+    en = add_command(bench, "engine", cmd_bench_engine, "the engine's decode step and end-to-end generation against "
+                     "bare transformers and PEFT's mixed batch, with a GPU's memory floor")
+    en.add_argument("--out", help="default: bench-results/engine-cpu.json or engine-gpu.json")
+    en.add_argument("--work", default=".cache/bench-engine", help="models, adapters and stores it builds")
+    en.add_argument("--device", default="cpu", help="cpu (the packaged SmolLM2) or cuda (config-built shapes)")
+    en.add_argument("--large", action="store_true", help="on CUDA, the Llama-3-8B shape too")
+    en.add_argument("--repeats", type=int, default=21, help="decode steps timed per figure (median)")
+    en.add_argument("--context", type=int, help="tokens each row holds before the timed step (CPU 128, CUDA 512)")
+    en.add_argument("--shapes", help="on CUDA, these shapes only (comma-separated)")
+    en.add_argument("--no-end-to-end", action="store_true", help="decode steps only")
     be = add_command(bench, "emr", cmd_bench_emr, "EMR-Merging against the individual fine-tunes, task arithmetic, "
                      "TIES and averaging; its bytes per task; a mixed forward's time")
     be.add_argument("--out", default="bench-results/emr.json")

@@ -15,7 +15,7 @@ Attached, detached and read on the engine's compute thread only.
 
 import torch
 
-from kernels import NO_SLOT, lora_expand, lora_shrink
+from kernels import NO_SLOT, bgmv_expand, bgmv_shrink, lora_expand, lora_shrink
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import TableSlots, register_family
@@ -140,6 +140,17 @@ class AdapterPool(TableSlots):
         self.place: dict[int, tuple[BucketKey, int]] = {}
         """slot -> (its bucket, its row there)."""
         self._planned: tuple[BatchPlan | None, list[BucketKey]] = (None, [])
+        # With fixed_shapes (the runtime's, on CUDA) every bucket's ops run in every forward, each token reading its
+        # row from a per-token map on the device (kernels.bgmv_*): the same launches whichever adapters the rows
+        # use, so a CUDA graph replays them. Otherwise only the buckets the rows use run, their tokens grouped by
+        # row on the host (kernels.lora_*), which saves the gathers on a CPU.
+        self.version = 0
+        """Changes whenever a stack or a map buffer is reallocated (a captured graph read the old addresses)."""
+        self._maps: dict[tuple[BucketKey, int], torch.Tensor] = {}
+        """(bucket, tokens) -> [tokens] int32 on the device, each token's row (-1: none), for the plan
+        `_maps_of`; prepared ones are views of `_buffers`."""
+        self._maps_of: BatchPlan | None = None
+        self._buffers: dict[tuple[BucketKey, str], torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -193,6 +204,7 @@ class AdapterPool(TableSlots):
     def _compact(self) -> None:
         for key, bucket in self.buckets.items():
             if bucket.free_row() is not None:
+                self.version += 1
                 for slot, row in bucket.compact().items():
                     self.place[slot] = (key, row)
 
@@ -201,8 +213,10 @@ class AdapterPool(TableSlots):
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket(key, self.base, self.device)
+            self.version += 1
         row = bucket.free_row()
         if row is None:
+            self.version += 1
             spare = (self.budget - self.nbytes) // bucket.row_bytes  # >= 1: _room made sure
             bucket.grow(max(1, min(len(bucket.owners), spare)))
             row = bucket.free_row()
@@ -217,28 +231,72 @@ class AdapterPool(TableSlots):
         self.buckets[key].free(row)
         if self.buckets[key].live == 0:  # its memory goes back at once
             del self.buckets[key]
+            self.version += 1
 
     # ---- forwards
     def _keys(self, plan: BatchPlan) -> list[BucketKey]:
-        """The buckets this forward's rows use, found once per forward (every wrapped module asks)."""
+        """The buckets this forward runs, found once per forward (every wrapped module asks): with fixed shapes
+        all of them, else those its rows use."""
         if self._planned[0] is not plan:
-            self._planned = (plan, sorted({self.place[s][0] for s in plan.slot_set(self.family) if s in self.place}))
+            used = self.buckets if self.fixed_shapes else {self.place[s][0] for s in plan.slot_set(self.family)
+                                                           if s in self.place}
+            self._planned = (plan, sorted(used))
         return self._planned[1]
+
+    def prepare(self, plan: BatchPlan) -> None:
+        """With fixed shapes, a generation step's per-token rows of every bucket, for all its tokens and for the LM
+        head's kept ones, written into buffers allocated once per size: a captured step reads this step's maps."""
+        self._maps, self._maps_of = {}, plan
+        if not self.fixed_shapes or plan.tokens is None:
+            return
+        sizes = {"all": sum(plan.tokens)}
+        if plan.kept is not None and len(plan.kept) != sizes["all"]:
+            sizes["kept"] = len(plan.kept)
+        for key in self._keys(plan):
+            for which, n in sizes.items():
+                buffer = self._buffer(key, which, n)
+                buffer[:n].copy_(self._host_rows(plan, key, n), non_blocking=True)
+                self._maps[(key, n)] = buffer[:n]
+
+    def _buffer(self, key: BucketKey, which: str, n: int) -> torch.Tensor:
+        buffer = self._buffers.get((key, which))
+        if buffer is None or buffer.numel() < n:
+            size = max(64, 1 << (n - 1).bit_length())
+            buffer = self._buffers[(key, which)] = torch.full((size,), NO_SLOT, dtype=torch.int32, device=self.device)
+            self.version += 1
+        return buffer
+
+    def _host_rows(self, plan: BatchPlan, key: BucketKey, n: int) -> torch.Tensor:
+        """[n] int32 on the host: each of a module's n tokens' row in the bucket (NO_SLOT: none)."""
+        return torch.tensor([NO_SLOT if s == NO_SLOT else self._row_in(s, key)
+                             for s in plan.token_slots(self.family, n)], dtype=torch.int32)
+
+    def _rows(self, plan: BatchPlan, key: BucketKey, n: int) -> torch.Tensor:
+        """The prepared map, or (a forward of rows of equal length, not prepared) one built now."""
+        if self._maps_of is not plan:
+            self._maps, self._maps_of = {}, plan
+        if (key, n) not in self._maps:
+            self._maps[(key, n)] = self._host_rows(plan, key, n).to(self.device)
+        return self._maps[(key, n)]
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
         return any(name in modules for _, modules in self._keys(plan))
 
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]; a pooler reads a strided first token
-        y2 = y.view(-1, y.shape[-1])  # [tokens, out]
+        x = x.contiguous()  # [N, in]; a pooler reads a strided first token
         for key in self._keys(plan):
             if name not in key[1]:
                 continue
             bucket = self.buckets[key]
-            seg = plan.remapped_segments(self.family, key, lambda s, key=key: self._row_in(s, key), x2.shape[0])
-            z = lora_shrink(x2, bucket.a[name], bucket.scale[name], seg)  # [tokens, R] fp32
-            lora_expand(z, bucket.bt[name].transpose(1, 2), seg, y2)
+            if self.fixed_shapes:
+                rows = self._rows(plan, key, x.shape[0])
+                bgmv_expand(bgmv_shrink(x, bucket.a[name], bucket.scale[name], rows),
+                            bucket.bt[name].transpose(1, 2), rows, y)
+                continue
+            seg = plan.remapped_segments(self.family, key, lambda s, key=key: self._row_in(s, key), x.shape[0])
+            z = lora_shrink(x, bucket.a[name], bucket.scale[name], seg)  # [N, R] fp32
+            lora_expand(z, bucket.bt[name].transpose(1, 2), seg, y)
         return y
 
     def _row_in(self, slot: int, key: BucketKey) -> int:

@@ -155,15 +155,16 @@ class EmrSlots(Slots):
     def touches(self, name: str, plan: BatchPlan) -> bool:
         return name in self.merged
 
-    def claims(self, name: str, plan: BatchPlan, tokens_per_row: int) -> list[int]:
-        return [r for _, rows in self._dense_groups(name, plan, tokens_per_row) for r in rows.tolist()]
+    def claims(self, name: str, plan: BatchPlan, num_tokens: int) -> list[int]:
+        return [t for _, tokens in self._dense_groups(name, plan, num_tokens) for t in tokens.tolist()]
 
-    def _dense_groups(self, name: str, plan: BatchPlan, tokens_per_row: int) -> list[tuple[int, torch.Tensor]]:
-        """(slot, rows) of the tasks whose rows run module `name` with their own formed weights (DENSE_MIN_TOKENS)."""
+    def _dense_groups(self, name: str, plan: BatchPlan, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
+        """(slot, tokens) of the tasks whose tokens run module `name` with their own formed weights
+        (DENSE_MIN_TOKENS)."""
         k = DENSE_MIN_TOKENS.get(self.device.type)
         if k is None or name not in self.merged or not isinstance(self.base.modules.get(name), torch.nn.Linear):
             return []
-        return [(slot, rows) for slot, rows in plan.groups(self.family) if rows.numel() * tokens_per_row >= k]
+        return [(slot, tokens) for slot, tokens in plan.groups(self.family, num_tokens) if tokens.numel() >= k]
 
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
@@ -172,10 +173,10 @@ class EmrSlots(Slots):
             return self._embedding(merged, x, y, plan)
         if isinstance(module, torch.nn.Linear):
             return self._linear(name, module, merged, x, y, plan)
-        for slot, rows in plan.groups(self.family):  # norms and the like: small, formed per task
+        for slot, tokens in plan.groups(self.family, y.shape[0]):  # norms and the like: small, formed per task
             params = {local: reconstruct(getattr(module, local), tau, _unpacked(masks[slot], tau), self._scale(slot))
                       for local, tau, masks in merged}
-            y[rows] = functional_call(module, params, (x[rows],))
+            y[tokens] = functional_call(module, params, (x[tokens],))
         return y
 
     def _scale(self, slot: int) -> float:
@@ -189,35 +190,34 @@ class EmrSlots(Slots):
 
     def _linear(self, name: str, module: torch.nn.Linear, merged, x: torch.Tensor, y: torch.Tensor,
                 plan: BatchPlan) -> torch.Tensor:
-        per_row = x[0].numel() // x.shape[-1]
-        dense = self._dense_groups(name, plan, per_row)
-        running = frozenset(slot for slot, _ in plan.groups(self.family))
-        for slot, rows in dense:  # the rows the base skipped (claims): y[rows] is still to be written
+        """x [N, in], y [N, out]: the module's tokens."""
+        dense = self._dense_groups(name, plan, y.shape[0])
+        running = frozenset(plan.slot_set(self.family))
+        for slot, tokens in dense:  # the tokens the base skipped (claims): y[tokens] is still to be written
             params = {local: self.formed.get((slot, name, local), running,
                                              lambda w=getattr(module, local), tau=tau, m=masks[slot], s=slot:
                                              self._formed(w, tau, m, s))
                       for local, tau, masks in merged}
-            y[rows] = torch.nn.functional.linear(x[rows], params.get("weight", module.weight),
-                                                 params.get("bias", module.bias))  # [n, ..., out]
-        if len(dense) == len(plan.groups(self.family)):
+            y[tokens] = torch.nn.functional.linear(x[tokens], params.get("weight", module.weight),
+                                                   params.get("bias", module.bias))  # [n, out]
+        if len(dense) == len(plan.slot_set(self.family)):
             return y
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]
-        y2 = y.view(-1, y.shape[-1])  # [tokens, out]
+        x2 = x.contiguous()  # a pooler reads a strided first token
         formed = frozenset(slot for slot, _ in dense)
         seg = plan.remapped_segments(self.family, ("masked", formed), lambda s: NO_SLOT if s in formed else s,
                                      x2.shape[0])
         for local, tau, masks in merged:
             if local == "weight":
-                emr_delta(x2, tau, masks, self.scale, seg, y2)
+                emr_delta(x2, tau, masks, self.scale, seg, y)
             else:  # the bias: one [out] delta per task
                 delta = masked(masks[seg.slots], tau) * self.scale[seg.slots, None]  # [S, out]
-                y2.index_add_(0, seg.order, delta.repeat_interleave(seg.lengths, 0).to(y2.dtype))
+                y.index_add_(0, seg.order, delta.repeat_interleave(seg.lengths, 0).to(y.dtype))
         return y
 
     def _embedding(self, merged, ids: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        """ids [N], y [N, dim]."""
         (_, tau, masks), = merged
-        flat = ids.reshape(-1)  # [tokens]
-        y2 = y.view(-1, y.shape[-1])  # [tokens, dim]
+        flat, y2 = ids, y
         seg = plan.segments(self.family, flat.numel())
         task = seg.slots.repeat_interleave(seg.lengths)  # [n] each sorted token's task
         token = flat[seg.order]  # [n] its id

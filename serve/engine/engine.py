@@ -61,7 +61,8 @@ class Engine:
         self.store.verify(self.store.base(name))  # every file against its manifest sha256
         decoded_mib = self.config.neuzip_decoded_mib
         self.bases[name] = BaseModelRuntime(name, self.store.base_dir(name), self.config.device, self.config.slots,
-                                            0 if decoded_mib == "auto" else decoded_mib << 20)
+                                            0 if decoded_mib == "auto" else decoded_mib << 20, self.config.batch,
+                                            self.config.engine)
         self.cache.buffers.reserve(self._reserve_layout(name))
         self.cache.buffers.refill()
 
@@ -75,8 +76,8 @@ class Engine:
                                   "memory_target_mib (or give the replica Ray memory)")
             target = sum(targets) * MIB
         device = torch.device(self.config.device)
-        rows, new = self.config.batch.max_batch_size, self.config.limits.max_tokens
-        working = max((working_bytes(rt, rows, new) for rt in self.bases.values()), default=0)  # one at a time
+        rows = self.config.batch.max_batch_size
+        working = max((working_bytes(rt, rows) for rt in self.bases.values()), default=0)  # one at a time
         groups = sum(v.kind == "emr" and v.base in self.bases for v in self.store.manifest.variants.values())
         plan = MemoryPlan(target, resident_bytes(device), working, reserved_bytes(self.config, groups))
         left = plan.free

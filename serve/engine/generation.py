@@ -1,14 +1,19 @@
 """Continuous batching for a causal LM: one running batch per base, whose rows may each be of another variant.
 
-The batch is every running row's KV cache, left-padded to one length. New rows are prefilled together and
-merged in: both sides are padded on the left to the longer length and concatenated along the batch. A row
-leaves as soon as it finishes, and columns that are padding in every remaining row are trimmed, so a long
-prompt that has gone costs nothing. Positions count each row's own tokens, so padding never shifts them.
-Each row keeps its variant's slot (serve/engine/slots.py) from admission to its last step, and every forward
-carries a BatchPlan of those slots. Sampling is batched over the rows; greedy rows give the tokens they give
-alone, seeded rows draw from their own generator. Text is decoded incrementally, a few tokens a step.
-Log probabilities (when a row asks) are a log-softmax over the whole vocabulary in fp32 of the same logits
-the row samples from; a prefill that echoes its prompt keeps the logits of every position.
+Each row holds a slot of the base's KV store (serve/engine/kv_store.py) from admission to its last token, and
+every step is one forward over one flattened sequence of tokens (serve/engine/steps.py lays it out):
+- a decode token for every running row, row b at slot b (rows without one are padding: a row still
+  prefilling, a slot free), the rows rounded up to a bucket where shapes are fixed;
+- then the admitted prompts' next tokens, in admission order, up to the step's token budget
+  (batch.max_step_tokens); a long prompt takes several steps, and a row whose prompt is all written samples
+  its first token in the same step.
+Nothing is copied between rows: a finished row gives its slot back and the next admitted row writes over it.
+Each row keeps its variant's slot (serve/engine/slots.py) too, and the step's BatchPlan maps every token to its
+row's variant. Sampling runs on the device over every row that samples this step (greedy rows give the tokens
+they give alone, seeded rows draw from their own generator) and the sampled tokens come back in one copy. Text
+is decoded incrementally, a few tokens a step. Log probabilities (when a row asks) are a log-softmax over the
+whole vocabulary in fp32 of the same logits the row samples from; a row that echoes its prompt keeps the logits
+of every prompt position, chunk by chunk.
 """
 
 from collections.abc import Sequence
@@ -16,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from serve.engine import faults
-from serve.engine.batch import BatchPlan, RowSlot
+from serve.engine.batch import RowSlot
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Step
+from serve.engine.steps import Prefill, StepRunner
 from serve.engine.types import Generation, SamplingParams, TokenLogprob
 from serve.variants.base import LoadedVariant
 
@@ -44,8 +49,17 @@ class _Seq:
     tag: Any
     slot: RowSlot | None
     """None once detached: a slot is given back exactly once, whatever fails."""
+    kv: int | None
+    """Its KV store slot; None once given back."""
     name: str
     """The cache entry it runs, or the base's name (what a fault or a log line names)."""
+    prompt: list[int]
+    written: int = 0
+    """Tokens of this row in the KV store: the prompt's so far, then every token fed back."""
+    next_token: int | None = None
+    """The token it feeds at the next decode step (None while its prompt is being written)."""
+    echo_logits: list[torch.Tensor] = field(default_factory=list)
+    """An echoing row's logits of its prompt's positions so far, a chunk a tensor."""
     done: bool = False
     failed: BaseException | None = None
     """It failed alone (detokenising): it leaves the batch with this error, the other rows go on."""
@@ -57,12 +71,16 @@ class _Seq:
     read_offset: int = 0
 
     @classmethod
-    def start(cls, row: NewRow, slot: RowSlot, name: str) -> "_Seq":
+    def start(cls, row: NewRow, slot: RowSlot, kv: int, name: str) -> "_Seq":
         p = row.params
         gen = Generation(prompt_tokens=len(row.prompt), logprobs=[] if p.logprobs is not None else None)
         rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         tail = row.prompt[-CONTEXT:]
-        return cls(gen, p, rng, row.tag, slot, name, tail=tail, read_offset=len(tail))
+        return cls(gen, p, rng, row.tag, slot, kv, name, list(row.prompt), tail=tail, read_offset=len(tail))
+
+    @property
+    def echoes(self) -> bool:
+        return self.params.echo and self.params.logprobs is not None
 
 
 CONTEXT = 5
@@ -70,150 +88,161 @@ CONTEXT = 5
 SentencePiece word's leading space, a character split over byte tokens)."""
 
 
-def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    if x.shape[dim] == length:
-        return x
-    shape = list(x.shape)
-    shape[dim] = length - x.shape[dim]
-    return torch.cat([x.new_zeros(shape), x], dim)
-
-
 class DecodeBatch:
     """The running rows of one base: run() happens on the engine's compute thread."""
 
     def __init__(self, rt: BaseModelRuntime):
+        if rt.kv is None:
+            raise ValueError(f"base '{rt.name}' is not a causal language model: it has no KV store")
         self.rt = rt
-        self.seqs: list[_Seq] = []
-        self._admitting: list[_Seq] = []
-        """Rows being prefilled: attached, not yet in seqs (close() releases them too)."""
+        self.runner = StepRunner(rt)
+        self.decoding: dict[int, _Seq] = {}
+        """KV slot -> its row, for rows whose prompt is written."""
+        self.prefilling: list[_Seq] = []
+        """Admitted rows whose prompt is still being written, in admission order."""
         self._failed: list[tuple[Any, BaseException]] = []
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros((0, 0), dtype=torch.long, device=rt.device)  # [rows, cached length]
-        self.last = torch.zeros((0, 1), dtype=torch.long, device=rt.device)  # the token each row feeds next
-        self.next_pos = torch.zeros((0, 1), dtype=torch.long, device=rt.device)
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        return len(self.decoding) + len(self.prefilling)
 
     def rows(self) -> list[tuple[Any, Generation]]:
-        """(tag, Generation so far) of every running row."""
-        return [(s.tag, s.gen) for s in self.seqs]
+        """(tag, Generation so far) of every row that has begun generating."""
+        return [(s.tag, s.gen) for s in self.decoding.values()]
 
     @torch.no_grad()
     def run(self, new: Sequence[NewRow], abort: Sequence[Any] = ()) -> Step:
-        """Drop the rows tagged in abort, admit new rows that get a slot, then one decode step for every row;
-        -> the tags of the rows that finished (with their Generation), of new rows left waiting for a free
-        slot, and of rows that failed alone. If the prefill or the step raises, the batch is to be closed."""
+        """Drop the rows tagged in abort, admit new rows that get a variant slot and a KV slot, then one step for
+        every row; -> the tags of the rows that finished (with their Generation), of new rows left waiting for a
+        free slot, and of rows that failed alone. If the step raises, the batch is to be closed."""
+        finished: list[tuple[Any, Generation]] = []
         if abort:
-            for s in self.seqs:
+            for s in self._all():
                 s.done = s.done or any(s.tag is t for t in abort)
-            self._drop_finished()
-        step, admitted = Step(), []
+            finished += self._drop_finished()
+        step = Step()
         for row in new:
             try:
                 slot = self.rt.attach(row.variant)
             except Exception as e:  # this row alone
                 step.failed.append((row.tag, e))
                 continue
-            if slot is None:
+            kv = self.rt.kv.take() if slot is not None else None
+            if kv is None:
+                if slot is not None:
+                    self.rt.detach(slot)
                 step.waiting.append(row.tag)
-            else:
-                name = row.variant.entry if row.variant is not None else self.rt.name
-                self._admitting.append(_Seq.start(row, slot, name))
-                admitted.append(row)
-        if admitted:
-            step.finished += self._admit(admitted)
-        if self.seqs:
-            step.finished += self._step()
+                continue
+            name = row.variant.entry if row.variant is not None else self.rt.name
+            self.prefilling.append(_Seq.start(row, slot, kv, name))
+        if self.decoding or self.prefilling:
+            self._step()
+        step.finished += finished + self._drop_finished()
         step.failed += self._failed
         self._failed = []
         return step
 
     def close(self) -> None:
-        """Give back every row's slot, running or being admitted (the batch failed, or has ended); each is
+        """Give back every row's slots, running or being admitted (the batch failed, or has ended); each is
         given back even if another's raises, and the first error is raised after."""
         errors = []
-        for s in self.seqs + self._admitting:
+        for s in self._all():
             try:
                 self._release(s)
                 faults.hit("close", [s.name])
             except Exception as e:
                 errors.append(e)
-        self.seqs, self._admitting, self.cache = [], [], None
+        self.decoding, self.prefilling = {}, []
         if errors:
             raise errors[0]
 
+    def _all(self) -> list[_Seq]:
+        return list(self.decoding.values()) + self.prefilling
+
     def _release(self, s: _Seq) -> None:
+        kv, s.kv = s.kv, None
+        if kv is not None:
+            self.rt.kv.give(kv)
         slot, s.slot = s.slot, None
         if slot is not None:
             self.rt.detach(slot)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                 seqs: list[_Seq], every_position: bool = False) -> torch.Tensor:
-        """-> [rows, vocab] fp32 logits of the last position, or [rows, seq, vocab] of every position."""
-        plan = BatchPlan([s.slot for s in seqs], self.rt.device)
-        out = self.rt.call(plan, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True, logits_to_keep=0 if every_position else 1)
-        return out.logits.float() if every_position else out.logits[:, -1, :].float()
+    def _step(self) -> None:
+        """One forward: every decoding row's next token and the prefills the token budget allows; then the
+        sampled tokens."""
+        decoding = dict(sorted(self.decoding.items()))
+        if decoding:
+            faults.hit("decode", [s.name for s in decoding.values()])
+        prefills = self._prefills(self.rt.max_step_tokens - len(decoding))
+        if prefills:
+            faults.hit("prefill", [p.row.name for p in prefills])
+        for p in prefills:
+            if p.row.params.echo or p.row.params.logprobs is not None:
+                if p.first == 0:
+                    p.row.gen.prompt_text = self.rt.tokenizer.decode(p.row.prompt)
+        out = self.runner.run(decoding, prefills)
+        sampling: list[_Seq] = []
+        for s in decoding.values():
+            s.written += 1
+            sampling.append(s)
+        for p in prefills:
+            s = p.row
+            s.written += p.length
+            if s.echoes:
+                s.echo_logits.append(out.chunk_logits(p))
+            if s.written == len(s.prompt):
+                self.prefilling.remove(s)
+                self.decoding[s.kv] = s
+                sampling.append(s)
+                if s.echoes:
+                    s.gen.prompt_logprobs = self._prompt_logprobs(s.prompt, torch.cat(s.echo_logits),
+                                                                  s.params.logprobs)
+                    s.echo_logits = []
+        if sampling:
+            self._choose(sampling, out.logits, [out.sample_at[s.kv] for s in sampling])
 
-    def _admit(self, admitted: list[NewRow]) -> list[tuple[Any, Generation]]:
-        """Prefill the rows of self._admitting (in the order of `admitted`) and merge them into the batch."""
-        seqs = self._admitting
-        faults.hit("prefill", [s.name for s in seqs])
-        dev, n = self.rt.device, len(admitted)
-        longest = max(len(r.prompt) for r in admitted)
-        ids = torch.full((n, longest), self.rt.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, r in enumerate(admitted):
-            ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, longest - len(r.prompt):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        cache = DynamicCache()
-        echo = any(r.params.echo and r.params.logprobs is not None for r in admitted)
-        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, seqs, every_position=echo)
-        if echo:
-            for s, r, row_logits in zip(seqs, admitted, logits):
-                if r.params.echo and r.params.logprobs is not None:
-                    s.gen.prompt_logprobs = self._prompt_logprobs(r.prompt, row_logits[longest - len(r.prompt):],
-                                                                  r.params.logprobs)
-            logits = logits[:, -1, :]
-        for s, r in zip(seqs, admitted):
-            if r.params.echo or r.params.logprobs is not None:
-                s.gen.prompt_text = self.rt.tokenizer.decode(r.prompt)
-        last = self._choose(seqs, logits)
-        next_pos = torch.tensor([[len(r.prompt)] for r in admitted], dtype=torch.long, device=dev)
-        self._merge(seqs, cache, mask, last, next_pos)
-        self._admitting = []
-        return self._drop_finished()
+    def _prefills(self, budget: int) -> list[Prefill]:
+        """The admitted prompts' next chunks, in admission order, within `budget` tokens (at least one token, so a
+        batch of max_step_tokens running rows still admits)."""
+        budget = max(budget, 1)
+        chunks = []
+        for s in self.prefilling:
+            if budget == 0:
+                break
+            n = min(len(s.prompt) - s.written, budget)
+            chunks.append(Prefill(s, s.kv, s.written, n, s.prompt[s.written:s.written + n],
+                                  keep_all=s.echoes, samples=s.written + n == len(s.prompt)))
+            budget -= n
+        return chunks
 
-    def _step(self) -> list[tuple[Any, Generation]]:
-        faults.hit("decode", [s.name for s in self.seqs])
-        ones = torch.ones((len(self.seqs), 1), dtype=torch.long, device=self.rt.device)
-        self.mask = torch.cat([self.mask, ones], dim=1)
-        logits = self._forward(self.last, self.mask, self.next_pos, self.cache, self.seqs)
-        self.next_pos = self.next_pos + 1
-        self.last = self._choose(self.seqs, logits)
-        return self._drop_finished()
-
-    def _choose(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
-        tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # [rows]
-        chosen = tokens.tolist()
+    def _choose(self, seqs: list[_Seq], logits: torch.Tensor, at: list[int]) -> None:
+        """logits [kept, vocab] fp32 of the step; at: the row of logits each of seqs samples from. Every row of
+        logits is sampled (greedy where no row reads it), so a decode step's sampling has its bucket's shapes."""
+        params: list[SamplingParams | None] = [None] * logits.shape[0]
+        rngs: list[torch.Generator | None] = [None] * logits.shape[0]
+        for s, i in zip(seqs, at):
+            params[i], rngs[i] = s.params, s.rng
+        every = sample(logits, params, rngs).tolist()  # the step's one copy back to the host
+        chosen = [every[i] for i in at]
         # Rows that asked for log probabilities get an entry for every token taken, an end-of-text token too
         # (which the text and token_ids leave out, and completion_tokens counts); a max_tokens 0 row takes none.
         asking = [i for i, s in enumerate(seqs)
                   if s.params.logprobs is not None and s.params.max_tokens > 0 and s.failed is None]
         contexts = {i: (seqs[i].tail + seqs[i].gen.token_ids)[-CONTEXT:] for i in asking}  # before this token
         for s, tok in zip(seqs, chosen):
+            s.next_token = tok
             try:
                 s.done = self._advance(s, tok)
             except Exception as e:  # this row's text alone: it leaves with the error, the batch goes on
                 s.failed, s.done = e, True
+            if not s.done and s.written >= self.rt.kv.positions:  # its slot is full (the engine's checks forbid it)
+                s.gen.finish_reason, s.done = "length", True
+                self._flush(s)
         for k in sorted({seqs[i].params.logprobs for i in asking}):
             idx = [i for i in asking if seqs[i].params.logprobs == k]
-            entries = self._logprobs(logits[idx], [chosen[i] for i in idx], k, [contexts[i] for i in idx])
+            rows = torch.tensor([at[i] for i in idx], dtype=torch.long, device=logits.device)
+            entries = self._logprobs(logits[rows], [chosen[i] for i in idx], k, [contexts[i] for i in idx])
             for i, lp in zip(idx, entries):
                 seqs[i].gen.logprobs.append(lp)
-        return tokens.unsqueeze(-1)
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[int], k: int, contexts: list[list[int]]
                   ) -> list[TokenLogprob]:
@@ -279,53 +308,26 @@ class DecodeBatch:
         if s.read_offset < len(s.tail) + len(s.gen.token_ids):
             self._decode_new(s, final=True)
 
-    def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor, last: torch.Tensor,
-               next_pos: torch.Tensor) -> None:
-        if not self.seqs:
-            self.seqs, self.cache, self.mask, self.last, self.next_pos = seqs, cache, mask, last, next_pos
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        kv = [(torch.cat([_pad_left(a.keys, length, 2), _pad_left(b.keys, length, 2)]),
-               torch.cat([_pad_left(a.values, length, 2), _pad_left(b.values, length, 2)]))
-              for a, b in zip(self.cache.layers, cache.layers)]
-        self.cache = DynamicCache(kv)
-        self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)])
-        self.last = torch.cat([self.last, last])
-        self.next_pos = torch.cat([self.next_pos, next_pos])
-        self.seqs = self.seqs + seqs
-
     def _drop_finished(self) -> list[tuple[Any, Generation]]:
-        if not any(s.done for s in self.seqs):
+        """Rows that are done leave: their slots go back at once; -> those that finished well."""
+        gone = [s for s in self._all() if s.done]
+        if not gone:
             return []
-        finished = [(s.tag, s.gen) for s in self.seqs if s.done and s.failed is None]
-        self._failed += [(s.tag, s.failed) for s in self.seqs if s.failed is not None]
-        for s in self.seqs:
-            if s.done:
-                self._release(s)
-        keep = [i for i, s in enumerate(self.seqs) if not s.done]
-        self.seqs = [self.seqs[i] for i in keep]
-        if not keep:
-            self.cache = None
-            self.mask = self.mask[:0, :0]
-            self.last, self.next_pos = self.last[:0], self.next_pos[:0]
-            return finished
-        idx = torch.tensor(keep, dtype=torch.long, device=self.rt.device)
-        self.cache.batch_select_indices(idx)
-        self.mask, self.last, self.next_pos = self.mask[idx], self.last[idx], self.next_pos[idx]
-        lead = int(self.mask.any(0).int().argmax())  # columns of padding in every remaining row
-        if lead:
-            self.mask = self.mask[:, lead:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
-        return finished
+        self.decoding = {k: s for k, s in self.decoding.items() if not s.done}
+        self.prefilling = [s for s in self.prefilling if not s.done]
+        self._failed += [(s.tag, s.failed) for s in gone if s.failed is not None]
+        for s in gone:
+            self._release(s)
+        return [(s.tag, s.gen) for s in gone if s.failed is None]
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[torch.Generator | None]
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams | None], rngs: Sequence[torch.Generator | None]
            ) -> torch.Tensor:
-    """[rows, vocab] fp32 logits -> [rows] tokens: argmax for greedy rows; for the others temperature and
-    top-p over the whole batch at once, then inverse-CDF with one uniform draw per row from its own generator."""
+    """[rows, vocab] fp32 logits -> [rows] tokens, on the logits' device: argmax for greedy rows (and rows no
+    request reads: params None); for the others temperature and top-p over the whole batch at once, then
+    inverse-CDF with one uniform draw per row from its own generator."""
     tokens = logits.argmax(-1)  # [rows]
-    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    sampled = [i for i, p in enumerate(params) if p is not None and p.temperature > 0]
     if not sampled:
         return tokens
     dev = logits.device

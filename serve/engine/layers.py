@@ -1,11 +1,14 @@
-"""The base's leaf modules, wrapped once at load: each computes base(x) for every row of the forward, then
-each correction family present in the step's BatchPlan corrects the rows of its slots.
+"""The base's leaf modules, wrapped once at load: each wrapper computes base(x) for every token of the forward, then
+each correction family present in the step's BatchPlan corrects the tokens of its slots.
 
-The wrapping is a forward hook on every module that holds parameters (Linear, Embedding, norms, the LM head),
-so the base module, its parameter names and transformers' own code stay as they are; a base held in another
-form (NeuZip) only changes how base(x) is computed, not this seam. A family may claim rows of a module (it runs
-them whole with weights of its own, Slots.claims): a pre-hook then hands the base only the other rows, and the
-forward hook puts the base's rows back in place before the families fill theirs.
+Every module that holds parameters (Linear, Embedding, norms, the LM head) is replaced in its parent by a
+SlotModule holding it (as vLLM's BaseLinearLayerWithLoRA and PEFT's LoraLayer wrap theirs), so transformers' own
+code runs unchanged and a forward whose rows are all the base's costs one attribute check a module: no hooks, no
+family consulted. Families see the module's tokens flattened (x [N, ...], y [N, out]) and the base module
+itself (the wrapped one: a full variant runs it through functional_call with its own tensors). A family may
+claim tokens of a module (it computes them whole with weights of its own, Slots.claims): the base then runs only
+the other tokens. A base held in NeuZip form has its coded weight decoded around the whole call, corrections
+included (serve/engine/neuzip.py: CodedWeights).
 """
 
 from collections.abc import Iterator, Mapping
@@ -23,20 +26,17 @@ def leaf_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None}
 
 
-class SlotLayers:
-    """The hooks of one base model, and the plan of the forward running now (set by `planned`)."""
+class Corrections:
+    """What every wrapper of one base reads: its families, the plan of the forward running now (set by
+    `planned`), and the coded weights of a NeuZip base."""
 
-    def __init__(self, modules: Mapping[str, torch.nn.Module], families: Mapping[str, Slots], seconds: Seconds):
+    def __init__(self, families: Mapping[str, Slots], seconds: Seconds, coded=None):
         self.families = families
         self.seconds = seconds
         """Time in each family's corrections, by family ("lora", "weights", "emr")."""
         self.plan: BatchPlan | None = None
-        self._correcting = False
-        self._claimed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        """module -> (its full input, [rows] bool: rows a family claimed) while its forward runs."""
-        self._handles = [h for name, m in modules.items()
-                         for h in (m.register_forward_pre_hook(self._narrow(name)),
-                                   m.register_forward_hook(self._hook(name)))]
+        self.coded = coded
+        """serve/engine/neuzip.py CodedWeights, or None."""
 
     @contextmanager
     def planned(self, plan: BatchPlan | None) -> Iterator[None]:
@@ -47,52 +47,76 @@ class SlotLayers:
         finally:
             self.plan = None
 
-    def _narrow(self, name: str):
-        def narrow(module: torch.nn.Module, args: tuple) -> tuple | None:
-            plan = self.plan
-            self._claimed.pop(name, None)  # left by a forward of this module that raised
-            if plan is None or self._correcting or not args or args[0].dim() < 2 or args[0].shape[0] != plan.rows:
-                return None
-            x = args[0]
-            per_row = x[0].numel() // max(x.shape[-1], 1)  # tokens of one row
-            rows = [r for f in plan.slot_ids for r in self.families[f].claims(name, plan, per_row)]
-            if not rows:
-                return None
-            claimed = torch.zeros(plan.rows, dtype=torch.bool, device=x.device)
-            claimed[rows] = True
-            self._claimed[name] = (x, claimed)
-            return (x[~claimed], *args[1:])  # [unclaimed rows, ...]: the base computes only these
 
-        return narrow
+class SlotModule(torch.nn.Module):
+    """One base module and the corrections its tokens get."""
 
-    def _hook(self, name: str):
-        def correct(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            plan = self.plan
-            # A correction may run the module again for a subset of rows (a full variant's tensors): that
-            # inner call must come back uncorrected.
-            if plan is None or self._correcting or not args:
-                return None
-            families = [self.families[f] for f in plan.slot_ids if self.families[f].touches(name, plan)]
-            if not families:
-                return None
-            x = args[0]
-            if name in self._claimed:  # the base ran the unclaimed rows only: back in place, claimed rows to fill
-                x, claimed = self._claimed.pop(name)
-                full = output.new_empty((plan.rows, *output.shape[1:]))
-                full[~claimed] = output
-                output = full
-            elif x.shape[0] == 1 and plan.rows > 1:  # broadcast over rows (BERT's position ids): one per row now
-                x = x.expand(plan.rows, *x.shape[1:])
-                output = output.expand(plan.rows, *output.shape[1:]).clone()
-            elif x.shape[0] != plan.rows:
-                raise RuntimeError(f"module '{name}' got {x.shape[0]} rows; the plan has {plan.rows}")
-            self._correcting = True
-            try:
-                for family in families:
-                    with self.seconds.timing(family.family.partition(":")[0]):
-                        output = family.apply(name, module, x, output, plan)
-            finally:
-                self._correcting = False
-            return output
+    def __init__(self, name: str, base: torch.nn.Module, corrections: Corrections):
+        super().__init__()
+        self.base = base
+        self.name = name
+        self.corrections = corrections
 
-        return correct
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        c = self.corrections
+        if c.coded is None or not c.coded.is_coded(self.name):
+            return self._forward(x, args, kwargs)
+        c.coded.install(self.name, self.base)
+        try:
+            return self._forward(x, args, kwargs)
+        finally:
+            c.coded.restore(self.name, self.base)
+
+    def _forward(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        plan = self.corrections.plan
+        if plan is None or not plan.families:
+            return self.base(x, *args, **kwargs)
+        families = [f for f in (self.corrections.families[n] for n in plan.families) if f.touches(self.name, plan)]
+        if not families:
+            return self.base(x, *args, **kwargs)
+        return self._corrected(families, plan, x, args, kwargs)
+
+    def _corrected(self, families: list[Slots], plan: BatchPlan, x: torch.Tensor, args: tuple, kwargs: dict
+                   ) -> torch.Tensor:
+        # Rows of equal length whose input is broadcast over them (BERT's position ids): one per row now.
+        broadcast = plan.tokens is None and x.dim() >= 1 and x.shape[0] == 1 and plan.rows > 1
+        if broadcast:
+            x = x.expand(plan.rows, *x.shape[1:])
+        per_token = torch.is_floating_point(x)  # features per token; an embedding reads token ids
+        tokens = x.numel() // x.shape[-1] if per_token else x.numel()
+        x2 = x.reshape(tokens, x.shape[-1]) if per_token else x.reshape(tokens)  # [N, in] or [N] (token ids)
+        claimed = self._claimed(families, plan, tokens, x.device)
+        if claimed is None:
+            y = self.base(x, *args, **kwargs)
+            y = y.clone() if broadcast else y
+        else:  # the base computes only the tokens no family claimed; the claimed ones are the families' to fill
+            base_out = self.base(x2[~claimed], *args, **kwargs)
+            y = base_out.new_empty((tokens, base_out.shape[-1]))
+            y[~claimed] = base_out
+        shape = (*(x.shape[:-1] if per_token else x.shape), y.shape[-1])
+        y2 = y.reshape(tokens, y.shape[-1])
+        for family in families:
+            with self.corrections.seconds.timing(family.family.partition(":")[0]):
+                y2 = family.apply(self.name, self.base, x2, y2, plan)
+        return y2.view(shape)
+
+    def _claimed(self, families: list[Slots], plan: BatchPlan, tokens: int, device: torch.device
+                 ) -> torch.Tensor | None:
+        """[N] bool: the tokens a family computes whole, or None when no family claims any."""
+        idx = [t for f in families for t in f.claims(self.name, plan, tokens)]
+        if not idx:
+            return None
+        claimed = torch.zeros(tokens, dtype=torch.bool, device=device)
+        claimed[idx] = True
+        return claimed
+
+
+def wrap_modules(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], corrections: Corrections
+                 ) -> dict[str, SlotModule]:
+    """Replace each named module in its parent by a SlotModule holding it; -> the wrappers by name."""
+    wrappers = {}
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        wrappers[name] = SlotModule(name, module, corrections)
+        setattr(model.get_submodule(parent) if parent else model, child, wrappers[name])
+    return wrappers

@@ -1,8 +1,8 @@
 """What a replica's memory holds, and what `neuzip_decoded_mib: auto` leaves its NeuZip bases to keep decoded.
 
 The plan follows vLLM's profile run: load every base with nothing kept decoded, measure what the process then
-holds (resident), measure one forward at the largest batch (working: activations, plus the KV cache its rows
-may grow to), add the budgets that fill later (reserved: the variant cache's tiers, the adapter pool, EMR
+holds (resident), measure one forward at the largest batch (working: activations, plus on a CPU the KV store,
+whose pages become resident as rows write them), add the budgets that fill later (reserved: the variant cache's tiers, the adapter pool, EMR
 formed weights), and what the target leaves after those is decoded for good. On a CPU engine memory is the
 process's resident set; on CUDA it is the device's allocated bytes.
 """
@@ -16,7 +16,7 @@ from serve.config import ServeConfig
 
 PROFILE_TOKENS = 512
 """Tokens a row of the profile forward has: working memory is sized for prompts this long (longer ones are served,
-beyond the plan). Generated tokens are counted in the KV cache on top."""
+beyond the plan)."""
 MIB = 1 << 20
 
 
@@ -79,19 +79,11 @@ def reserved_bytes(config: ServeConfig, emr_groups: int) -> int:
     return (cache + config.slots.adapter_mib + emr_groups * config.slots.emr_formed_mib) * MIB
 
 
-def kv_bytes_per_token(model_config) -> int:
-    """Keys and values of one token in every layer (0 for an encoder: it keeps no cache)."""
-    layers = getattr(model_config, "num_hidden_layers", 0)
-    heads = getattr(model_config, "num_attention_heads", 0)
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // max(heads, 1))
-    return 2 * layers * kv_heads * head_dim * 2  # bf16
-
-
 @torch.no_grad()
-def working_bytes(rt, rows: int, max_new_tokens: int) -> int:
+def working_bytes(rt, rows: int) -> int:
     """One forward's own memory at `rows` rows of PROFILE_TOKENS tokens (measured: its peak over what was held
-    before it), plus for a causal LM the KV cache those rows grow to with max_new_tokens generated."""
+    before it), plus on a CPU a causal LM's KV store (allocated at load, its pages resident only once written;
+    on CUDA it is already in the resident bytes)."""
     from serve.engine.batch import BASE_ROW, BatchPlan
 
     tokens = min(PROFILE_TOKENS, rt.max_input_tokens)
@@ -101,5 +93,5 @@ def working_bytes(rt, rows: int, max_new_tokens: int) -> int:
     before = resident_bytes(rt.device)
     rt.call(plan, input_ids=ids, **({"use_cache": False, "logits_to_keep": 1} if rt.causal else {}))
     activations = max(0, peak_bytes(rt.device) - before)
-    kv = kv_bytes_per_token(rt.model.config) * rows * (tokens + max_new_tokens) if rt.causal else 0
+    kv = rt.kv.nbytes if rt.kv is not None and rt.device.type == "cpu" else 0
     return activations + kv

@@ -13,12 +13,16 @@ from pathlib import Path
 
 import torch
 
-from serve.config import SlotsConfig
+from collections import Counter
+
+from serve.config import BatchConfig, EngineConfig, SlotsConfig
 import serve.engine.adapter_pool  # noqa: F401  (registers the "lora" family)
 import serve.engine.emr_slots  # noqa: F401  (registers the "emr" family)
 from serve.engine import faults
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
-from serve.engine.layers import SlotLayers, leaf_modules
+from serve.engine.graphs import StepGraphs
+from serve.engine.kv_store import ATTENTION, KVStore, slot_bytes
+from serve.engine.layers import Corrections, wrap_modules, leaf_modules
 from serve.engine.neuzip import CodedWeights
 from serve.engine.neuzip import load_model as load_neuzip
 from serve.engine.slots import FAMILIES, Slots, family_class
@@ -33,8 +37,9 @@ from serve.variants.base import BaseView, LoadedVariant
 
 class BaseModelRuntime:
     def __init__(self, name: str, model_dir: str | Path, device: str = "cpu", slots: SlotsConfig = SlotsConfig(),
-                 decoded_bytes: int = 0):
-        """decoded_bytes: a NeuZip base's decoded-layer budget (serve/engine/neuzip.py)."""
+                 decoded_bytes: int = 0, batch: BatchConfig = BatchConfig(), engine: EngineConfig = EngineConfig()):
+        """decoded_bytes: a NeuZip base's decoded-layer budget (serve/engine/neuzip.py); batch: the KV store's
+        size (a causal LM's rows and positions) and a step's token budget."""
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
         self.name = name
@@ -62,7 +67,9 @@ class BaseModelRuntime:
         """The compute thread's; the event loop has its own in `prompts` (serve/engine/prompts.py)."""
         if self.causal and self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.max_length = int(getattr(config, "max_position_embeddings", 512))
+        positions = int(getattr(config, "max_position_embeddings", 512))
+        self.max_length = min(positions, batch.max_model_len) if self.causal else positions
+        """A causal LM's context: a row's prompt and generated tokens together (its KV slot's positions)."""
         self.max_input_tokens = self.max_length if self.causal else encoder_limit(model_dir, self.max_length)
         self.prompts = Prompts(name, AutoTokenizer.from_pretrained(model_dir), self.max_length, self.max_input_tokens)
         tensors = {n: t.detach() for n, t in self.model.state_dict().items()}
@@ -75,21 +82,47 @@ class BaseModelRuntime:
         self.seconds = Seconds()
         """Compute-thread time by part: "forward" (every forward), inside it each family's corrections, and
         "staging" (writing variants into their slots)."""
-        self.layers = SlotLayers(self.view.modules, self.families, self.seconds)
-        # After the correction hooks: a coded weight goes back to its placeholder once they have run.
-        self.coded = CodedWeights(self.model, streams, decoded_bytes) if streams else None
+        self.coded = CodedWeights(self.model, streams, decoded_bytes) if streams else None  # by the modules' names
+        self.corrections = Corrections(self.families, self.seconds, self.coded)
+        self.wrappers = wrap_modules(self.model, self.view.modules, self.corrections)
+        self.fixed_shapes = False
+        """Decode steps run at row buckets and the adapter pool reads per-token maps (serve/engine/steps.py): on
+        CUDA, so that steps replay as graphs; a test may ask for them on CPU (use_fixed_shapes)."""
+        self.use_fixed_shapes(self.device.type == "cuda")
+        self.max_step_tokens = batch.max_step_tokens
+        self.step_counts: Counter[str] = Counter()
+        """Generation steps by how they ran: "graphed", or "eager:<reason>" (serve/engine/steps.py)."""
+        self.kv: KVStore | None = None
+        """A causal LM's KV store (serve/engine/kv_store.py), allocated once here."""
+        self.graphs: StepGraphs | None = None
+        if self.causal:
+            self.model.set_attn_implementation(ATTENTION)
+            dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+            self.kv = KVStore(config, kv_slots(batch, config, self.max_length, dtype), self.max_length, dtype,
+                              self.device)
+            if self.device.type == "cuda" and engine.cuda_graphs == "auto":
+                self.graphs = StepGraphs(self)
+                self.graphs.warm_up()
         eos = self.model.generation_config.eos_token_id if self.causal else None
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     @property
     def nbytes(self) -> int:
-        """Resident weight bytes: parameters held as tensors, plus a NeuZip base's streams and decoded buffer."""
+        """Resident weight bytes: parameters held as tensors, plus a NeuZip base's streams and decoded buffer (the
+        KV store is counted apart: kv.nbytes)."""
         params = [p for p in self.model.parameters() if not p.is_meta]  # parameters() yields a tied one once
         return sum(p.numel() * p.element_size() for p in params) + (self.coded.nbytes if self.coded else 0)
 
+    def use_fixed_shapes(self, on: bool) -> None:
+        self.fixed_shapes = on
+        for family in self.families.values():
+            family.fixed_shapes = on
+
     # ---- slots: created, attached, detached and removed on the compute thread only
     def _new_family(self, family: str) -> Slots:
-        return family_class(family)(self.view, self.device, self.slots_config, family=family)
+        made = family_class(family)(self.view, self.device, self.slots_config, family=family)
+        made.fixed_shapes = self.fixed_shapes
+        return made
 
     def check(self, variant: LoadedVariant) -> None:
         """Raise VariantIncompatible if the variant can never sit in its family's slots (any thread: it reads
@@ -129,7 +162,9 @@ class BaseModelRuntime:
         ids = kwargs.get("input_ids")
         tokens = ids.numel() if ids is not None else plan.rows * self.max_length  # embeddings given: assume long
         decoding = self.coded.decoder.forward(tokens) if self.coded else nullcontext()
-        with self.seconds.timing("forward"), self.layers.planned(plan), decoding:
+        for family in plan.families:
+            self.families[family].prepare(plan)
+        with self.seconds.timing("forward"), self.corrections.planned(plan), decoding:
             return self.model(**kwargs)
 
     # ---- encoders
@@ -187,6 +222,15 @@ class BaseModelRuntime:
             have = "a causal language model" if self.causal else "an encoder"
             base = f" (its base '{self.name}' is {have})" if model != self.name else ""
             raise BadRequest(f"model '{model}' is not {need}{base}")
+
+
+def kv_slots(batch: BatchConfig, config, positions: int, dtype: torch.dtype) -> int:
+    """Rows the KV store holds: max_batch_size, or fewer where batch.kv_cache_mib cannot hold that many slots of
+    `positions` positions (at least one)."""
+    if batch.kv_cache_mib is None:
+        return batch.max_batch_size
+    fits = int(batch.kv_cache_mib * (1 << 20)) // slot_bytes(config, positions, dtype)
+    return max(1, min(batch.max_batch_size, fits))
 
 
 def encoder_limit(model_dir: str | Path, positions: int) -> int:

@@ -3,13 +3,11 @@
 The model is built without weights (accelerate's init_empty_weights); raw tensors (embeddings, norms, biases:
 serve/codecs/neuzip_file.py says which) are loaded as they are, and every coded weight stays a meta
 placeholder of the right shape and dtype, so the variant seam (serve/engine/layers.py, slots.py) sees the
-module it always sees. Two hooks per coded module:
-- before its forward: have the weight decoded (on the CPU by serve/engine/neuzip_decoder.py, inline or ahead
-  into a buffer of its own; on a GPU by serve/engine/neuzip_groups.py, its group of weights in one launch) and
-  put it in place of the placeholder (only if the placeholder is there: a full variant's rows run the module
-  through functional_call with their own tensor, which must not be overwritten);
-- after its forward (last of its hooks, so the variant corrections have run; also when the forward raised):
-  put the placeholder back.
+module it always sees. The module's wrapper (layers.py: SlotModule) calls, around the module and its corrections:
+- `install`: have the weight decoded (on the CPU by serve/engine/neuzip_decoder.py, inline or ahead into a
+  buffer of its own; on a GPU by serve/engine/neuzip_groups.py, its group of weights in one launch) and put it in
+  place of the placeholder;
+- `restore` (after the corrections have run, also when the forward raised): put the placeholder back.
 Resident weights are then the coded streams, the raw tensors and the decoders' buffers (on the CPU four decoded
 weights, on a GPU one group's). A decoded-layer budget keeps some weights decoded for good, in model order until
 the budget is spent: every weight runs once per forward, so which ones are kept only changes how much decoding
@@ -76,7 +74,8 @@ def load_model(cls, model_dir: str | Path, nzp: NzpFile, device: torch.device) -
 
 
 class CodedWeights:
-    """The coded weights of one model and the hooks that decode them (see the module's docstring)."""
+    """The coded weights of one model, installed and restored by their modules' wrappers (see the module's
+    docstring)."""
 
     def __init__(self, model: torch.nn.Module, streams: dict[str, Stream], decoded_bytes: int = 0,
                  ahead_max_tokens: int = AHEAD_MAX_TOKENS):
@@ -86,8 +85,7 @@ class CodedWeights:
         self.kept: dict[str, torch.Tensor] = {}
         """The weights decoded for good, within the budget: plain parameters now (their streams are dropped)."""
         self.placeholders: dict[str, torch.nn.Parameter] = {}
-        self._installed: dict[str, list[bool]] = {}
-        self._handles: dict[str, list] = {}
+        """Module name -> its weight's meta placeholder, for the modules whose weight is decoded on use."""
         self._modules = dict(model.named_modules())
         self._device = next(iter(streams.values())).words.device if streams else torch.device("cpu")
         self._ahead_max_tokens = ahead_max_tokens
@@ -95,14 +93,21 @@ class CodedWeights:
             mname, local = name.rsplit(".", 1)
             if local != "weight":
                 raise ValueError(f"coded tensor '{name}' is no module's weight")
-            module = self._modules[mname]
             self.streams[name] = s
-            self.placeholders[mname] = module.weight
-            self._installed[mname] = []
-            self._handles[name] = [module.register_forward_pre_hook(self._decode_hook(mname)),
-                                   module.register_forward_hook(self._restore_hook(mname), always_call=True)]
+            self.placeholders[mname] = self._modules[mname].weight
         self.decoder = self._new_decoder()
         self.keep(decoded_bytes)
+
+    def is_coded(self, module: str) -> bool:
+        """Whether the module's weight is decoded on use."""
+        return module in self.placeholders
+
+    def install(self, module: str, m: torch.nn.Module) -> None:
+        """The module's weight decoded, in place of its placeholder."""
+        m._parameters["weight"] = self.decoder.weight(module)
+
+    def restore(self, module: str, m: torch.nn.Module) -> None:
+        m._parameters["weight"] = self.placeholders[module]
 
     def _new_decoder(self) -> WeightDecoder | GroupDecoder:
         """On the CPU decoding ahead or inline, measured (WeightDecoder); elsewhere a group of weights a launch."""
@@ -123,9 +128,7 @@ class CodedWeights:
             kept += nbytes
             s = self.streams.pop(name)
             mname = name.rsplit(".", 1)[0]
-            for h in self._handles.pop(name):
-                h.remove()
-            del self.placeholders[mname], self._installed[mname]
+            del self.placeholders[mname]
             self.kept[name] = decode(s)
             self._modules[mname]._parameters["weight"] = torch.nn.Parameter(self.kept[name], requires_grad=False)
         if kept:
@@ -149,31 +152,5 @@ class CodedWeights:
         and the buffers they decode into (weights kept decoded are parameters)."""
         return self.coded_bytes + self.decoder.nbytes
 
-    def _decode_hook(self, mname: str):
-        placeholder = self.placeholders[mname]
-        installed = self._installed[mname]
-
-        def before(module: torch.nn.Module, args: tuple) -> None:
-            install = module._parameters["weight"] is placeholder
-            installed.append(install)
-            if install:
-                module._parameters["weight"] = self.decoder.weight(mname)
-
-        return before
-
-    def _restore_hook(self, mname: str):
-        placeholder = self.placeholders[mname]
-        installed = self._installed[mname]
-
-        def after(module: torch.nn.Module, args: tuple, output) -> None:
-            if installed.pop():
-                module._parameters["weight"] = placeholder
-
-        return after
-
     def close(self) -> None:
-        for handles in self._handles.values():
-            for h in handles:
-                h.remove()
-        self._handles = {}
         self.decoder.close()

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 from torch.func import functional_call
 
+from kernels import NO_SLOT
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.variants.base import BaseView, LoadedVariant
@@ -29,6 +30,8 @@ class Slots(ABC):
     """The family's name; a group's own family names the group too ("emr:<group>")."""
     per_entry: ClassVar[bool] = False
     """Each entry (an EMR group) gets slots of its own, "<family>:<entry>", on first use."""
+    fixed_shapes: bool = False
+    """Set by the runtime: a forward's launches must not depend on which slots its rows use (see prepare)."""
 
     def __init__(self, base: BaseView, device: torch.device):
         self.base = base
@@ -58,9 +61,14 @@ class Slots(ABC):
     def forget(self, name: str) -> None:
         """The variant was removed or replaced: its slot must not serve the old contents again."""
 
-    def claims(self, name: str, plan: BatchPlan, tokens_per_row: int) -> list[int]:
-        """Rows whose output of module `name` this family computes whole in `apply` (the base's forward skips
-        them: their base matmul would be thrown away). Default: none, the family corrects the base's output."""
+    def prepare(self, plan: BatchPlan) -> None:
+        """Called once per forward before it runs, on the host: write what the forward's modules read from the
+        device (per-token maps into static buffers, so a captured step reads this step's). Default: nothing."""
+
+    def claims(self, name: str, plan: BatchPlan, num_tokens: int) -> list[int]:
+        """Tokens (of the module's num_tokens) whose output of module `name` this family computes whole in `apply`
+        (the base skips them: their base output would be thrown away). Default: none, the family corrects the
+        base's output."""
         return []
 
     @abstractmethod
@@ -70,7 +78,9 @@ class Slots(ABC):
     @abstractmethod
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
-        """y (the base module's output for all rows of the plan) corrected for this family's rows."""
+        """y (the base module's output, [N, out], for the module's N tokens: x [N, in], or [N] token ids for an
+        embedding) corrected for this family's tokens; claimed tokens are still to be written.
+        plan.groups(family, N) gives each slot's tokens."""
 
 
 class TableSlots(Slots):
@@ -188,14 +198,18 @@ class WeightSlots(TableSlots):
             self.overrides[slot] = {}
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
-        return any(name in self.overrides[slot] for slot, _ in plan.groups(self.family))
+        return any(name in self.overrides[slot] for slot in plan.slot_set(self.family))
+
+    def claims(self, name: str, plan: BatchPlan, num_tokens: int) -> list[int]:
+        return [t for t, slot in enumerate(plan.token_slots(self.family, num_tokens))
+                if slot != NO_SLOT and name in self.overrides[slot]]
 
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
-        for slot, rows in plan.groups(self.family):
+        for slot, tokens in plan.groups(self.family, y.shape[0]):
             params = self.overrides[slot].get(name)
             if params:
-                y[rows] = functional_call(module, params, (x[rows],))  # [n, ...] with the variant's tensors
+                y[tokens] = functional_call(module, params, (x[tokens],))  # [n, out] with the variant's tensors
         return y
 
 

@@ -113,3 +113,49 @@ def test_a_neuzip_base_on_cuda_answers_as_its_bf16_base(store_root):
 
     assert asyncio.run(serve("lm-nz")) == asyncio.run(serve("lm-bf16"))
     assert gpu.bases["lm-nz"].coded is not None and gpu.holds() == {}
+
+
+def _generate(eng: Engine, rows: list[tuple[str, str]], max_tokens: int = 8) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+
+    async def serve():
+        return [g.token_ids for g in await asyncio.gather(*(eng.complete(m, params, prompt=p) for m, p in rows))]
+
+    return asyncio.run(serve())
+
+
+def test_decode_steps_replay_cuda_graphs_and_answer_as_eager_steps(store_root):
+    """Base and adapter rows decode through captured graphs (one per row bucket and pool layout); every token
+    equals the eager engine's, and the graphs were replayed, not only captured."""
+    graphed = Engine(ServeConfig(store=store_root, device="cuda"))
+    eager = Engine(ServeConfig(store=store_root, device="cuda", engine={"cuda_graphs": "off"}))
+    rt = graphed.bases["lm"]
+    assert rt.graphs is not None and rt.graphs.captures > 0  # base graphs captured at start-up
+    rows = [("lm", "the cat sat"), ("lm-lora", "a big red dog"), ("lm-lora8", "one two three"),
+            ("lm-pissa", "hello world good"), ("lm", "sun moon star"), ("lm-lora", "fish eat and")]
+    assert _generate(graphed, rows) == _generate(eager, rows)
+    assert rt.step_counts["graphed"] > 0 and rt.step_counts["eager:prefill"] > 0
+    assert eager.bases["lm"].step_counts["graphed"] == 0
+    assert graphed.holds() == {}
+
+
+def test_steps_with_full_or_emr_rows_run_eagerly_and_say_why(store_root):
+    eng = Engine(ServeConfig(store=store_root, device="cuda"))
+    rows = [("lm-top", "the cat sat"), ("lm-emr/t1", "a big red dog"), ("lm-lora", "one two three")]
+    cpu = Engine(ServeConfig(store=store_root))
+    assert _generate(eng, rows) == _generate(cpu, rows)
+    counts = eng.bases["lm"].step_counts
+    assert counts["eager:weights"] + counts["eager:emr"] > 0
+
+
+def test_a_pool_that_grows_recaptures_and_keeps_every_answer(store_root):
+    """New adapters grow the pool's stacks (new addresses): the next step captures again instead of replaying a
+    graph that reads the old ones."""
+    eng = Engine(ServeConfig(store=store_root, device="cuda"))
+    eager = Engine(ServeConfig(store=store_root, device="cuda", engine={"cuda_graphs": "off"}))
+    pool = eng.bases["lm"].families["lora"]
+    first = _generate(eng, [("lm-lora", "the cat sat")])
+    version = pool.version
+    rows = [("lm-lora", "the cat sat"), ("lm-lora8", "a big red dog"), ("lm-pissa", "one two three")]
+    assert _generate(eng, rows) == _generate(eager, rows)
+    assert pool.version != version and first == _generate(eager, [("lm-lora", "the cat sat")])

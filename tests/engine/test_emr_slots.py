@@ -66,7 +66,7 @@ def test_the_base_skips_rows_a_family_claims(group, monkeypatch):
         _mixed_logits(rt, loaded, [None, "a", None, "b"], torch.zeros((4, 3), dtype=torch.long))
     finally:
         handle.remove()
-    assert seen == [2]  # the two base rows; the task rows ran through their formed weights
+    assert seen == [2 * 3]  # the two base rows' tokens; the task rows ran through their formed weights
 
 
 def test_formed_weights_are_held_between_forwards_within_their_budget(group, monkeypatch):

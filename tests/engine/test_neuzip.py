@@ -206,19 +206,18 @@ def test_a_gpt2_whose_embedding_names_say_nothing_loads_and_gives_the_bf16_logit
     from transformers import AutoModelForCausalLM
 
     from serve.codecs.neuzip_file import NzpFile
-    from serve.engine.neuzip import CodedWeights, load_model
+    from serve.engine.model import BaseModelRuntime
     from tests.models import write_tiny_gpt2
 
     nz = _neuzip_copy(write_tiny_gpt2(tmp_path / "gpt2"), tmp_path / "gpt2-nz")
     nzp = NzpFile(nz / NEUZIP_FILE)
     assert nzp.records["transformer.wte.weight"].codec == "neuzip"
-    model, streams = load_model(AutoModelForCausalLM, nz, nzp, torch.device("cpu"))
-    coded = CodedWeights(model, streams)
-    assert coded.streams and not any("wte" in n or "wpe" in n for n in coded.streams)
+    rt = BaseModelRuntime("gpt2-nz", nz)
+    assert rt.coded.streams and not any("wte" in n or "wpe" in n for n in rt.coded.streams)
     ref = AutoModelForCausalLM.from_pretrained(nz).eval()  # the bf16 weights beside the coded ones
     ids = torch.tensor([[3, 5, 7, 9], [4, 6, 8, 10]])
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        assert torch.equal(rt.call(BatchPlan([BASE_ROW] * 2), input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
 def test_a_forward_that_raises_puts_every_placeholder_back(tmp_path):
@@ -235,8 +234,7 @@ def test_a_forward_that_raises_puts_every_placeholder_back(tmp_path):
         with pytest.raises(RuntimeError, match="boom"):
             rt.call(plan, input_ids=ids)
         handle.remove()
-        coded = {m: dict(rt.model.named_modules())[m] for m in rt.coded.placeholders}
-        assert all(mod.weight.is_meta for mod in coded.values())
+        assert all(rt.view.modules[m].weight.is_meta for m in rt.coded.placeholders)
         assert torch.equal(rt.call(plan, input_ids=ids).logits, before)
 
 
@@ -308,7 +306,7 @@ def test_decoding_ahead_gives_inline_decodings_logits_even_when_the_next_module_
             with decoder.forward(tokens=1):
                 assert decoder.ahead and torch.get_num_threads() == 1
                 out_of_order = down(x)  # the decode thread is decoding layer 0's first weight meanwhile
-            assert torch.get_num_threads() == 2 and down.weight.is_meta
+            assert torch.get_num_threads() == 2 and rt.view.modules["model.layers.1.mlp.down_proj"].weight.is_meta
             bf16 = load_file(nz / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
             assert torch.equal(out_of_order, torch.nn.functional.linear(x, bf16))
             assert torch.equal(rt.call(plan, input_ids=ids).logits, inline)

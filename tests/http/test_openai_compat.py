@@ -101,7 +101,10 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client, tok):
     r = client.post("/v1/completions", json={"model": "tiny-lm", "prompt": [ids, ids[:3]], "max_tokens": 0,
                                              "echo": True, "logprobs": 0, "temperature": 0}).json()
     assert [len(c["logprobs"]["tokens"]) for c in r["choices"]] == [len(ids), 3]
-    assert r["choices"][0]["logprobs"]["token_logprobs"][:3] == r["choices"][1]["logprobs"]["token_logprobs"]
+    whole, prefix = (r["choices"][i]["logprobs"]["token_logprobs"] for i in (0, 1))
+    assert whole[0] is None and prefix[0] is None
+    # the same positions, read in attentions of other lengths: equal up to fp32 rounding
+    assert whole[1:3] == pytest.approx(prefix[1:], rel=1e-5)
     assert r["usage"]["completion_tokens"] == 0
 
 

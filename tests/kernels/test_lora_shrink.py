@@ -79,35 +79,34 @@ def test_lora_shrink_rejects_bad_arguments_by_name(form, change, message, gen):
 
 def test_select_runs_the_twin_for_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setattr(kernels._backend, "INTERPRET", False)
-    monkeypatch.delenv("MANYFOLD_KERNELS", raising=False)
+    monkeypatch.setattr(kernels._backend, "FORCED", None)
     assert select(torch.zeros(1)) == "torch"
 
 
 def test_select_runs_the_twin_for_cpu_tensors_even_under_the_interpreter(monkeypatch):
     """TRITON_INTERPRET=1 in a server's environment must not turn it into an emulator."""
     monkeypatch.setattr(kernels._backend, "INTERPRET", True)
-    monkeypatch.delenv("MANYFOLD_KERNELS", raising=False)
+    monkeypatch.setattr(kernels._backend, "FORCED", None)
     assert select(torch.zeros(1)) == "torch"
 
 
 def test_a_test_asks_for_the_interpreter_explicitly(monkeypatch):
     monkeypatch.setattr(kernels._backend, "INTERPRET", True)
-    monkeypatch.setenv("MANYFOLD_KERNELS", "triton")
+    monkeypatch.setattr(kernels._backend, "FORCED", "triton")
     assert select(torch.zeros(1)) == "triton"
 
 
 def test_manyfold_kernels_torch_forces_the_twin(monkeypatch, gen):
     monkeypatch.setattr(kernels._backend, "INTERPRET", True)
-    monkeypatch.setenv("MANYFOLD_KERNELS", "torch")
+    monkeypatch.setattr(kernels._backend, "FORCED", "torch")
     monkeypatch.setattr(kernels, "lora_shrink_triton", _must_not_run)
     x, a_stacked, scale, seg = make_inputs(MIXED, 45, 5, torch.float32, "cpu", gen)
     torch.testing.assert_close(lora_shrink(x, a_stacked, scale, seg), lora_shrink_torch(x, a_stacked, scale, seg))
 
 
-def test_manyfold_kernels_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("MANYFOLD_KERNELS", "cuda")
+def test_manyfold_kernels_rejects_unknown_values():
     with pytest.raises(ValueError, match="MANYFOLD_KERNELS must be 'torch' or 'triton'; got 'cuda'"):
-        select(torch.zeros(1))
+        kernels._backend.parse_forced("cuda")
 
 
 def _must_not_run(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:

@@ -67,14 +67,14 @@ class BiasSlots(Slots):
         """Slots hold a variant only while its rows run: nothing to forget."""
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
-        return any(name in self.variants[slot].tensors for slot, _ in plan.groups(self.family))
+        return any(name in self.variants[slot].tensors for slot in plan.slot_set(self.family))
 
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
-        for slot, rows in plan.groups(self.family):
+        for slot, tokens in plan.groups(self.family, y.shape[0]):
             bias = self.variants[slot].tensors.get(name)
             if bias is not None:
-                y[rows] = y[rows] + bias  # [n, seq, out] + [out]
+                y[tokens] = y[tokens] + bias  # [n, out] + [out]
         return y
 
 

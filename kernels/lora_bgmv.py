@@ -1,0 +1,153 @@
+"""LoRA by token, on a fixed grid (Punica's BGMV): each token reads its own stack row, so a launch depends only
+on the number of tokens, never on which adapters the step's rows use. A decode step's launches are then the
+same for every mix of adapters and a CUDA graph replays them; lora_shrink / lora_expand (segments built on the
+host per step) stay the CPU's path, where grouping tokens saves the gathers.
+
+Semantics:
+    bgmv_shrink: z[t] = scale[r] * x[t] @ a_stacked[r].T         for r = rows[t] >= 0, else z[t] = 0
+    bgmv_expand: y[t] = cast(y[t] + z[t] @ b_stacked[r].T)       for r = rows[t] >= 0, else y[t] untouched
+
+Shapes: x [T, in]; a_stacked [N, R, in], x's dtype; scale [N] fp32; rows [T] int (a row of the stacks, or -1);
+z [T, R] fp32 (new, from bgmv_shrink); b_stacked [N, out, R], y's dtype (contiguous, or the transpose of a
+contiguous [N, R, out]); y [T, out], contiguous, added into in place.
+"""
+
+import torch
+
+from kernels._backend import tl, triton
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def bgmv_shrink_torch(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor
+                      ) -> torch.Tensor:
+    """The twin: each token's A gathered, one batched matrix-vector product."""
+    _check_shrink(x, a_stacked, scale, rows)
+    live = rows >= 0  # [T]
+    at = rows.clamp(min=0)
+    a = a_stacked.index_select(0, at).float()  # [T, R, in]
+    z = torch.bmm(a, x.float()[:, :, None])[:, :, 0]  # [T, R]
+    return z.mul_((scale.index_select(0, at) * live)[:, None])
+
+
+def bgmv_expand_torch(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor
+                      ) -> torch.Tensor:
+    """The twin: each token's B gathered, one batched matrix-vector product added where rows[t] >= 0."""
+    _check_expand(z, b_stacked, rows, y)
+    live = rows >= 0
+    b = b_stacked.index_select(0, rows.clamp(min=0)).float()  # [T, out, R]
+    delta = torch.bmm(b, z[:, :, None])[:, :, 0]  # [T, out]
+    y[live] = (y[live].float() + delta[live]).to(y.dtype)
+    return y
+
+
+@triton.jit
+def _bgmv_shrink_kernel(
+    x_ptr, a_ptr, scale_ptr, rows_ptr, z_ptr,
+    K, R,
+    stride_xt, stride_as, stride_ar, stride_zt,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: one token's R outputs, over `in` in BLOCK_K steps."""
+    t = tl.program_id(0)
+    r = tl.load(rows_ptr + t)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if r >= 0:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(x_ptr + t * stride_xt + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+            a = tl.load(a_ptr + r * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
+                        mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
+            acc += tl.sum(a * x[None, :], 1)
+        acc = acc * tl.load(scale_ptr + r)
+    tl.store(z_ptr + t * stride_zt + offs_r, acc, mask=mask_r)
+
+
+@triton.jit
+def _bgmv_expand_kernel(
+    z_ptr, b_ptr, rows_ptr, y_ptr,
+    N, R,
+    stride_zt, stride_bs, stride_bn, stride_bk, stride_yt,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One program: BLOCK_N outputs of one token."""
+    t = tl.program_id(0)
+    r = tl.load(rows_ptr + t)
+    if r >= 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_n = offs_n < N
+        mask_r = offs_r < R
+        z = tl.load(z_ptr + t * stride_zt + offs_r, mask=mask_r, other=0.0)  # [BLOCK_R] fp32
+        b = tl.load(b_ptr + r * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_bk,
+                    mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+        y_ptrs = y_ptr + t * stride_yt + offs_n
+        y = tl.load(y_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + tl.sum(b * z[None, :], 1)).to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def bgmv_shrink_triton(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor
+                       ) -> torch.Tensor:
+    _check_shrink(x, a_stacked, scale, rows)
+    tokens, in_features = x.shape
+    rank = a_stacked.shape[1]
+    z = torch.empty((tokens, rank), dtype=torch.float32, device=x.device)  # every element is stored
+    if tokens:
+        _bgmv_shrink_kernel[(tokens,)](
+            x, a_stacked, scale, rows, z, in_features, rank,
+            x.stride(0), a_stacked.stride(0), a_stacked.stride(1), z.stride(0),
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=128,
+        )
+    return z
+
+
+def bgmv_expand_triton(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor
+                       ) -> torch.Tensor:
+    _check_expand(z, b_stacked, rows, y)
+    tokens, out = y.shape
+    block_n = 128
+    if tokens:
+        _bgmv_expand_kernel[(tokens, triton.cdiv(out, block_n))](
+            z, b_stacked, rows, y, out, z.shape[1],
+            z.stride(0), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), y.stride(0),
+            BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(z.shape[1])),
+        )
+    return y
+
+
+def _check_rows(rows: torch.Tensor, tokens: int, device: torch.device) -> None:
+    if rows.shape != (tokens,) or rows.dtype not in (torch.int32, torch.int64) or rows.device != device:
+        raise ValueError(f"rows: expected [{tokens}] int32 or int64 on {device}; got {list(rows.shape)} "
+                         f"{rows.dtype} on {rows.device}")
+
+
+def _check_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> None:
+    """Both forms check the same contract, so a bad call fails the same way on CPU and GPU."""
+    if x.dim() != 2 or x.dtype not in DTYPES or x.stride(-1) != 1:
+        raise ValueError(f"x: expected a [T, in] fp32, fp16 or bf16 tensor, last dim contiguous; "
+                         f"got {list(x.shape)} {x.dtype}")
+    if a_stacked.dim() != 3 or a_stacked.shape[2] != x.shape[1] or not a_stacked.is_contiguous():
+        raise ValueError(f"a_stacked: expected a contiguous [N, R, {x.shape[1]}] tensor; got {list(a_stacked.shape)}")
+    if a_stacked.dtype != x.dtype or a_stacked.device != x.device:
+        raise ValueError(f"a_stacked: expected {x.dtype} on {x.device} (x's); got {a_stacked.dtype} on "
+                         f"{a_stacked.device}")
+    if scale.shape != (a_stacked.shape[0],) or scale.dtype != torch.float32 or scale.device != x.device:
+        raise ValueError(f"scale: expected [{a_stacked.shape[0]}] float32 on {x.device}; got {list(scale.shape)} "
+                         f"{scale.dtype}")
+    _check_rows(rows, x.shape[0], x.device)
+
+
+def _check_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> None:
+    if y.dim() != 2 or y.dtype not in DTYPES or not y.is_contiguous():
+        raise ValueError(f"y: expected a contiguous [T, out] fp32, fp16 or bf16 tensor; got {list(y.shape)} {y.dtype}")
+    if z.dim() != 2 or z.shape[0] != y.shape[0] or z.dtype != torch.float32 or z.device != y.device:
+        raise ValueError(f"z: expected [{y.shape[0]}, R] float32 on {y.device}; got {list(z.shape)} {z.dtype}")
+    if b_stacked.dim() != 3 or tuple(b_stacked.shape[1:]) != (y.shape[1], z.shape[1]):
+        raise ValueError(f"b_stacked: expected [N, {y.shape[1]}, {z.shape[1]}]; got {list(b_stacked.shape)}")
+    if b_stacked.dtype != y.dtype or b_stacked.device != y.device:
+        raise ValueError(f"b_stacked: expected {y.dtype} on {y.device} (y's); got {b_stacked.dtype} on "
+                         f"{b_stacked.device}")
+    _check_rows(rows, y.shape[0], y.device)

@@ -1,0 +1,474 @@
+"""`manyfold bench engine`: the engine's generation step and end-to-end generation, beside bare transformers and
+PEFT's mixed batch, with the physical floor of a step on a GPU.
+
+Decode step (one new token for each of N rows over a `context`-token prompt, median of `repeats` steps, each
+synchronised; N = 1, 16, 64):
+  transformers     the bare base, eager, transformers' DynamicCache (cropped back after each step)
+  engine base      the engine's step (serve/engine/generation.py: layout, forward, sampling, the one copy back),
+                   every row on the base
+  engine lora      one distinct rank-16 LoRA adapter on q_proj and v_proj per row
+  engine mixed     rows in turn: the base, a LoRA adapter, a full fine-tune of the top two layers
+  peft mixed       PEFT's own mixed-batch forward (`adapter_names=`) with the same adapters as engine lora
+The floor is the bytes a step must read, the weights once and every row's keys and values, over the GPU's
+memory bandwidth (H100 3.35 TB/s, H200 4.8 TB/s).
+
+End to end (every request submitted at once, greedy, no end-of-text stop so every system writes the same tokens):
+  engine           Engine.complete for each request, through the scheduler, the cache and the adapter pool, the
+                   adapters registered in a store as PEFT directories
+  peft             PEFT's generate over static batches, each row with its own adapter (`adapter_names=`)
+  transformers     the bare base's generate over static batches (what the base alone costs)
+On a CPU, the packaged SmolLM2-135M-Instruct and the workload issue 34 names: 32 requests of 48 tokens over real
+text, 16 adapters of ranks 8 and 16 on q_proj and v_proj, request i on adapter i % 16, static batches of 16;
+every engine output is checked token for token against PEFT's. On CUDA, models built from their configs with
+random weights (throughput does not depend on trained weights): SmolLM2-135M and Llama-3.2-1B shapes (Llama-3-8B
+with --large), and end to end on the 1B shape: 128 requests of 128 prompt + 128 generated tokens over adapters
+drawn by a power law from 100 registered.
+"""
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serve.bench.report import NO_GPU, finish, machine
+
+ROWS = (1, 16, 64)
+RANK = 16
+TARGETS = ("q_proj", "v_proj")
+SHAPES = {  # Llama-shaped configs of the models the issue names (random weights)
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+}
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+"""Bytes per second of HBM, by the name the device reports."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_tokens: int | None
+    """None: the real texts' own lengths (CPU)."""
+    new_tokens: int
+    adapters: int
+    """Registered adapters."""
+    static_batch: int
+    power_law: bool
+    """Request i's adapter drawn by a power law (else i % adapters)."""
+
+
+CPU_WORKLOAD = Workload(requests=32, prompt_tokens=None, new_tokens=48, adapters=16, static_batch=16, power_law=False)
+GPU_WORKLOAD = Workload(requests=128, prompt_tokens=128, new_tokens=128, adapters=100, static_batch=64,
+                        power_law=True)
+
+
+# ---- models and adapters
+def build_model_dir(shape: str, out: Path, device: torch.device, max_positions: int = 4096) -> Path:
+    """A Llama of the named shape with random weights in bf16, and a word-level tokenizer over its whole
+    vocabulary (no hub is reachable): ids in, ids out."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if (out / "config.json").exists():
+        return out
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, initializer_range=0.02, dtype="bfloat16")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", pad_token="w0",
+                            unk_token="w3").save_pretrained(out)
+    del model
+    return out
+
+
+def module_dims(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """(in, out) of every q_proj / v_proj of the model, by module name."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    outs = {"q_proj": c.num_attention_heads * head_dim, "v_proj": c.num_key_value_heads * head_dim}
+    return {f"model.layers.{i}.self_attn.{t}": (c.hidden_size, outs[t])
+            for i in range(c.num_hidden_layers) for t in TARGETS}
+
+
+def write_adapter(out: Path, dims: dict[str, tuple[int, int]], rank: int, seed: int) -> Path:
+    """A PEFT LoRA adapter directory with trained-looking random A and B (A ~ 1/sqrt(in), B small)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (in_f, out_f) in dims.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, in_f, generator=g)
+                                                                / in_f ** 0.5).to(torch.bfloat16)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out_f, rank, generator=g)
+                                                                * 0.02).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS), task_type="CAUSAL_LM").save_pretrained(out)
+    save_file(tensors, out / "adapter_model.safetensors")
+    return out
+
+
+def loaded_adapter(name: str, dims: dict[str, tuple[int, int]], rank: int, seed: int, dtype: torch.dtype,
+                   device: torch.device):
+    """The same adapter as write_adapter, straight into a LoadedVariant (for step timings, no store)."""
+    from serve.variants.base import LoadedVariant
+
+    g = torch.Generator().manual_seed(seed)
+    tensors, scales = {}, {}
+    for module, (in_f, out_f) in dims.items():
+        tensors[f"{module}.A"] = (torch.randn(rank, in_f, generator=g) / in_f ** 0.5).to(dtype).to(device)
+        tensors[f"{module}.B"] = (torch.randn(out_f, rank, generator=g) * 0.02).to(dtype).to(device)
+        scales[module] = 2.0
+    return LoadedVariant(name, "lora", "lora", tensors, scales)
+
+
+def top2_finetune(rt, name: str, seed: int):
+    """A full fine-tune of the top two layers, as the cache would hold it (weights family)."""
+    from serve.variants.base import LoadedVariant
+
+    g = torch.Generator(device=rt.device).manual_seed(seed)
+    layers = rt.model.config.num_hidden_layers
+    top = (f"layers.{layers - 2}.", f"layers.{layers - 1}.")
+    tensors = {k: t + torch.randn(t.shape, generator=g, device=rt.device, dtype=t.dtype) * 1e-3
+               for k, t in rt.view.tensors.items() if any(p in k for p in top)}
+    return LoadedVariant(name, "full", "weights", tensors)
+
+
+def peft_with(plain, adapters: dict[str, Path]):
+    """PEFT's model over a plain transformers copy of the base, every adapter loaded by name."""
+    from peft import PeftModel
+
+    names = list(adapters)
+    model = PeftModel.from_pretrained(plain, adapters[names[0]], adapter_name=names[0])
+    for n in names[1:]:
+        model.load_adapter(adapters[n], adapter_name=n)
+    return model.eval()
+
+
+# ---- one decode step
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, repeats: int, device: torch.device) -> float:
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int) -> float:
+    """The engine's decode step over len(variants) rows (None: the base), each at `context` tokens."""
+    from serve.engine.generation import DecodeBatch, NewRow
+    from serve.engine.types import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = rt.model.config.vocab_size
+    rows = [NewRow(i, torch.randint(3, vocab, (context,), generator=g).tolist(),
+                   SamplingParams(max_tokens=1 << 20), v) for i, v in enumerate(variants)]
+    batch = DecodeBatch(rt)
+    eos, rt.eos_ids = rt.eos_ids, set()
+    try:
+        batch.run(rows)
+        while batch.prefilling:
+            batch.run([])
+        return median_ms(lambda: batch.run([]), repeats, rt.device)
+    finally:
+        batch.close()
+        rt.eos_ids = eos
+
+
+def hf_step_ms(model, rows: int, context: int, repeats: int, device: torch.device, **kwargs) -> float:
+    """One decode step of a transformers model (bare or PEFT) over a DynamicCache of `context` tokens a row."""
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (rows, context), device=device)
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        nxt = out.logits[:, -1:].argmax(-1)
+
+        def step():
+            o = model(input_ids=nxt, past_key_values=cache, use_cache=True, **kwargs)
+            cache.crop(-1)  # back to the context: every timed step is the same step
+            return o.logits[:, -1].argmax(-1).tolist()
+
+        return median_ms(step, repeats, device)
+
+
+def floor_ms(rt, rows: int, context: int, bandwidth: float | None) -> float | None:
+    if bandwidth is None:
+        return None
+    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters())
+    kv = rows * (context + 1) * rt.kv.nbytes // (rt.kv.slots + 1) // rt.kv.positions
+    return 1e3 * (weights + kv) / bandwidth
+
+
+def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: int, bandwidth: float | None,
+                rows_list=ROWS) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from serve.config import BatchConfig, SlotsConfig
+    from serve.engine.model import BaseModelRuntime
+
+    most = max(rows_list)
+    rt = BaseModelRuntime("bench", model_dir, str(device), SlotsConfig(adapter_mib=4096, max_rank=64),
+                          batch=BatchConfig(max_batch_size=most, max_model_len=context + 2 * repeats + 8,
+                                            max_step_tokens=8192))
+    dims = module_dims(model_dir)
+    dtype = next(rt.model.parameters()).dtype
+    adapters = [loaded_adapter(f"a{i}", dims, RANK, i, dtype, device) for i in range(most)]
+    fulls = [top2_finetune(rt, f"f{i}", i) for i in range(2)]
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+    rows_out = []
+    for rows in rows_list:
+        mixed = [(None, adapters[i], fulls[i % 2])[i % 3] for i in range(rows)]
+        entry = {"rows": rows, "context": context, "floor_ms": floor_ms(rt, rows, context, bandwidth),
+                 "transformers_ms": hf_step_ms(plain, rows, context, repeats, device),
+                 "engine_base_ms": engine_step_ms(rt, [None] * rows, context, repeats, rows),
+                 "engine_lora_ms": engine_step_ms(rt, adapters[:rows], context, repeats, rows),
+                 "engine_mixed_ms": engine_step_ms(rt, mixed, context, repeats, rows)}
+        rows_out.append(entry)
+        print(f"  {rows} rows: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in entry.items()})}",
+              flush=True)
+    steps = dict(rt.step_counts)
+    with_peft = peft_steps(plain, rt, adapters, rows_list, context, repeats, device, model_dir)
+    for entry, peft in zip(rows_out, with_peft):
+        entry["peft_mixed_ms"] = peft
+        entry["steps"] = steps
+    if rt.graphs is not None:
+        for entry in rows_out:
+            entry["graphs"] = {"captures": rt.graphs.captures, "capture_s": round(rt.graphs.capture_seconds, 2),
+                               "capture_mib": round(rt.graphs.capture_bytes / (1 << 20), 1)}
+    return rows_out
+
+
+def peft_steps(plain, rt, adapters, rows_list, context, repeats, device, model_dir) -> list[float]:
+    """PEFT's mixed-batch decode step with the engine's adapters (written as PEFT directories once)."""
+    import tempfile
+
+    dims = module_dims(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {a.name: write_adapter(Path(tmp) / a.name, dims, RANK, i) for i, a in enumerate(adapters)}
+        model = peft_with(plain, dirs).to(device)
+        out = []
+        for rows in rows_list:
+            names = [adapters[i].name for i in range(rows)]
+            out.append(hf_step_ms(model, rows, context, repeats, device, adapter_names=names))
+        model.unload()
+    return out
+
+
+# ---- end to end
+def prompts_for(workload: Workload, tokenizer, vocab: int, seed: int = 0) -> list[list[int]]:
+    if workload.prompt_tokens is not None:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(3, vocab, (workload.prompt_tokens,), generator=g).tolist()
+                for _ in range(workload.requests)]
+    from serve.data.datasets import fortunes
+
+    texts = [t for t in fortunes("test") if 60 <= len(t) <= 400][:workload.requests]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def assignment(workload: Workload, seed: int = 0) -> list[int]:
+    """Request i's adapter index."""
+    if not workload.power_law:
+        return [i % workload.adapters for i in range(workload.requests)]
+    rnd = random.Random(seed)
+    weights = [1.0 / (k + 1) for k in range(workload.adapters)]
+    return rnd.choices(range(workload.adapters), weights, k=workload.requests)
+
+
+def run_engine(store_root: Path, device: torch.device, models: list[str | None], base: str,
+               prompts: list[list[int]], new_tokens: int, max_batch: int) -> tuple[float, list[list[int]], dict]:
+    """Seconds for every request at once, the tokens of each, the engine's step counts."""
+    from serve.config import ServeConfig
+    from serve.engine.engine import Engine
+    from serve.engine.types import SamplingParams
+
+    cfg = ServeConfig(store=store_root, device=str(device),
+                      batch={"max_batch_size": max_batch, "max_queue": 4096, "max_step_tokens": 2048},
+                      slots={"adapter_mib": 1024}, cache={"device_mib": 4096, "cpu_mib": 4096})
+    engine = Engine(cfg)
+    rt = engine.bases[base]
+    rt.eos_ids = set()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+
+    async def everything():
+        return await asyncio.gather(*(engine.complete(m or base, params, prompt=p) for m, p in zip(models, prompts)))
+
+    asyncio.run(everything())  # warm: adapters loaded and staged once, graphs captured
+    rt.step_counts.clear()
+    sync(device)
+    t0 = time.perf_counter()
+    results = asyncio.run(everything())
+    seconds = time.perf_counter() - t0
+    steps = dict(rt.step_counts)
+    asyncio.run(engine.drain(5))
+    return seconds, [r.token_ids for r in results], steps
+
+
+def run_generate(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id: int, device: torch.device,
+                 names: list[str] | None = None, batches: int | None = None) -> tuple[float, list[list[int]], int]:
+    """transformers' generate over static batches (left-padded, greedy, no stop): seconds, tokens, requests run."""
+    out, seconds, done = [], 0.0, 0
+    for b, start in enumerate(range(0, len(prompts), batch)):
+        if batches is not None and b >= batches:
+            break
+        chunk = prompts[start:start + batch]
+        longest = max(map(len, chunk))
+        ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, longest - len(p):] = torch.tensor(p)
+            mask[i, longest - len(p):] = 1
+        kwargs = {"adapter_names": names[start:start + batch]} if names is not None else {}
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **kwargs)
+        sync(device)
+        seconds += time.perf_counter() - t0
+        out += gen[:, longest:].tolist()
+        done += len(chunk)
+    return seconds, out, done
+
+
+def bench_end_to_end(model_dir: Path, work: Path, device: torch.device, workload: Workload, ranks: tuple[int, ...],
+                     peft_batches: int | None) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serve.store.store import Store
+    from serve.variants import variant_kind
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+    vocab = plain.config.vocab_size
+    prompts = prompts_for(workload, tokenizer, vocab)
+    which = assignment(workload)
+    dims = module_dims(model_dir)
+    adapters = {f"tenant-{k}": write_adapter(work / "adapters" / f"tenant-{k}", dims, ranks[k % len(ranks)], 1000 + k)
+                for k in range(workload.adapters)}
+    names = [f"tenant-{k}" for k in which]
+    store_root = work / "store"
+    if not (store_root / "manifest.json").exists():
+        store = Store(store_root, create=True)
+        store.add_base("bench", model_dir)
+        for name, path in adapters.items():
+            variant_kind("lora").add(store, name, "bench", path)
+    new = workload.new_tokens
+    tokens = workload.requests * new
+    e_s, e_tokens, e_steps = run_engine(store_root, device, names, "bench", prompts, new, workload.static_batch)
+    b_s, b_tokens, b_steps = run_engine(store_root, device, [None] * len(prompts), "bench", prompts, new,
+                                        workload.static_batch)
+    t_s, _, t_done = run_generate(plain, prompts, new, workload.static_batch, tokenizer.pad_token_id, device)
+    used = sorted(set(names))
+    peft = peft_with(plain, {n: adapters[n] for n in used}).to(device)
+    p_s, p_tokens, p_done = run_generate(peft, prompts, new, workload.static_batch, tokenizer.pad_token_id, device,
+                                         names, peft_batches)
+    same = sum(a == b for a, b in zip(e_tokens, p_tokens))
+    report = {"requests": workload.requests, "new_tokens": new, "adapters_registered": workload.adapters,
+              "adapters_used": len(used), "static_batch": workload.static_batch,
+              "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+              "engine_tok_s": tokens / e_s, "engine_base_tok_s": tokens / b_s,
+              "transformers_tok_s": t_done * new / t_s, "peft_tok_s": p_done * new / p_s,
+              "peft_requests_timed": p_done, "engine_equal_peft": f"{same} of {p_done}",
+              "engine_steps": e_steps, "engine_base_steps": b_steps}
+    return report
+
+
+# ---- the command
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        import triton
+
+        return (f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / (1 << 30):.0f} GiB; torch {torch.__version__},"
+                f" Triton {triton.__version__}")
+    return machine()
+
+
+def bandwidth_of(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+
+
+def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = False, repeats: int = 21,
+                     context: int | None = None, shapes: list[str] | None = None, e2e: bool = True) -> dict:
+    dev = torch.device(device)
+    work.mkdir(parents=True, exist_ok=True)
+    bandwidth = bandwidth_of(dev)
+    report: dict = {"machine": device_name(dev), "device": device, "steps": {}, "end_to_end": None,
+                    "gpu": None if dev.type == "cuda" else NO_GPU}
+    if dev.type == "cpu":
+        from serve.data.models import smollm2_dir
+
+        torch.set_num_threads(2)
+        ctx = context or 128
+        report["steps"]["smollm2-135m (packaged, fp32)"] = bench_steps(smollm2_dir(), dev, ctx, repeats, None)
+        if e2e:
+            report["end_to_end"] = bench_end_to_end(smollm2_dir(), work / "e2e-cpu", dev, CPU_WORKLOAD, (8, 16),
+                                                    None)
+    else:
+        ctx = context or 512
+        names = shapes or ["smollm2-135m", "llama-3.2-1b"] + (["llama-3-8b"] if large else [])
+        for shape in names:
+            print(f"{shape}: building", flush=True)
+            d = build_model_dir(shape, work / shape, dev)
+            report["steps"][shape] = bench_steps(d, dev, ctx, repeats, bandwidth)
+        if e2e:
+            d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
+            report["end_to_end"] = bench_end_to_end(d, work / "e2e-1b", dev, GPU_WORKLOAD, (RANK,), 1)
+    return finish(report, out, print_report)
+
+
+def print_report(report: dict) -> None:
+    print(f"\nengine bench on {report['machine']}")
+    if report["gpu"]:
+        print(f"GPU: {report['gpu']}")
+    print("\none decode step, ms (median); floor: weights + KV bytes over HBM bandwidth")
+    print(f"{'shape':<32}{'rows':>5}{'floor':>8}{'transformers':>14}{'engine base':>13}{'engine lora':>13}"
+          f"{'lora/base':>10}{'engine mixed':>14}{'peft mixed':>12}")
+    for shape, rows in report["steps"].items():
+        for r in rows:
+            floor = f"{r['floor_ms']:.2f}" if r.get("floor_ms") else "n/a"
+            print(f"{shape:<32}{r['rows']:>5}{floor:>8}{r['transformers_ms']:>14.2f}{r['engine_base_ms']:>13.2f}"
+                  f"{r['engine_lora_ms']:>13.2f}{r['engine_lora_ms'] / r['engine_base_ms']:>9.2f}x"
+                  f"{r['engine_mixed_ms']:>14.2f}{r['peft_mixed_ms']:>12.2f}")
+    e = report.get("end_to_end")
+    if e:
+        print(f"\nend to end: {e['requests']} requests of {e['new_tokens']} new tokens (prompts "
+              f"{e['prompt_tokens'][0]}-{e['prompt_tokens'][1]} tokens), {e['adapters_used']} of "
+              f"{e['adapters_registered']} adapters used; static batches of {e['static_batch']}")
+        print(f"  engine, adapters      {e['engine_tok_s']:>9.1f} tokens/s   (outputs equal PEFT's: "
+              f"{e['engine_equal_peft']})")
+        print(f"  engine, base rows     {e['engine_base_tok_s']:>9.1f} tokens/s")
+        print(f"  transformers, base    {e['transformers_tok_s']:>9.1f} tokens/s")
+        print(f"  peft mixed batch      {e['peft_tok_s']:>9.1f} tokens/s   ({e['peft_requests_timed']} requests timed)")
+        print(f"  engine / peft {e['engine_tok_s'] / e['peft_tok_s']:.2f}x, engine / transformers "
+              f"{e['engine_tok_s'] / e['transformers_tok_s']:.2f}x; steps {e['engine_steps']}")

@@ -1,0 +1,188 @@
+"""One generation step's forward, laid out: every token of the step in one flattened sequence, where it writes in
+the KV store, what it reads, which variant it runs, and which logits come back.
+
+The layout (the generation's own rows are serve/engine/generation.py's):
+    tokens 0..B-1    a decode token for slots 0..B-1: a running row's last token at its next position, or
+                     padding (a free slot, a row still prefilling) that writes to the scratch slot and reads
+                     nothing. B covers the highest running slot, rounded up to a row bucket where shapes are fixed.
+    tokens B..T-1    the step's prefill chunks, one after another.
+Logits are computed only for the tokens some row reads (`kept`): the running rows', the last token of each prompt
+that ends in this step, and every token of an echoing prompt. Every host-built index goes to the device in one
+copy. Decode-only steps whose rows' families allow it replay a CUDA graph of their row bucket
+(serve/engine/graphs.py); every other step runs eagerly, and the reason is counted.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.kv_store import Chunk, StepLayout
+
+GRAPHABLE_FAMILIES = frozenset({"lora"})
+"""Families whose corrections run on fixed shapes (the adapter pool's per-token maps); a step with rows of any
+other (full variants' functional_call, EMR's per-task forms) runs eagerly."""
+
+
+def row_bucket(rows: int, most: int) -> int:
+    """The row count a fixed-shape decode step of `rows` rows runs at: 1, 2, 4, 8, then multiples of 8 (up to 64)
+    or of 16, at most `most` (vLLM's capture sizes, roughly)."""
+    if rows <= 8:
+        bucket = 1 << (rows - 1).bit_length() if rows > 1 else 1
+    elif rows <= 64:
+        bucket = -(-rows // 8) * 8
+    else:
+        bucket = -(-rows // 16) * 16
+    return min(bucket, most)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prompt's next chunk in this step."""
+
+    row: Any
+    """Its generation row (the caller's: serve/engine/generation.py's _Seq)."""
+    slot: int
+    """Its KV slot."""
+    first: int
+    """The position of its first token."""
+    length: int
+    tokens: list[int]
+    keep_all: bool
+    """Every position's logits come back (an echoing prompt's log probabilities)."""
+    samples: bool
+    """The prompt ends here: its last position's logits are sampled from."""
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor
+    """[kept, vocab] fp32."""
+    sample_at: dict[int, int]
+    """KV slot -> its row of logits to sample from."""
+    chunk_at: dict[int, tuple[int, int]]
+    """KV slot -> the rows of logits of its echoing chunk."""
+
+    def chunk_logits(self, p: Prefill) -> torch.Tensor:
+        start, end = self.chunk_at[p.slot]
+        return self.logits[start:end]
+
+
+@dataclass
+class StepInputs:
+    """A step's host-built layout (ints), before it goes to the device."""
+
+    rows: list
+    """Each row's RowSlot: B decode rows, then one per chunk."""
+    tokens: list[int]
+    ids: list[int]
+    positions: list[int]
+    write_slots: list[int]
+    lengths: list[int]
+    """[B]: keys each decode row reads (0: padding)."""
+    chunks: list[Chunk]
+    kept: list[int] | None
+    """Token indices whose logits come back; None: every token."""
+    sample_at: dict[int, int]
+    chunk_at: dict[int, tuple[int, int]]
+
+    @property
+    def decode_rows(self) -> int:
+        return len(self.lengths)
+
+    def packed(self) -> torch.Tensor:
+        """ids, positions, write slots, lengths and kept indices in one host tensor: one copy to the device."""
+        return torch.tensor(self.ids + self.positions + self.write_slots + self.lengths + (self.kept or []),
+                            dtype=torch.long)
+
+    def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(ids [1, T], positions [1, T], write slots [T], lengths [B], kept [K] or None) from packed()'s copy."""
+        t = len(self.ids)
+        parts = flat.split([t, t, t, self.decode_rows, len(self.kept or [])])
+        return (parts[0][None], parts[1][None], parts[2], parts[3], parts[4] if self.kept is not None else None)
+
+
+def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int
+            ) -> StepInputs:
+    """decoding: KV slot -> a running row (.slot its RowSlot, .next_token, .written: its next position)."""
+    rows, tokens, ids, positions, slots, lengths = [], [], [], [], [], []
+    kept: list[int] = []
+    sample_at: dict[int, int] = {}
+    chunk_at: dict[int, tuple[int, int]] = {}
+    for b in range(bucket):
+        s = decoding.get(b)
+        rows.append(s.slot if s is not None else BASE_ROW)
+        tokens.append(1)
+        ids.append(s.next_token if s is not None else pad_id)
+        positions.append(s.written if s is not None else 0)
+        slots.append(b if s is not None else scratch)
+        lengths.append(s.written + 1 if s is not None else 0)
+        if s is not None:
+            sample_at[b] = len(kept)
+        kept.append(b)  # padding rows too: a decode step's shapes stay those of its bucket
+    chunks = []
+    for p in prefills:
+        start = len(ids)
+        rows.append(p.row.slot)
+        tokens.append(p.length)
+        ids += p.tokens
+        positions += range(p.first, p.first + p.length)
+        slots += [p.slot] * p.length
+        chunks.append(Chunk(p.slot, start, p.length, p.first))
+        if p.keep_all:
+            chunk_at[p.slot] = (len(kept), len(kept) + p.length)
+            kept += range(start, start + p.length)
+        elif p.samples:
+            kept.append(start + p.length - 1)
+        if p.samples:
+            sample_at[p.slot] = len(kept) - 1
+    every = kept == list(range(len(ids)))
+    return StepInputs(rows, tokens, ids, positions, slots, lengths, chunks, None if every else kept, sample_at,
+                      chunk_at)
+
+
+class StepRunner:
+    """Runs a base's generation steps: lays each out, then replays its bucket's graph or runs it eagerly."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.steps: Counter[str] = rt.step_counts
+        """"graphed", or "eager:<reason>": steps by how they ran (the runtime's, so /metrics reads them)."""
+
+    def run(self, decoding: dict[int, Any], prefills: list[Prefill]) -> StepOutput:
+        rt = self.rt
+        bucket = max(decoding, default=-1) + 1
+        if rt.fixed_shapes and bucket:
+            bucket = row_bucket(bucket, rt.kv.slots)
+        inputs = lay_out(decoding, prefills, bucket, rt.kv.scratch, rt.tokenizer.pad_token_id)
+        plan = BatchPlan(inputs.rows, rt.device, tokens=inputs.tokens, kept=inputs.kept)
+        reason = self._eager_reason(plan, prefills)
+        self.steps["graphed" if reason is None else f"eager:{reason}"] += 1
+        if reason is None:
+            logits = rt.graphs.run(inputs, plan)
+        else:
+            logits = self._eager(inputs, plan)
+        return StepOutput(logits, inputs.sample_at, inputs.chunk_at)
+
+    def _eager_reason(self, plan: BatchPlan, prefills: list[Prefill]) -> str | None:
+        """Why this step cannot replay a graph (None: it can)."""
+        rt = self.rt
+        if rt.graphs is None:
+            return rt.device.type if rt.device.type == "cpu" else "graphs off"
+        if prefills:
+            return "prefill"
+        if rt.coded is not None:
+            return "neuzip"
+        other = [f.partition(":")[0] for f in plan.families if f not in GRAPHABLE_FAMILIES]
+        return other[0] if other else None
+
+    def _eager(self, inputs: StepInputs, plan: BatchPlan) -> torch.Tensor:
+        rt = self.rt
+        ids, positions, slots, lengths, kept = inputs.unpack(inputs.packed().to(rt.device))
+        layout = StepLayout(slots, positions[0], lengths, max(inputs.lengths, default=0),
+                            inputs.decode_rows, inputs.chunks)
+        out = rt.call(plan, input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),
+                      use_cache=True, kv_layout=layout, logits_to_keep=0 if kept is None else kept)
+        return out.logits[0].float()

@@ -1,0 +1,153 @@
+"""A generation step as the GPU runs it, checked on the CPU: the KV store is never copied, a decode step's
+operations and shapes do not depend on which adapters its rows use, and any schedule of admissions, finishes and
+cancellations gives every request the tokens it gives alone."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from serve.config import BatchConfig
+from serve.engine.generation import DecodeBatch, NewRow
+from serve.engine.model import BaseModelRuntime
+from serve.engine.steps import row_bucket
+from serve.engine.types import SamplingParams
+from serve.variants.base import LoadedVariant
+from tests.models import write_tiny_causal
+
+TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory) -> BaseModelRuntime:
+    rt = BaseModelRuntime("tiny", write_tiny_causal(tmp_path_factory.mktemp("steps") / "m"),
+                          batch=BatchConfig(max_batch_size=8, max_step_tokens=7, max_model_len=64))
+    rt.eos_ids = set()  # every row runs to its max_tokens
+    return rt
+
+
+def lora(rt: BaseModelRuntime, name: str, rank: int, seed: int) -> LoadedVariant:
+    g = torch.Generator().manual_seed(seed)
+    tensors, scales = {}, {}
+    for module, linear in rt.view.modules.items():
+        if module.endswith(TARGETS):
+            out_f, in_f = linear.weight.shape
+            tensors[f"{module}.A"] = torch.randn(rank, in_f, generator=g) * 0.3
+            tensors[f"{module}.B"] = torch.randn(out_f, rank, generator=g) * 0.3
+            scales[module] = 1.0
+    return LoadedVariant(name, "lora", "lora", tensors, scales)
+
+
+def full(rt: BaseModelRuntime, name: str, seed: int) -> LoadedVariant:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: t + torch.randn(t.shape, generator=g) * 0.3 for k, t in rt.view.tensors.items() if "layers.1." in k}
+    return LoadedVariant(name, "full", "weights", tensors)
+
+
+class Recorder(TorchDispatchMode):
+    """Every operation of the block: its name, the shapes it took and gave, and the storages it read."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        self.ops.append((str(func), [tuple(t.shape) for t in ins], [tuple(t.shape) for t in outs], ins, outs))
+        return out
+
+
+def decode_step_ops(rt: BaseModelRuntime, variants: list) -> list[tuple]:
+    """The operations of one decode step of rows of these variants (None: the base), after their prefill."""
+    batch = DecodeBatch(rt)
+    try:
+        batch.run([NewRow(i, [3 + i, 5, 7], SamplingParams(max_tokens=20), v) for i, v in enumerate(variants)])
+        while batch.prefilling:
+            batch.run([])
+        with Recorder() as rec:
+            batch.run([])
+        return rec.ops
+    finally:
+        batch.close()
+
+
+def test_a_decode_step_never_copies_the_kv_store_and_its_operations_do_not_depend_on_the_adapters(rt):
+    rt.use_fixed_shapes(True)  # as on CUDA: row buckets, the adapter pool's per-token maps
+    try:
+        a, b, c = lora(rt, "a", 4, 1), lora(rt, "b", 8, 2), lora(rt, "c", 4, 3)
+        decode_step_ops(rt, [a, b, c])  # all three in the pool: its stacks stay where they are from here on
+        version = rt.families["lora"].version
+        first = decode_step_ops(rt, [a, None, b, a])
+        second = decode_step_ops(rt, [c, c, None, b])
+        third = decode_step_ops(rt, [b, a, c])  # three rows: the same bucket of four
+        assert rt.families["lora"].version == version  # (a graph captured for the first replays the others)
+    finally:
+        rt.use_fixed_shapes(False)
+    shapes = [(name, ins, outs) for name, ins, outs, _, _ in first]
+    assert shapes == [(n, i, o) for n, i, o, _, _ in second] == [(n, i, o) for n, i, o, _, _ in third]
+    stores = {t.untyped_storage().data_ptr() for layer in rt.kv.layers for t in (layer.keys, layer.values)}
+    slot_elements = rt.kv.layers[0].keys[0].numel()
+    writes = 0
+    for name, _, _, ins, outs in first:
+        reads_store = any(t.untyped_storage().data_ptr() in stores for t in ins)
+        for o in outs if reads_store else ():
+            if o.untyped_storage().data_ptr() in stores:
+                continue  # a view of the store, or the store written in place
+            assert o.numel() < slot_elements, f"{name} read the store into a tensor as large as a slot: {list(o.shape)}"
+        if reads_store and "index_put" in name:
+            writes += 1
+        assert not (reads_store and any(k in name for k in ("cat", "index_select", "clone", "copy", "gather"))), name
+    assert writes == 2 * len(rt.kv.layers)  # each layer's keys and values, written in place once
+
+
+def test_row_buckets():
+    assert [row_bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 17, 33, 64)] == [1, 2, 4, 8, 8, 16, 24, 40, 64]
+    assert row_bucket(70, 200) == 80 and row_bucket(30, 20) == 20
+
+
+REQUESTS = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.sampled_from(["base", "a", "b", "f"])),
+                    min_size=1, max_size=7)
+"""Each request: prompt length, max_tokens, variant."""
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=REQUESTS, arrivals=st.lists(st.integers(0, 3), min_size=7, max_size=7),
+       cancels=st.lists(st.booleans(), min_size=7, max_size=7), fixed=st.booleans())
+def test_any_schedule_gives_every_request_the_tokens_it_gives_alone(rt, requests, arrivals, cancels, fixed):
+    """Requests arrive at random steps (several in one, prefills cut by a 7-token budget), some are cancelled
+    mid-flight, slots are reused; every request that finishes gives the greedy tokens it gives alone."""
+    variants = {"base": None, "a": lora(rt, "a", 4, 1), "b": lora(rt, "b", 8, 2), "f": full(rt, "f", 3)}
+    rows = [NewRow(i, [(7 * i + j) % 40 + 3 for j in range(n)], SamplingParams(max_tokens=m), variants[v])
+            for i, (n, m, v) in enumerate(requests)]
+    rt.use_fixed_shapes(fixed)
+    try:
+        alone = {}
+        for r in rows:
+            batch = DecodeBatch(rt)
+            while r.tag not in alone:
+                step = batch.run([r] if not batch and r.tag not in alone else [])
+                alone.update(step.finished)
+        batch, waiting, got, step_no = DecodeBatch(rt), list(rows), {}, 0
+        cancelled = set()
+        while waiting or len(batch):
+            due = [r for r in waiting if arrivals[r.tag % len(arrivals)] <= step_no]
+            waiting = [r for r in waiting if r not in due]
+            gone = [r.tag for r in rows if cancels[r.tag % len(cancels)] and r.tag not in got
+                    and r.tag not in cancelled and step_no == 2 and r not in waiting + due]
+            cancelled.update(gone)
+            step = batch.run(due, gone)
+            waiting = [r for r in rows if r.tag in step.waiting] + waiting
+            assert not step.failed
+            got.update(step.finished)
+            step_no += 1
+            assert step_no < 200
+        batch.close()
+        assert rt.kv.free_slots == rt.kv.slots and rt.slot_refs() == {}
+    finally:
+        rt.use_fixed_shapes(False)
+    for tag, gen in got.items():
+        if tag not in cancelled:
+            assert gen.token_ids == alone[tag].token_ids, tag

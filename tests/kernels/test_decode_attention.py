@@ -1,0 +1,58 @@
+"""decode_attention: the Triton form against its twin, and the twin against attention computed row by row."""
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention_torch, decode_attention_triton
+
+# (rows, heads, kv heads, head dim, slots, positions); odd sizes, a padding row (length 0), a full one.
+SHAPES = [(5, 6, 2, 24, 7, 70), (3, 4, 4, 16, 3, 33), (4, 9, 3, 64, 4, 130)]
+
+
+def make_inputs(shape, dtype, device, gen):
+    rows, heads, kv_heads, dim, slots, positions = shape
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(slots, kv_heads, positions, dim, generator=gen).to(dtype)
+    v = torch.randn(slots, kv_heads, positions, dim, generator=gen).to(dtype)
+    lengths = torch.randint(1, positions + 1, (rows,), generator=gen)
+    lengths[0], lengths[-1] = 0, positions
+    return [t.to(device) for t in (q, k, v, lengths)]
+
+
+def by_row(q, k, v, lengths, scale):
+    """Attention of each row alone, keys repeated per query head as transformers' eager attention does."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for b, n in enumerate(lengths.tolist()):
+        if n == 0:
+            continue
+        keys = k[b, :, :n].double().repeat_interleave(group, 0)  # [H, n, D]
+        values = v[b, :, :n].double().repeat_interleave(group, 0)
+        weights = torch.softmax(scale * q[b].double()[:, None, :] @ keys.transpose(1, 2), -1)  # [H, 1, n]
+        out[b] = (weights @ values)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_twin_equals_attention_row_by_row(shape, gen):
+    q, k, v, lengths = make_inputs(shape, torch.float32, "cpu", gen)
+    got = decode_attention_torch(q, k, v, lengths, 0.3, int(lengths.max()))
+    torch.testing.assert_close(got.double(), by_row(q, k, v, lengths, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_triton_form_equals_the_twin(shape, dtype, triton_device, gen, tolerances):
+    q, k, v, lengths = make_inputs(shape, dtype, triton_device, gen)
+    want = decode_attention_torch(q, k, v, lengths, 0.3, int(lengths.max()))
+    got = decode_attention_triton(q, k, v, lengths, 0.3, 0)  # the kernel reads lengths on the device
+    torch.testing.assert_close(got, want, **tolerances[dtype])
+    assert got[0].abs().max() == 0  # a padding row is zero
+
+
+def test_bad_calls_are_one_line(gen):
+    q, k, v, lengths = make_inputs(SHAPES[0], torch.float32, "cpu", gen)
+    with pytest.raises(ValueError, match="heads do not split"):
+        decode_attention_torch(q[:, :5], k, v, lengths, 1.0, 4)
+    with pytest.raises(ValueError, match=r"lengths: expected \[5\] int32 or int64"):
+        decode_attention_torch(q, k, v, lengths.float(), 1.0, 4)

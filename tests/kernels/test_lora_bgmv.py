@@ -1,0 +1,43 @@
+"""bgmv_shrink / bgmv_expand: the Triton forms against their twins, and the twins against a loop over tokens."""
+
+import pytest
+import torch
+
+from kernels.lora_bgmv import bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch, bgmv_shrink_triton
+
+ROWS = [2, -1, 0, 2, -1, 1, 0]  # repeats, absent tokens, every stack row
+
+
+def make_inputs(dtype, device, gen, in_f=45, out=37, rank=5, n=3):
+    x = torch.randn(len(ROWS), in_f, generator=gen).to(dtype)
+    a = torch.randn(n, rank, in_f, generator=gen).to(dtype)
+    b = torch.randn(n, out, rank, generator=gen).to(dtype)
+    scale = torch.rand(n, generator=gen) + 0.5
+    y = torch.randn(len(ROWS), out, generator=gen).to(dtype)
+    return [t.to(device) for t in (x, a, scale, b, y, torch.tensor(ROWS))]
+
+
+def test_the_twins_equal_a_loop_over_tokens(gen):
+    x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen)
+    z = bgmv_shrink_torch(x, a, scale, rows)
+    want_y = y.clone()
+    for t, r in enumerate(ROWS):
+        want_z = scale[r] * x[t] @ a[r].T if r >= 0 else torch.zeros(a.shape[1])
+        torch.testing.assert_close(z[t], want_z)
+        if r >= 0:
+            want_y[t] += z[t] @ b[r].T
+    torch.testing.assert_close(bgmv_expand_torch(z, b, rows, y.clone()), want_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_triton_forms_equal_their_twins(dtype, triton_device, gen, tolerances):
+    x, a, scale, b, y, rows = make_inputs(dtype, triton_device, gen)
+    z = bgmv_shrink_triton(x, a, scale, rows)
+    torch.testing.assert_close(z, bgmv_shrink_torch(x, a, scale, rows), **tolerances[torch.float32 if dtype ==
+                                                                                    torch.float32 else dtype])
+    bt = b.transpose(1, 2).contiguous().transpose(1, 2)  # the adapter pool's layout: B^T contiguous
+    got = bgmv_expand_triton(z, bt, rows, y.clone())
+    want = bgmv_expand_torch(z, b, rows, y.clone())
+    torch.testing.assert_close(got, want, **tolerances[dtype])
+    untouched = rows < 0
+    assert torch.equal(got[untouched], y[untouched])
