@@ -8,15 +8,17 @@ import torch
 from kernels._backend import dispatch
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
+from kernels.lora import lora_torch, lora_triton
 from kernels.lora_bgmv import bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch, bgmv_shrink_triton
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
+from kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
                                    neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
 from kernels.segments import NO_SLOT, Segments, make_segments
 
 __all__ = ["NO_SLOT", "DecodeGroup", "Segments", "bgmv_expand", "bgmv_shrink", "decode_attention", "emr_delta",
-           "lora_expand", "lora_shrink", "make_segments", "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits",
+           "lora", "lora_expand", "lora_shrink", "make_segments", "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits", "rms_norm",
            "unpack_bits"]
 
 
@@ -27,6 +29,11 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
                                                                         max_length)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)) as transformers' LlamaRMSNorm, one launch on CUDA; a new tensor."""
+    return dispatch(rms_norm_torch, rms_norm_triton, x)(x, weight, eps)
+
+
 def bgmv_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """z[t] = scale[r] * x[t] @ a_stacked[r].T for r = rows[t] >= 0, else 0; z is a new [T, R] fp32 tensor."""
     return dispatch(bgmv_shrink_torch, bgmv_shrink_triton, x)(x, a_stacked, scale, rows)
@@ -35,6 +42,12 @@ def bgmv_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, r
 def bgmv_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y[t] += z[t] @ b_stacked[r].T for r = rows[t] >= 0, in place. Returns y."""
     return dispatch(bgmv_expand_torch, bgmv_expand_triton, y)(z, b_stacked, rows, y)
+
+
+def lora(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments,
+         y: torch.Tensor) -> torch.Tensor:
+    """y[t] += scale[s] * (x[t] @ a_stacked[s].T) @ b_stacked[s].T for s = slot[t] >= 0, in place. Returns y."""
+    return dispatch(lora_torch, lora_triton, y)(x, a_stacked, b_stacked, scale, seg, y)
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:

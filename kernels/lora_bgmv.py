@@ -17,6 +17,7 @@ import torch
 from kernels._backend import tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TARGET_PROGRAMS = 512
 
 
 def bgmv_shrink_torch(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor
@@ -44,18 +45,20 @@ def bgmv_expand_torch(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tens
 @triton.jit
 def _bgmv_shrink_kernel(
     x_ptr, a_ptr, scale_ptr, rows_ptr, z_ptr,
-    K, R,
+    K, R, K_PER,
     stride_xt, stride_as, stride_ar, stride_zt,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """One program: one token's R outputs, over `in` in BLOCK_K steps."""
+    """One program: one token's R outputs over one K_PER-long part of `in` (SPLIT_K parts, summed into z, which
+    starts at zero, when there are several: a decode step has few tokens and `in` is long)."""
     t = tl.program_id(0)
+    k_start = tl.program_id(1) * K_PER
     r = tl.load(rows_ptr + t)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if r >= 0:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_start + K_PER, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(x_ptr + t * stride_xt + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
@@ -63,7 +66,10 @@ def _bgmv_shrink_kernel(
                         mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
             acc += tl.sum(a * x[None, :], 1)
         acc = acc * tl.load(scale_ptr + r)
-    tl.store(z_ptr + t * stride_zt + offs_r, acc, mask=mask_r)
+    if SPLIT_K == 1:
+        tl.store(z_ptr + t * stride_zt + offs_r, acc, mask=mask_r)
+    else:
+        tl.atomic_add(z_ptr + t * stride_zt + offs_r, acc, mask=mask_r)
 
 
 @triton.jit
@@ -94,12 +100,18 @@ def bgmv_shrink_triton(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Te
     _check_shrink(x, a_stacked, scale, rows)
     tokens, in_features = x.shape
     rank = a_stacked.shape[1]
-    z = torch.empty((tokens, rank), dtype=torch.float32, device=x.device)  # every element is stored
+    block_k = 128
+    # A few tokens make few programs: split `in` until about TARGET_PROGRAMS run (a fixed split per token count,
+    # so a step's launches stay those of its bucket).
+    split = max(1, min(triton.cdiv(in_features, block_k), TARGET_PROGRAMS // max(tokens, 1)))
+    per = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
+    split = triton.cdiv(in_features, per)
+    z = (torch.zeros if split > 1 else torch.empty)((tokens, rank), dtype=torch.float32, device=x.device)
     if tokens:
-        _bgmv_shrink_kernel[(tokens,)](
-            x, a_stacked, scale, rows, z, in_features, rank,
+        _bgmv_shrink_kernel[(tokens, split)](
+            x, a_stacked, scale, rows, z, in_features, rank, per,
             x.stride(0), a_stacked.stride(0), a_stacked.stride(1), z.stride(0),
-            BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=128,
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k, SPLIT_K=split,
         )
     return z
 

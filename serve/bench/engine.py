@@ -384,16 +384,21 @@ def bench_end_to_end(model_dir: Path, work: Path, device: torch.device, workload
     e_s, e_tokens, e_steps = run_engine(store_root, device, names, "bench", prompts, new, workload.static_batch)
     b_s, b_tokens, b_steps = run_engine(store_root, device, [None] * len(prompts), "bench", prompts, new,
                                         workload.static_batch)
+    wide = 2 * workload.static_batch  # the engine takes every request at once: a batch twice the static one
+    w_s, w_tokens, w_steps = run_engine(store_root, device, names, "bench", prompts, new, wide)
     t_s, _, t_done = run_generate(plain, prompts, new, workload.static_batch, tokenizer.pad_token_id, device)
     used = sorted(set(names))
     peft = peft_with(plain, {n: adapters[n] for n in used}).to(device)
     p_s, p_tokens, p_done = run_generate(peft, prompts, new, workload.static_batch, tokenizer.pad_token_id, device,
                                          names, peft_batches)
     same = sum(a == b for a, b in zip(e_tokens, p_tokens))
+    same_wide = sum(a == b for a, b in zip(w_tokens, p_tokens))
     report = {"requests": workload.requests, "new_tokens": new, "adapters_registered": workload.adapters,
               "adapters_used": len(used), "static_batch": workload.static_batch,
               "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
               "engine_tok_s": tokens / e_s, "engine_base_tok_s": tokens / b_s,
+              "engine_wide_rows": wide, "engine_wide_tok_s": tokens / w_s,
+              "engine_wide_equal_peft": f"{same_wide} of {p_done}", "engine_wide_steps": w_steps,
               "transformers_tok_s": t_done * new / t_s, "peft_tok_s": p_done * new / p_s,
               "peft_requests_timed": p_done, "engine_equal_peft": f"{same} of {p_done}",
               "engine_steps": e_steps, "engine_base_steps": b_steps}
@@ -468,6 +473,8 @@ def print_report(report: dict) -> None:
         print(f"  engine, adapters      {e['engine_tok_s']:>9.1f} tokens/s   (outputs equal PEFT's: "
               f"{e['engine_equal_peft']})")
         print(f"  engine, base rows     {e['engine_base_tok_s']:>9.1f} tokens/s")
+        print(f"  engine, adapters, {e['engine_wide_rows']} rows a step {e['engine_wide_tok_s']:>9.1f} tokens/s   (outputs "
+              f"equal PEFT's: {e['engine_wide_equal_peft']})")
         print(f"  transformers, base    {e['transformers_tok_s']:>9.1f} tokens/s")
         print(f"  peft mixed batch      {e['peft_tok_s']:>9.1f} tokens/s   ({e['peft_requests_timed']} requests timed)")
         print(f"  engine / peft {e['engine_tok_s'] / e['peft_tok_s']:.2f}x, engine / transformers "

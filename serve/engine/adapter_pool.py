@@ -3,7 +3,7 @@ a count of slots (S-LoRA's unified memory pool).
 
 Each adapter sits in a rank bucket: the adapters whose rank rounds up to the same power of two R (8 at least)
 and that target the same modules share one stack per module, A [rows, R, in], B^T [rows, R, out] and
-scale [rows], a row per adapter. A forward runs lora_shrink / lora_expand once per bucket its rows use, over
+scale [rows], a row per adapter. A forward runs kernels.lora once per bucket its rows use, over
 that bucket's own stack, so rank-8 adapters beside a rank-64 one are multiplied, and held, at rank 8.
 
 The pool's bytes are its stacks' bytes, at most slots.adapter_mib. An adapter that does not fit evicts idle
@@ -15,7 +15,7 @@ Attached, detached and read on the engine's compute thread only.
 
 import torch
 
-from kernels import NO_SLOT, bgmv_expand, bgmv_shrink, lora_expand, lora_shrink
+from kernels import NO_SLOT, bgmv_expand, bgmv_shrink, lora
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import TableSlots, register_family
@@ -295,8 +295,7 @@ class AdapterPool(TableSlots):
                             bucket.bt[name].transpose(1, 2), rows, y)
                 continue
             seg = plan.remapped_segments(self.family, key, lambda s, key=key: self._row_in(s, key), x.shape[0])
-            z = lora_shrink(x, bucket.a[name], bucket.scale[name], seg)  # [N, R] fp32
-            lora_expand(z, bucket.bt[name].transpose(1, 2), seg, y)
+            lora(x, bucket.a[name], bucket.bt[name].transpose(1, 2), bucket.scale[name], seg, y)
         return y
 
     def _row_in(self, slot: int, key: BucketKey) -> int:

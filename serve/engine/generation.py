@@ -26,7 +26,7 @@ from serve.engine import faults
 from serve.engine.batch import RowSlot
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Step
-from serve.engine.steps import Prefill, StepRunner
+from serve.engine.steps import Prefill, StepOutput, StepRunner
 from serve.engine.types import Generation, SamplingParams, TokenLogprob
 from serve.variants.base import LoadedVariant
 
@@ -88,6 +88,23 @@ CONTEXT = 5
 SentencePiece word's leading space, a character split over byte tokens)."""
 
 
+@dataclass
+class _Launched:
+    """A step on its way: its forward and sampling are queued on the device; `_read` applies its tokens."""
+
+    out: StepOutput
+    decode: dict[int, _Seq]
+    """KV slot -> the row whose decode token it ran."""
+    prefills: list[Prefill]
+    sampling: list[tuple[_Seq, int]]
+    """(row, its row of logits) for the rows that sample from this step."""
+    tokens: torch.Tensor
+    """[kept] sampled, on the device."""
+    host: torch.Tensor
+    """Their copy on the host, complete once `ready` has passed."""
+    ready: Any
+
+
 class DecodeBatch:
     """The running rows of one base: run() happens on the engine's compute thread."""
 
@@ -100,6 +117,8 @@ class DecodeBatch:
         """KV slot -> its row, for rows whose prompt is written."""
         self.prefilling: list[_Seq] = []
         """Admitted rows whose prompt is still being written, in admission order."""
+        self.inflight: _Launched | None = None
+        """The step launched last and not read yet (see run)."""
         self._failed: list[tuple[Any, BaseException]] = []
 
     def __len__(self) -> int:
@@ -113,13 +132,17 @@ class DecodeBatch:
     def run(self, new: Sequence[NewRow], abort: Sequence[Any] = ()) -> Step:
         """Drop the rows tagged in abort, admit new rows that get a variant slot and a KV slot, then one step for
         every row; -> the tags of the rows that finished (with their Generation), of new rows left waiting for a
-        free slot, and of rows that failed alone. If the step raises, the batch is to be closed."""
-        finished: list[tuple[Any, Generation]] = []
+        free slot, and of rows that failed alone. If the step raises, the batch is to be closed.
+
+        A decode step that replays a graph is followed at once by the next one, launched on the device from its
+        sampled tokens before the host reads them (`_continue`): while the host detokenises a step, the GPU runs
+        the next. So a call reads one step and leaves one in flight; the next call reads that one. A row that
+        finished in the step read wasted its place in the one in flight, nothing more."""
         if abort:
             for s in self._all():
                 s.done = s.done or any(s.tag is t for t in abort)
-            finished += self._drop_finished()
         step = Step()
+        admitted = False
         for row in new:
             try:
                 slot = self.rt.attach(row.variant)
@@ -134,17 +157,31 @@ class DecodeBatch:
                 continue
             name = row.variant.entry if row.variant is not None else self.rt.name
             self.prefilling.append(_Seq.start(row, slot, kv, name))
-        if self.decoding or self.prefilling:
-            self._step()
-        step.finished += finished + self._drop_finished()
+            admitted = True
+        if self.inflight is not None:
+            inflight, self.inflight = self.inflight, None
+            if not admitted and self._continuable(inflight):
+                self.inflight = self._continue(inflight)
+            self._read(inflight)
+        if self.inflight is None:
+            finished = self._drop_finished()
+            if self.decoding or self.prefilling:
+                launched = self._launch()
+                if self._continuable(launched):
+                    self.inflight = self._continue(launched)
+                self._read(launched)
+            step.finished += finished
+        step.finished += self._drop_finished()
         step.failed += self._failed
         self._failed = []
         return step
 
     def close(self) -> None:
         """Give back every row's slots, running or being admitted (the batch failed, or has ended); each is
-        given back even if another's raises, and the first error is raised after."""
+        given back even if another's raises, and the first error is raised after. A step still in flight only
+        writes slots given back here, before any later step can write them."""
         errors = []
+        self.inflight = None
         for s in self._all():
             try:
                 self._release(s)
@@ -166,9 +203,9 @@ class DecodeBatch:
         if slot is not None:
             self.rt.detach(slot)
 
-    def _step(self) -> None:
-        """One forward: every decoding row's next token and the prefills the token budget allows; then the
-        sampled tokens."""
+    def _launch(self) -> "_Launched":
+        """One forward: every decoding row's next token and the prefills the token budget allows; its tokens
+        sampled on the device and on their way to the host."""
         decoding = dict(sorted(self.decoding.items()))
         if decoding:
             faults.hit("decode", [s.name for s in decoding.values()])
@@ -176,29 +213,70 @@ class DecodeBatch:
         if prefills:
             faults.hit("prefill", [p.row.name for p in prefills])
         for p in prefills:
-            if p.row.params.echo or p.row.params.logprobs is not None:
-                if p.first == 0:
-                    p.row.gen.prompt_text = self.rt.tokenizer.decode(p.row.prompt)
+            if (p.row.params.echo or p.row.params.logprobs is not None) and p.first == 0:
+                p.row.gen.prompt_text = self.rt.tokenizer.decode(p.row.prompt)
         out = self.runner.run(decoding, prefills)
-        sampling: list[_Seq] = []
         for s in decoding.values():
             s.written += 1
-            sampling.append(s)
         for p in prefills:
+            p.row.written += p.length
+        sampling = [(s, out.sample_at[kv]) for kv, s in decoding.items()]
+        sampling += [(p.row, out.sample_at[p.slot]) for p in prefills if p.samples]
+        return _Launched(out, decoding, prefills, sampling, *self._sample(out.logits, sampling))
+
+    def _continuable(self, launched: "_Launched") -> bool:
+        """Whether the next step can be launched from this one's tokens on the device: a replayed decode step
+        whose rows are still exactly the running rows, with no prompt waiting to be written and no row reading
+        its logits afterwards (the next replay overwrites them)."""
+        return (launched.out.graph is not None and not self.prefilling and launched.decode == self.decoding
+                and not any(s.done or s.params.logprobs is not None for s in launched.decode.values()))
+
+    def _continue(self, launched: "_Launched") -> "_Launched":
+        faults.hit("decode", [s.name for s in launched.decode.values()])
+        out = self.runner.continue_(launched.out, launched.tokens)
+        for s in launched.decode.values():
+            s.written += 1
+        return _Launched(out, launched.decode, [], launched.sampling, *self._sample(out.logits, launched.sampling))
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple["_Seq", int]]
+                ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Every row of logits sampled on the device (greedy where no row reads it: a decode step's sampling has
+        its bucket's shapes) -> (tokens, their host copy, the event it is ready at; None on a CPU)."""
+        params: list[SamplingParams | None] = [None] * logits.shape[0]
+        rngs: list[torch.Generator | None] = [None] * logits.shape[0]
+        for s, i in sampling:
+            params[i], rngs[i] = s.params, s.rng
+        tokens = sample(logits, params, rngs)
+        if not tokens.is_cuda:
+            return tokens, tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return tokens, host, ready
+
+    def _read(self, launched: "_Launched") -> None:
+        """The step's sampled tokens, on the host (the step's one wait), applied to the rows still running."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        every = launched.host.tolist()
+        out = launched.out
+        for p in launched.prefills:
             s = p.row
-            s.written += p.length
+            if s.done or s.kv is None:
+                continue
             if s.echoes:
                 s.echo_logits.append(out.chunk_logits(p))
-            if s.written == len(s.prompt):
+            if p.samples:
                 self.prefilling.remove(s)
                 self.decoding[s.kv] = s
-                sampling.append(s)
                 if s.echoes:
                     s.gen.prompt_logprobs = self._prompt_logprobs(s.prompt, torch.cat(s.echo_logits),
                                                                   s.params.logprobs)
                     s.echo_logits = []
-        if sampling:
-            self._choose(sampling, out.logits, [out.sample_at[s.kv] for s in sampling])
+        live = [(s, i) for s, i in launched.sampling if not s.done and s.kv is not None]
+        if live:
+            self._choose([s for s, _ in live], out.logits, [i for _, i in live], every)
 
     def _prefills(self, budget: int) -> list[Prefill]:
         """The admitted prompts' next chunks, in admission order, within `budget` tokens (at least one token, so a
@@ -214,14 +292,9 @@ class DecodeBatch:
             budget -= n
         return chunks
 
-    def _choose(self, seqs: list[_Seq], logits: torch.Tensor, at: list[int]) -> None:
-        """logits [kept, vocab] fp32 of the step; at: the row of logits each of seqs samples from. Every row of
-        logits is sampled (greedy where no row reads it), so a decode step's sampling has its bucket's shapes."""
-        params: list[SamplingParams | None] = [None] * logits.shape[0]
-        rngs: list[torch.Generator | None] = [None] * logits.shape[0]
-        for s, i in zip(seqs, at):
-            params[i], rngs[i] = s.params, s.rng
-        every = sample(logits, params, rngs).tolist()  # the step's one copy back to the host
+    def _choose(self, seqs: list[_Seq], logits: torch.Tensor, at: list[int], every: list[int]) -> None:
+        """logits [kept, vocab] fp32 of the step and every: the token sampled from each row of them; at: the row
+        each of seqs took its token from."""
         chosen = [every[i] for i in at]
         # Rows that asked for log probabilities get an entry for every token taken, an end-of-text token too
         # (which the text and token_ids leave out, and completion_tokens counts); a max_tokens 0 row takes none.
@@ -331,14 +404,20 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams | None], rngs: 
     if not sampled:
         return tokens
     dev = logits.device
-    idx = torch.tensor(sampled, dtype=torch.long, device=dev)
-    temps = torch.tensor([params[i].temperature for i in sampled], device=dev)
-    top_p = torch.tensor([params[i].top_p for i in sampled], device=dev)
+    idx = _to(torch.tensor(sampled, dtype=torch.long), dev)
+    u = torch.stack([torch.rand((), generator=rngs[i]) for i in sampled])  # [k], each row's own draw
+    temps, top_p, u = _to(torch.stack([torch.tensor([params[i].temperature for i in sampled]),
+                                       torch.tensor([params[i].top_p for i in sampled]), u]), dev)  # [3, k]
     probs = (logits[idx] / temps[:, None]).softmax(-1)  # [k, vocab]
     sorted_p, order = probs.sort(-1, descending=True)
     sorted_p = sorted_p * (sorted_p.cumsum(-1) - sorted_p < top_p[:, None])  # the nucleus of each row
     cdf = sorted_p.cumsum(-1)  # [k, vocab]
-    u = torch.stack([torch.rand((), generator=rngs[i]) for i in sampled]).to(dev)  # [k]
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.shape[1] - 1)  # [k, 1]
     tokens[idx] = order.gather(1, pick).squeeze(1)
     return tokens
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device (a pinned copy), so that sampling a step queued
+    behind another does not stall the host."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

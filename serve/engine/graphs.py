@@ -11,6 +11,7 @@ lets the families refill their maps, and replays. A graph with the adapter pool'
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,8 @@ log = logging.getLogger("manyfold.engine")
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], None]
+    """Runs the captured step again (CUDAGraph.replay)."""
     inputs: torch.Tensor
     """[4 * B] int64 on the device: ids, positions, write slots, lengths (StepInputs.packed's order)."""
     logits: torch.Tensor
@@ -33,7 +35,8 @@ class _Graph:
 class StepGraphs:
     def __init__(self, rt):
         self.rt = rt
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None
+        """The memory pool every capture shares (made at the first)."""
         self.graphs: dict[tuple, _Graph] = {}
         self.captures = 0
         self.capture_seconds = 0.0
@@ -44,8 +47,9 @@ class StepGraphs:
         families = tuple(sorted(plan.families))
         return bucket, families, tuple(getattr(self.rt.families[f], "version", 0) for f in families)
 
-    def run(self, inputs, plan: BatchPlan) -> torch.Tensor:
-        """A decode step's logits [B, vocab] fp32, by replaying its bucket's graph (captured now if need be)."""
+    def run(self, inputs, plan: BatchPlan) -> _Graph:
+        """Replay the decode step's bucket graph (captured now if need be); its logits [B, vocab] fp32 are in the
+        graph's `logits` until the next replay."""
         for family in plan.families:  # host copies into the maps' buffers (a new buffer is a new version)
             self.rt.families[family].prepare(plan)
         key = self._key(inputs.decode_rows, plan)
@@ -56,8 +60,20 @@ class StepGraphs:
         else:
             g.inputs.copy_(packed, non_blocking=True)
         with self.rt.seconds.timing("forward"):
-            g.graph.replay()
-        return g.logits
+            g.replay()
+        return g
+
+    def continue_(self, g: _Graph, tokens: torch.Tensor) -> None:
+        """Replay `g` again as the next decode step of the same rows, all on the device: each row feeds the token
+        sampled from the last replay (tokens [B]) one position further; padding rows stay padding."""
+        bucket = g.logits.shape[0]
+        ids, positions, _, lengths = g.inputs.split([bucket] * 4)
+        live = lengths > 0
+        ids.copy_(tokens[:bucket])
+        positions.add_(live)
+        lengths.add_(live)
+        with self.rt.seconds.timing("forward"):
+            g.replay()
 
     def warm_up(self) -> None:
         """Capture the base-rows graph of every bucket, so that the first requests pay no capture, and log what
@@ -99,6 +115,7 @@ class StepGraphs:
                 forward()
         torch.cuda.current_stream(rt.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         with rt.corrections.planned(plan), torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
         graph.replay()
@@ -106,5 +123,5 @@ class StepGraphs:
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
         self.capture_bytes += torch.cuda.memory_allocated(rt.device) - before
-        g = self.graphs[key] = _Graph(graph, inputs, logits)
+        g = self.graphs[key] = _Graph(graph.replay, inputs, logits)
         return g

@@ -11,11 +11,13 @@ the other tokens. A base held in NeuZip form has its coded weight decoded around
 included (serve/engine/neuzip.py: CodedWeights).
 """
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 
+from kernels import rms_norm
+from kernels.rms_norm import rms_norm_torch
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import Slots
 from serve.engine.stats import Seconds
@@ -56,6 +58,8 @@ class SlotModule(torch.nn.Module):
         self.base = base
         self.name = name
         self.corrections = corrections
+        self.fused = fused_norm(base)
+        """On CUDA, a Llama-style RMSNorm's forward as one kernel (its base rows' path); None otherwise."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         c = self.corrections
@@ -69,12 +73,11 @@ class SlotModule(torch.nn.Module):
 
     def _forward(self, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         plan = self.corrections.plan
-        if plan is None or not plan.families:
-            return self.base(x, *args, **kwargs)
-        families = [f for f in (self.corrections.families[n] for n in plan.families) if f.touches(self.name, plan)]
-        if not families:
-            return self.base(x, *args, **kwargs)
-        return self._corrected(families, plan, x, args, kwargs)
+        families = [] if plan is None else [f for f in (self.corrections.families[n] for n in plan.families)
+                                            if f.touches(self.name, plan)]
+        if families:
+            return self._corrected(families, plan, x, args, kwargs)
+        return self.fused(x) if self.fused is not None else self.base(x, *args, **kwargs)
 
     def _corrected(self, families: list[Slots], plan: BatchPlan, x: torch.Tensor, args: tuple, kwargs: dict
                    ) -> torch.Tensor:
@@ -109,6 +112,19 @@ class SlotModule(torch.nn.Module):
         claimed = torch.zeros(tokens, dtype=torch.bool, device=device)
         claimed[idx] = True
         return claimed
+
+
+def fused_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """kernels.rms_norm for a CUDA module that computes exactly its twin (transformers' Llama-style RMSNorm:
+    checked on a probe input, so a norm of another formula keeps its own forward); None for anything else."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_cuda or weight.dim() != 1 or not isinstance(eps, float):
+        return None
+    probe = torch.randn(3, weight.shape[0], device=weight.device).to(weight.dtype)
+    with torch.no_grad():
+        if not torch.equal(module(probe), rms_norm_torch(probe, weight, eps)):
+            return None
+    return lambda x: rms_norm(x, module.weight, eps)
 
 
 def wrap_modules(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], corrections: Corrections

@@ -59,11 +59,14 @@ class Prefill:
 @dataclass
 class StepOutput:
     logits: torch.Tensor
-    """[kept, vocab] fp32."""
+    """[kept, vocab] fp32 (a replayed graph's: overwritten by its next replay)."""
     sample_at: dict[int, int]
     """KV slot -> its row of logits to sample from."""
     chunk_at: dict[int, tuple[int, int]]
     """KV slot -> the rows of logits of its echoing chunk."""
+    graph: Any = None
+    """The graph a decode step replayed (serve/engine/graphs.py), None for an eager step: the next decode step
+    can then be launched from this one's tokens without the host (StepRunner.continue_)."""
 
     def chunk_logits(self, p: Prefill) -> torch.Tensor:
         start, end = self.chunk_at[p.slot]
@@ -160,11 +163,17 @@ class StepRunner:
         plan = BatchPlan(inputs.rows, rt.device, tokens=inputs.tokens, kept=inputs.kept)
         reason = self._eager_reason(plan, prefills)
         self.steps["graphed" if reason is None else f"eager:{reason}"] += 1
-        if reason is None:
-            logits = rt.graphs.run(inputs, plan)
-        else:
-            logits = self._eager(inputs, plan)
-        return StepOutput(logits, inputs.sample_at, inputs.chunk_at)
+        if reason is not None:
+            return StepOutput(self._eager(inputs, plan), inputs.sample_at, inputs.chunk_at)
+        graph = rt.graphs.run(inputs, plan)
+        return StepOutput(graph.logits, inputs.sample_at, inputs.chunk_at, graph)
+
+    def continue_(self, last: StepOutput, tokens: torch.Tensor) -> StepOutput:
+        """The decode step after `last` (a replayed one) for the same rows, each feeding the token sampled from
+        it: launched from `tokens` on the device, nothing read by the host."""
+        self.steps["graphed"] += 1
+        self.rt.graphs.continue_(last.graph, tokens)
+        return StepOutput(last.graph.logits, last.sample_at, last.chunk_at, last.graph)
 
     def _eager_reason(self, plan: BatchPlan, prefills: list[Prefill]) -> str | None:
         """Why this step cannot replay a graph (None: it can)."""
@@ -180,7 +189,7 @@ class StepRunner:
 
     def _eager(self, inputs: StepInputs, plan: BatchPlan) -> torch.Tensor:
         rt = self.rt
-        ids, positions, slots, lengths, kept = inputs.unpack(inputs.packed().to(rt.device))
+        ids, positions, slots, lengths, kept = inputs.unpack(inputs.packed().to(rt.device, non_blocking=True))
         layout = StepLayout(slots, positions[0], lengths, max(inputs.lengths, default=0),
                             inputs.decode_rows, inputs.chunks)
         out = rt.call(plan, input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),

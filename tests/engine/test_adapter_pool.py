@@ -91,13 +91,13 @@ def test_rank_8_rows_beside_a_rank_64_one_are_multiplied_at_rank_8(rt, monkeypat
     rows = small[:3] + [big] + small[3:]
     slots = [rt.attach(v) for v in rows]
     calls = []
-    real = pool_module.lora_shrink
+    real = pool_module.lora
 
-    def shrink(x, a_stacked, scale, seg):
+    def lora(x, a_stacked, b_stacked, scale, seg, y):
         calls.append((a_stacked.shape[1], seg.order.numel(), int(seg.slots.numel())))
-        return real(x, a_stacked, scale, seg)
+        return real(x, a_stacked, b_stacked, scale, seg, y)
 
-    monkeypatch.setattr(pool_module, "lora_shrink", shrink)
+    monkeypatch.setattr(pool_module, "lora", lora)
     seq = 4
     with torch.no_grad():
         rt.call(BatchPlan(slots, rt.device), input_ids=torch.randint(3, 40, (len(rows), seq)))

@@ -9,7 +9,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from serve.config import BatchConfig
+from serve.engine.batch import BatchPlan
 from serve.engine.generation import DecodeBatch, NewRow
+from serve.engine.graphs import StepGraphs, _Graph
+from serve.engine.kv_store import StepLayout
 from serve.engine.model import BaseModelRuntime
 from serve.engine.steps import row_bucket
 from serve.engine.types import SamplingParams
@@ -151,3 +154,76 @@ def test_any_schedule_gives_every_request_the_tokens_it_gives_alone(rt, requests
     for tag, gen in got.items():
         if tag not in cancelled:
             assert gen.token_ids == alone[tag].token_ids, tag
+
+
+class EagerGraphs(StepGraphs):
+    """StepGraphs whose 'capture' is a closure running the step eagerly from the same static inputs: the graph
+    bookkeeping, the steps launched from the last one's tokens (continue_) and the batch's step in flight, on a
+    CPU. A captured kernel reads the adapter pool's maps from their buffers; eagerly, the plan prepared last."""
+
+    def __init__(self, rt):
+        super().__init__(rt)
+        self.prepared: BatchPlan | None = None
+        self.continued = 0
+
+    def run(self, inputs, plan):
+        self.prepared = plan
+        return super().run(inputs, plan)
+
+    def continue_(self, g, tokens):
+        self.continued += 1
+        super().continue_(g, tokens)
+
+    def _capture(self, key, plan, packed):
+        rt, bucket = self.rt, key[0]
+        inputs = packed.clone()
+        ids, positions, slots, lengths = inputs.split([bucket] * 4)
+        layout = StepLayout(slots, positions, lengths, rt.kv.positions, bucket)
+        logits = torch.empty(bucket, rt.model.config.vocab_size)
+
+        def replay():
+            with rt.corrections.planned(self.prepared):
+                out = rt.model(input_ids=ids[None], position_ids=positions[None],
+                               past_key_values=rt.kv.stepping(layout), use_cache=True, kv_layout=layout,
+                               logits_to_keep=0)
+            logits.copy_(out.logits[0].float())
+
+        self.captures += 1
+        self.graphs[key] = g = _Graph(replay, inputs, logits)
+        g.replay()
+        return g
+
+
+def test_a_decode_step_launched_from_the_last_ones_tokens_gives_every_row_its_tokens(rt):
+    """With graphs, each call reads one step while the next runs; rows finishing at different steps, rows joining
+    mid-flight and rows of adapters give the tokens they give with every step run eagerly and read at once."""
+    a, b = lora(rt, "a", 4, 1), lora(rt, "b", 8, 2)
+    first = [NewRow(i, [3 + i, 5, 7, 9][: 1 + i % 4], SamplingParams(max_tokens=3 + 2 * i), v)
+             for i, v in enumerate([None, a, b, a, None])]
+    later = [NewRow(10 + i, [4, 6 + i], SamplingParams(max_tokens=4 + i, temperature=0.8, seed=i), v)
+             for i, v in enumerate([b, None])]
+
+    def generate() -> tuple[dict, list]:
+        batch, got, calls = DecodeBatch(rt), {}, 0
+        batch.run(first)
+        while len(batch):
+            calls += 1
+            step = batch.run(later if calls == 3 else [])
+            assert not step.failed and not step.waiting
+            got.update(step.finished)
+        batch.close()
+        return {t: g.token_ids for t, g in got.items()}, dict(rt.step_counts)
+
+    rt.use_fixed_shapes(True)
+    try:
+        eager, _ = generate()
+        rt.graphs = graphs = EagerGraphs(rt)
+        rt.step_counts.clear()
+        graphed, counts = generate()
+    finally:
+        rt.graphs = None
+        rt.use_fixed_shapes(False)
+    assert graphed == eager and len(graphed) == 7
+    assert counts["graphed"] > counts["eager:prefill"] > 0
+    assert graphs.continued > 3  # steps launched from the last one's tokens, read a call later
+    assert rt.kv.free_slots == rt.kv.slots and rt.slot_refs() == {}

@@ -29,9 +29,10 @@ def test_the_twins_equal_a_loop_over_tokens(gen):
     torch.testing.assert_close(bgmv_expand_torch(z, b, rows, y.clone()), want_y)
 
 
+@pytest.mark.parametrize("in_f", [45, 300])  # 300: `in` split over several programs per token, summed
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_triton_forms_equal_their_twins(dtype, triton_device, gen, tolerances):
-    x, a, scale, b, y, rows = make_inputs(dtype, triton_device, gen)
+def test_the_triton_forms_equal_their_twins(dtype, in_f, triton_device, gen, tolerances):
+    x, a, scale, b, y, rows = make_inputs(dtype, triton_device, gen, in_f=in_f)
     z = bgmv_shrink_triton(x, a, scale, rows)
     torch.testing.assert_close(z, bgmv_shrink_torch(x, a, scale, rows), **tolerances[torch.float32 if dtype ==
                                                                                     torch.float32 else dtype])
