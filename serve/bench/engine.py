@@ -1,8 +1,9 @@
 """`manyfold bench engine`: the engine's generation step and end-to-end generation, beside bare transformers and
 PEFT's mixed batch, with the physical floor of a step on a GPU.
 
-Decode step (one new token for each of N rows over a `context`-token prompt, median of `repeats` steps, each
-synchronised; N = 1, 16, 64):
+Decode step (one new token for each of N rows over a `context`-token prompt; N = 1, 16, 64): for transformers and
+PEFT the median of `repeats` steps, each read back; for the engine, whose step is read while the next runs, the
+time of `repeats` steps in a row over `repeats`, the median of three such runs:
   transformers     the bare base, eager, transformers' DynamicCache (cropped back after each step)
   engine base      the engine's step (serve/engine/generation.py: layout, forward, sampling, the one copy back),
                    every row on the base
@@ -177,6 +178,22 @@ def median_ms(fn, repeats: int, device: torch.device) -> float:
     return 1e3 * statistics.median(times)
 
 
+def steady_ms(step, repeats: int, device: torch.device, rounds: int = 3) -> float:
+    """A step's time in steady state: `repeats` steps in a row, one wait at the end, over the steps; the median of
+    `rounds`. The engine reads each step while the next runs on the device, so timing one step with a wait after
+    it would add the next one's."""
+    step()
+    sync(device)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        sync(device)
+        times.append((time.perf_counter() - t0) / repeats)
+    return 1e3 * statistics.median(times)
+
+
 def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int) -> float:
     """The engine's decode step over len(variants) rows (None: the base), each at `context` tokens."""
     from serve.engine.generation import DecodeBatch, NewRow
@@ -192,7 +209,7 @@ def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int) ->
         batch.run(rows)
         while batch.prefilling:
             batch.run([])
-        return median_ms(lambda: batch.run([]), repeats, rt.device)
+        return steady_ms(lambda: batch.run([]), repeats, rt.device)
     finally:
         batch.close()
         rt.eos_ids = eos
@@ -456,7 +473,7 @@ def print_report(report: dict) -> None:
     print(f"\nengine bench on {report['machine']}")
     if report["gpu"]:
         print(f"GPU: {report['gpu']}")
-    print("\none decode step, ms (median); floor: weights + KV bytes over HBM bandwidth")
+    print("\none decode step, ms (engine: steady state; others: median); floor: weights + KV bytes over HBM bandwidth")
     print(f"{'shape':<32}{'rows':>5}{'floor':>8}{'transformers':>14}{'engine base':>13}{'engine lora':>13}"
           f"{'lora/base':>10}{'engine mixed':>14}{'peft mixed':>12}")
     for shape, rows in report["steps"].items():
