@@ -251,7 +251,7 @@ def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: in
 
     most = max(rows_list)
     rt = BaseModelRuntime("bench", model_dir, str(device), SlotsConfig(adapter_mib=4096, max_rank=64),
-                          batch=BatchConfig(max_batch_size=most, max_model_len=context + 2 * repeats + 8,
+                          batch=BatchConfig(max_batch_size=most, max_model_len=context + 4 * repeats + 16,
                                             max_step_tokens=8192))
     dims = module_dims(model_dir)
     dtype = next(rt.model.parameters()).dtype

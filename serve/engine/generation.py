@@ -229,7 +229,8 @@ class DecodeBatch:
         whose rows are still exactly the running rows, with no prompt waiting to be written and no row reading
         its logits afterwards (the next replay overwrites them)."""
         return (launched.out.graph is not None and not self.prefilling and launched.decode == self.decoding
-                and not any(s.done or s.params.logprobs is not None for s in launched.decode.values()))
+                and not any(s.done or s.params.logprobs is not None or s.written >= self.rt.kv.positions
+                            for s in launched.decode.values()))
 
     def _continue(self, launched: "_Launched") -> "_Launched":
         faults.hit("decode", [s.name for s in launched.decode.values()])
