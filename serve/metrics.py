@@ -94,6 +94,24 @@ class Metrics:
         for name in sorted({b for s in snapshots for b in s.get("base_bytes", {})}):
             weights.add_metric([name], sum(s.get("base_bytes", {}).get(name, 0) for s in snapshots))
         families.append(weights)
+        kv = GaugeMetricFamily("manyfold_kv_store_bytes", "Bytes of each causal base's KV store, allocated once",
+                               labels=["base"])
+        for name in sorted({b for s in snapshots for b in s.get("kv_bytes", {})}):
+            kv.add_metric([name], sum(s.get("kv_bytes", {}).get(name, 0) for s in snapshots))
+        families.append(kv)
+        steps = CounterMetricFamily("manyfold_generation_steps", "Generation steps by how they ran: graphed (a CUDA "
+                                    "graph replayed) or eager, with the reason (cpu, graphs off, prefill, neuzip, or "
+                                    "the family of rows that cannot be captured: weights, emr)",
+                                    labels=["base", "mode", "reason"])
+        counts: dict[tuple[str, str, str], int] = {}
+        for s in snapshots:
+            for base, by in s.get("steps", {}).items():
+                for how, n in by.items():
+                    mode, _, reason = how.partition(":")
+                    counts[(base, mode, reason)] = counts.get((base, mode, reason), 0) + n
+        for labels, n in sorted(counts.items()):
+            steps.add_metric(list(labels), n)
+        families.append(steps)
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]
         if plans:  # neuzip_decoded_mib: auto
             plan = GaugeMetricFamily("manyfold_memory_plan_bytes", "The replicas' memory plan: target, resident with "

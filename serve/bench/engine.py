@@ -94,19 +94,27 @@ def build_model_dir(shape: str, out: Path, device: torch.device, max_positions: 
     return out
 
 
-def module_dims(model_dir: Path) -> dict[str, tuple[int, int]]:
-    """(in, out) of every q_proj / v_proj of the model, by module name."""
+ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def module_dims(model_dir: Path, targets: tuple[str, ...] = TARGETS) -> dict[str, tuple[int, int]]:
+    """(in, out) of every targeted Linear of a Llama-shaped model, by module name."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    outs = {"q_proj": c.num_attention_heads * head_dim, "v_proj": c.num_key_value_heads * head_dim}
-    return {f"model.layers.{i}.self_attn.{t}": (c.hidden_size, outs[t])
-            for i in range(c.num_hidden_layers) for t in TARGETS}
+    q, kv, h, m = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim, c.hidden_size, \
+        c.intermediate_size
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, m),
+            "up_proj": (h, m), "down_proj": (m, h)}
+    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+    return {f"model.layers.{i}.{parent.get(t, 'mlp')}.{t}": dims[t] for i in range(c.num_hidden_layers)
+            for t in targets}
 
 
 def write_adapter(out: Path, dims: dict[str, tuple[int, int]], rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter directory with trained-looking random A and B (A ~ 1/sqrt(in), B small)."""
+    """A PEFT LoRA adapter directory on the modules of `dims` with trained-looking random A and B (A ~ 1/sqrt(in),
+    B small)."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -118,7 +126,8 @@ def write_adapter(out: Path, dims: dict[str, tuple[int, int]], rank: int, seed: 
         tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out_f, rank, generator=g)
                                                                 * 0.02).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
-    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS), task_type="CAUSAL_LM").save_pretrained(out)
+    targets = sorted({m.rsplit(".", 1)[1] for m in dims})
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM").save_pretrained(out)
     save_file(tensors, out / "adapter_model.safetensors")
     return out
 

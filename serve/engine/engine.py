@@ -149,7 +149,9 @@ class Engine:
                 "queue_depth": self.scheduler.queue_depth, "batch_sizes": self.scheduler.batch_sizes.to_dict(),
                 "load_seconds": st.load_seconds.to_dict(), "seconds": self.seconds(),
                 "memory_plan": self.memory_plan.to_dict() if self.memory_plan else None,
-                "base_bytes": {name: rt.nbytes for name, rt in self.bases.items()}}
+                "base_bytes": {name: rt.nbytes for name, rt in self.bases.items()},
+                "kv_bytes": {name: rt.kv.nbytes for name, rt in self.bases.items() if rt.kv is not None},
+                "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts}}
 
     def seconds(self) -> dict[str, float]:
         """Seconds of work by part (compute thread and scheduler), summed over the bases (see Seconds)."""

@@ -41,7 +41,7 @@ class NewRow:
     variant: LoadedVariant | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     gen: Generation
     params: SamplingParams
@@ -88,7 +88,7 @@ CONTEXT = 5
 SentencePiece word's leading space, a character split over byte tokens)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Launched:
     """A step on its way: its forward and sampling are queued on the device; `_read` applies its tokens."""
 
@@ -142,7 +142,6 @@ class DecodeBatch:
             for s in self._all():
                 s.done = s.done or any(s.tag is t for t in abort)
         step = Step()
-        admitted = False
         for row in new:
             try:
                 slot = self.rt.attach(row.variant)
@@ -157,10 +156,9 @@ class DecodeBatch:
                 continue
             name = row.variant.entry if row.variant is not None else self.rt.name
             self.prefilling.append(_Seq.start(row, slot, kv, name))
-            admitted = True
         if self.inflight is not None:
             inflight, self.inflight = self.inflight, None
-            if not admitted and self._continuable(inflight):
+            if self._continuable(inflight):
                 self.inflight = self._continue(inflight)
             self._read(inflight)
         if self.inflight is None:

@@ -222,6 +222,11 @@ def test_metrics_are_prometheus_text(client):
     assert ok and ok[0].value >= 1
     seconds = {s.labels["part"]: s.value for s in families["manyfold_engine_seconds"].samples}
     assert seconds["step"] > 0 and seconds["forward"] > 0  # where a generation step's time went
+    steps = {(s.labels["base"], s.labels["mode"], s.labels["reason"]): s.value
+             for s in families["manyfold_generation_steps"].samples}
+    assert steps[("tiny-lm", "eager", "cpu")] >= 2  # the completion's steps, and why none replayed a graph
+    kv = {s.labels["base"]: s.value for s in families["manyfold_kv_store_bytes"].samples}
+    assert kv["tiny-lm"] > 0 and "minilm" not in kv  # an encoder keeps no KV store
 
 
 def test_admin_add_and_remove_without_restart(client, serving_store, tmp_path):
