@@ -60,13 +60,13 @@ def make_top2_finetunes(rt: BaseModelRuntime, n: int, seed: int = 0) -> list[Loa
     return out
 
 
-def peft_model(rt: BaseModelRuntime, adapters: list[LoadedVariant], targets: tuple[str, ...]):
-    """The same adapters as a PEFT model on a copy of the base (PEFT wraps the modules it targets)."""
-    import copy
-
+def peft_model(model_dir, adapters: list[LoadedVariant], targets: tuple[str, ...]):
+    """The same adapters as a PEFT model on the base as transformers loads it (PEFT wraps the modules it targets;
+    the runtime's own modules are already wrapped by the engine)."""
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
-    base = copy.deepcopy(rt.model)  # its copied hooks see no plan outside rt.call: plain transformers
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model = None
     for v in adapters:
         cfg = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(targets))
@@ -182,7 +182,7 @@ def run_mixed_bench(out: Path, rows: tuple[int, ...] = (8, 32), repeats: int = 5
     adapter_sets = {}
     for i, (label, targets) in enumerate(TARGETS.items()):
         adapters = make_adapters(rt, ADAPTERS, RANK, targets, seed=i)
-        adapter_sets[label] = (adapters, peft_model(rt, adapters, targets))
+        adapter_sets[label] = (adapters, peft_model(smollm2_dir(), adapters, targets))
     top2 = make_top2_finetunes(rt, ADAPTERS)
     results = [bench_rows(rt, n, adapter_sets, top2, repeats) for n in rows]
     report = {"machine": machine(), "model": "SmolLM2-135M-Instruct fp32", "adapters": ADAPTERS, "rank": RANK,
