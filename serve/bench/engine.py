@@ -327,39 +327,48 @@ def assignment(workload: Workload, seed: int = 0) -> list[int]:
     return rnd.choices(range(workload.adapters), weights, k=workload.requests)
 
 
-def run_engine(store_root: Path, device: torch.device, models: list[str | None], base: str,
-               prompts: list[list[int]], new_tokens: int, max_batch: int) -> tuple[float, list[list[int]], dict]:
-    """Seconds for every request at once, the tokens of each, the engine's step counts."""
-    from serve.config import ServeConfig
-    from serve.engine.engine import Engine
-    from serve.engine.types import SamplingParams
+class EngineRun:
+    """One Engine over the store (every request at once through Engine.complete), warmed once: adapters loaded
+    and staged, graphs captured."""
 
-    cfg = ServeConfig(store=store_root, device=str(device),
-                      batch={"max_batch_size": max_batch, "max_queue": 4096, "max_step_tokens": 2048},
-                      slots={"adapter_mib": 1024}, cache={"device_mib": 4096, "cpu_mib": 4096})
-    engine = Engine(cfg)
-    rt = engine.bases[base]
-    rt.eos_ids = set()
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    def __init__(self, store_root: Path, device: torch.device, base: str, max_batch: int):
+        from serve.config import ServeConfig
+        from serve.engine.engine import Engine
 
-    async def everything():
-        return await asyncio.gather(*(engine.complete(m or base, params, prompt=p) for m, p in zip(models, prompts)))
+        cfg = ServeConfig(store=store_root, device=str(device),
+                          batch={"max_batch_size": max_batch, "max_queue": 4096, "max_step_tokens": 2048},
+                          slots={"adapter_mib": 1024}, cache={"device_mib": 4096, "cpu_mib": 4096})
+        self.engine, self.base, self.device = Engine(cfg), base, device
+        self.rt = self.engine.bases[base]
+        self.rt.eos_ids = set()
+        self.warm: set[tuple] = set()
 
-    asyncio.run(everything())  # warm: adapters loaded and staged once, graphs captured
-    rt.step_counts.clear()
-    sync(device)
-    t0 = time.perf_counter()
-    results = asyncio.run(everything())
-    seconds = time.perf_counter() - t0
-    steps = dict(rt.step_counts)
-    asyncio.run(engine.drain(5))
-    return seconds, [r.token_ids for r in results], steps
+    def __call__(self, models: list[str | None], prompts: list[list[int]], new_tokens: int
+                 ) -> tuple[float, list[list[int]], dict]:
+        """Seconds for every request at once, the tokens of each, the step counts."""
+        from serve.engine.types import SamplingParams
+
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+
+        async def everything():
+            return await asyncio.gather(*(self.engine.complete(m or self.base, params, prompt=p)
+                                          for m, p in zip(models, prompts)))
+
+        if tuple(models) not in self.warm:
+            asyncio.run(everything())
+            self.warm.add(tuple(models))
+        self.rt.step_counts.clear()
+        sync(self.device)
+        t0 = time.perf_counter()
+        results = asyncio.run(everything())
+        return time.perf_counter() - t0, [r.token_ids for r in results], dict(self.rt.step_counts)
 
 
 def run_generate(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id: int, device: torch.device,
-                 names: list[str] | None = None, batches: int | None = None) -> tuple[float, list[list[int]], int]:
-    """transformers' generate over static batches (left-padded, greedy, no stop): seconds, tokens, requests run."""
-    out, seconds, done = [], 0.0, 0
+                 names: list[str] | None = None, batches: int | None = None) -> tuple[float, list[list[int]]]:
+    """transformers' generate over static batches (left-padded, greedy, no stop): seconds, the tokens of each
+    request run (the first `batches` batches)."""
+    out, seconds = [], 0.0
     for b, start in enumerate(range(0, len(prompts), batch)):
         if batches is not None and b >= batches:
             break
@@ -379,12 +388,12 @@ def run_generate(model, prompts: list[list[int]], new_tokens: int, batch: int, p
         sync(device)
         seconds += time.perf_counter() - t0
         out += gen[:, longest:].tolist()
-        done += len(chunk)
-    return seconds, out, done
+    return seconds, out
 
 
 def bench_end_to_end(model_dir: Path, work: Path, device: torch.device, workload: Workload, ranks: tuple[int, ...],
-                     peft_batches: int | None) -> dict:
+                     peft_batches: int | None, rounds: int = 1) -> dict:
+    """Every system in turn, `rounds` times; tokens/s medians (each round's figures in the report)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from serve.store.store import Store
@@ -406,28 +415,44 @@ def bench_end_to_end(model_dir: Path, work: Path, device: torch.device, workload
         for name, path in adapters.items():
             variant_kind("lora").add(store, name, "bench", path)
     new = workload.new_tokens
-    tokens = workload.requests * new
-    e_s, e_tokens, e_steps = run_engine(store_root, device, names, "bench", prompts, new, workload.static_batch)
-    b_s, b_tokens, b_steps = run_engine(store_root, device, [None] * len(prompts), "bench", prompts, new,
-                                        workload.static_batch)
     wide = 2 * workload.static_batch  # the engine takes every request at once: a batch twice the static one
-    w_s, w_tokens, w_steps = run_engine(store_root, device, names, "bench", prompts, new, wide)
-    t_s, _, t_done = run_generate(plain, prompts, new, workload.static_batch, tokenizer.pad_token_id, device)
     used = sorted(set(names))
-    peft = peft_with(plain, {n: adapters[n] for n in used}).to(device)
-    p_s, p_tokens, p_done = run_generate(peft, prompts, new, workload.static_batch, tokenizer.pad_token_id, device,
-                                         names, peft_batches)
-    same = sum(a == b for a, b in zip(e_tokens, p_tokens))
-    same_wide = sum(a == b for a, b in zip(w_tokens, p_tokens))
+    at_static, at_wide = EngineRun(store_root, device, "bench", workload.static_batch), \
+        EngineRun(store_root, device, "bench", wide)
+    own = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()  # PEFT wraps in place
+    peft = peft_with(own, {n: adapters[n] for n in used}).to(device)
+    pad = tokenizer.pad_token_id
+    systems = {  # label -> () -> (seconds, tokens of each request run, steps)
+        "engine": lambda: at_static(names, prompts, new),
+        "engine_base": lambda: at_static([None] * len(prompts), prompts, new),
+        "engine_wide": lambda: at_wide(names, prompts, new),
+        "transformers": lambda: (*run_generate(plain, prompts, new, workload.static_batch, pad, device), {}),
+        "peft": lambda: (*run_generate(peft, prompts, new, workload.static_batch, pad, device, names, peft_batches),
+                         {}),
+    }
+    runs: dict[str, list[float]] = {k: [] for k in systems}
+    last: dict[str, tuple] = {}
+    for _ in range(rounds):  # the systems take turns, round after round: this VM's speed drifts
+        for label, run in systems.items():
+            last[label] = run()
+            seconds, outputs, _ = last[label]
+            runs[label].append(len(outputs) * new / seconds)
+    asyncio.run(at_static.engine.drain(5))
+    asyncio.run(at_wide.engine.drain(5))
+    p_tokens = last["peft"][1]
+    p_done = len(p_tokens)
+    median = {k: statistics.median(v) for k, v in runs.items()}
     report = {"requests": workload.requests, "new_tokens": new, "adapters_registered": workload.adapters,
-              "adapters_used": len(used), "static_batch": workload.static_batch,
+              "adapters_used": len(used), "static_batch": workload.static_batch, "rounds": rounds,
               "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
-              "engine_tok_s": tokens / e_s, "engine_base_tok_s": tokens / b_s,
-              "engine_wide_rows": wide, "engine_wide_tok_s": tokens / w_s,
-              "engine_wide_equal_peft": f"{same_wide} of {p_done}", "engine_wide_steps": w_steps,
-              "transformers_tok_s": t_done * new / t_s, "peft_tok_s": p_done * new / p_s,
-              "peft_requests_timed": p_done, "engine_equal_peft": f"{same} of {p_done}",
-              "engine_steps": e_steps, "engine_base_steps": b_steps}
+              "tok_s": runs, "engine_tok_s": median["engine"], "engine_base_tok_s": median["engine_base"],
+              "engine_wide_rows": wide, "engine_wide_tok_s": median["engine_wide"],
+              "engine_wide_equal_peft": f"{sum(a == b for a, b in zip(last['engine_wide'][1], p_tokens))} of {p_done}",
+              "engine_wide_steps": last["engine_wide"][2],
+              "transformers_tok_s": median["transformers"], "peft_tok_s": median["peft"],
+              "peft_requests_timed": p_done,
+              "engine_equal_peft": f"{sum(a == b for a, b in zip(last['engine'][1], p_tokens))} of {p_done}",
+              "engine_steps": last["engine"][2], "engine_base_steps": last["engine_base"][2]}
     return report
 
 
@@ -450,7 +475,9 @@ def bandwidth_of(device: torch.device) -> float | None:
 
 
 def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = False, repeats: int = 21,
-                     context: int | None = None, shapes: list[str] | None = None, e2e: bool = True) -> dict:
+                     context: int | None = None, shapes: list[str] | None = None, e2e: bool = True,
+                     rounds: int | None = None, steps: bool = True) -> dict:
+    """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table."""
     dev = torch.device(device)
     work.mkdir(parents=True, exist_ok=True)
     bandwidth = bandwidth_of(dev)
@@ -461,20 +488,21 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
 
         torch.set_num_threads(2)
         ctx = context or 128
-        report["steps"]["smollm2-135m (packaged, fp32)"] = bench_steps(smollm2_dir(), dev, ctx, repeats, None)
+        if steps:
+            report["steps"]["smollm2-135m (packaged, fp32)"] = bench_steps(smollm2_dir(), dev, ctx, repeats, None)
         if e2e:
             report["end_to_end"] = bench_end_to_end(smollm2_dir(), work / "e2e-cpu", dev, CPU_WORKLOAD, (8, 16),
-                                                    None)
+                                                    None, rounds or 3)
     else:
         ctx = context or 512
         names = shapes or ["smollm2-135m", "llama-3.2-1b"] + (["llama-3-8b"] if large else [])
-        for shape in names:
+        for shape in names if steps else []:
             print(f"{shape}: building", flush=True)
             d = build_model_dir(shape, work / shape, dev)
             report["steps"][shape] = bench_steps(d, dev, ctx, repeats, bandwidth)
         if e2e:
             d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
-            report["end_to_end"] = bench_end_to_end(d, work / "e2e-1b", dev, GPU_WORKLOAD, (RANK,), 1)
+            report["end_to_end"] = bench_end_to_end(d, work / "e2e-1b", dev, GPU_WORKLOAD, (RANK,), 1, rounds or 1)
     return finish(report, out, print_report)
 
 
@@ -495,7 +523,8 @@ def print_report(report: dict) -> None:
     if e:
         print(f"\nend to end: {e['requests']} requests of {e['new_tokens']} new tokens (prompts "
               f"{e['prompt_tokens'][0]}-{e['prompt_tokens'][1]} tokens), {e['adapters_used']} of "
-              f"{e['adapters_registered']} adapters used; static batches of {e['static_batch']}")
+              f"{e['adapters_registered']} adapters used; static batches of {e['static_batch']}; medians of "
+              f"{e.get('rounds', 1)} rounds, the systems taking turns")
         print(f"  engine, adapters      {e['engine_tok_s']:>9.1f} tokens/s   (outputs equal PEFT's: "
               f"{e['engine_equal_peft']})")
         print(f"  engine, base rows     {e['engine_base_tok_s']:>9.1f} tokens/s")

@@ -39,7 +39,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
 
     out = args.out or f"bench-results/engine-{'cpu' if args.device == 'cpu' else 'gpu'}.json"
     run_engine_bench(Path(out), Path(args.work), args.device, args.large, args.repeats, args.context,
-                     args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end)
+                     args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end, rounds=args.rounds,
+                     steps=not args.no_steps)
 
 
 def cmd_bench_emr(args: argparse.Namespace) -> None:
@@ -170,6 +171,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     en.add_argument("--context", type=int, help="tokens each row holds before the timed step (CPU 128, CUDA 512)")
     en.add_argument("--shapes", help="on CUDA, these shapes only (comma-separated)")
     en.add_argument("--no-end-to-end", action="store_true", help="decode steps only")
+    en.add_argument("--no-steps", action="store_true", help="end to end only")
+    en.add_argument("--rounds", type=int, help="end-to-end rounds, the systems taking turns (CPU 3, CUDA 1)")
     be = add_command(bench, "emr", cmd_bench_emr, "EMR-Merging against the individual fine-tunes, task arithmetic, "
                      "TIES and averaging; its bytes per task; a mixed forward's time")
     be.add_argument("--out", default="bench-results/emr.json")
