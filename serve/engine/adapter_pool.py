@@ -143,7 +143,7 @@ class AdapterPool(TableSlots):
         # With fixed_shapes (the runtime's, on CUDA) every bucket's ops run in every forward, each token reading its
         # row from a per-token map on the device (kernels.bgmv_*): the same launches whichever adapters the rows
         # use, so a CUDA graph replays them. Otherwise only the buckets the rows use run, their tokens grouped by
-        # row on the host (kernels.lora_*), which saves the gathers on a CPU.
+        # row on the host (kernels.lora), which saves the gathers on a CPU.
         self.version = 0
         """Changes whenever a stack or a map buffer is reallocated (a captured graph read the old addresses)."""
         self._maps: dict[tuple[BucketKey, int], torch.Tensor] = {}

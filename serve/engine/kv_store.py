@@ -6,7 +6,7 @@ its keys and values at its own positions, and the slot goes back when it finishe
 keys or values: nothing is concatenated, selected or padded. The last slot is scratch: a padding token of a
 fixed-shape step writes there.
 
-It is built on transformers' extension points, so the model code stays transformers': `SlotCache` is a `Cache`
+It is built on transformers' extension points, so the model code stays transformers': `KVStore` is a `Cache`
 whose layers write each token of a forward at its (slot, position) and hand the attention the layer's whole
 store, and the attention function registered as "manyfold" reads the forward's `StepLayout`:
 - decode tokens first, one per slot 0..B-1 (row b is slot b), through kernels.decode_attention over the store
@@ -71,7 +71,7 @@ def kv_shape(config) -> tuple[int, int, int]:
 def slot_bytes(config, positions: int, dtype: torch.dtype) -> int:
     """What one slot of `positions` positions costs over every layer (K and V)."""
     layers, kv_heads, head_dim = kv_shape(config)
-    return 2 * layers * kv_heads * positions * head_dim * torch.tensor([], dtype=dtype).element_size()
+    return 2 * layers * kv_heads * positions * head_dim * dtype.itemsize
 
 
 class SlotLayer(CacheLayerMixin):

@@ -8,12 +8,11 @@ generate in serve.engine.generation.
 """
 
 import json
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-
-from collections import Counter
 
 from serve.config import BatchConfig, EngineConfig, SlotsConfig
 import serve.engine.adapter_pool  # noqa: F401  (registers the "lora" family)
@@ -114,6 +113,7 @@ class BaseModelRuntime:
         return sum(p.numel() * p.element_size() for p in params) + (self.coded.nbytes if self.coded else 0)
 
     def use_fixed_shapes(self, on: bool) -> None:
+        """Row buckets and per-token maps on (CUDA's default) or off; every family, present and future, follows."""
         self.fixed_shapes = on
         for family in self.families.values():
             family.fixed_shapes = on
