@@ -5,11 +5,12 @@ The engine imports only these names; kernels/ imports nothing from serve/.
 
 import torch
 
+from kernels import _backend
 from kernels._backend import dispatch
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
-from kernels.lora import lora_torch, lora_triton
-from kernels.lora_bgmv import bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch, bgmv_shrink_triton
+from kernels.lora_bgmv import (bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch, bgmv_shrink_triton,
+                               lora_by_token_numba, lora_by_token_torch, lora_by_token_triton)
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton
@@ -18,7 +19,7 @@ from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzi
 from kernels.segments import NO_SLOT, Segments, make_segments
 
 __all__ = ["NO_SLOT", "DecodeGroup", "Segments", "bgmv_expand", "bgmv_shrink", "decode_attention", "emr_delta",
-           "lora", "lora_expand", "lora_shrink", "make_segments", "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits", "rms_norm",
+           "lora_by_token", "lora_expand", "lora_shrink", "make_segments", "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits", "rms_norm",
            "unpack_bits"]
 
 
@@ -44,10 +45,13 @@ def bgmv_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y:
     return dispatch(bgmv_expand_torch, bgmv_expand_triton, y)(z, b_stacked, rows, y)
 
 
-def lora(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments,
-         y: torch.Tensor) -> torch.Tensor:
-    """y[t] += scale[s] * (x[t] @ a_stacked[s].T) @ b_stacked[s].T for s = slot[t] >= 0, in place. Returns y."""
-    return dispatch(lora_torch, lora_triton, y)(x, a_stacked, b_stacked, scale, seg, y)
+def lora_by_token(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.Tensor,
+                  rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y[t] += scale[r] * (x[t] @ a_stacked[r].T) @ b_stacked[r].T for r = rows[t] >= 0, in place. Returns y. fp32
+    CPU tensors run the numba form (what CPU serving runs), unless a test forces a form."""
+    if not y.is_cuda and x.dtype == torch.float32 and _backend.FORCED is None:
+        return lora_by_token_numba(x, a_stacked, b_stacked, scale, rows, y)
+    return dispatch(lora_by_token_torch, lora_by_token_triton, y)(x, a_stacked, b_stacked, scale, rows, y)
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:

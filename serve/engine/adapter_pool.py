@@ -3,7 +3,7 @@ a count of slots (S-LoRA's unified memory pool).
 
 Each adapter sits in a rank bucket: the adapters whose rank rounds up to the same power of two R (8 at least)
 and that target the same modules share one stack per module, A [rows, R, in], B^T [rows, R, out] and
-scale [rows], a row per adapter. A forward runs kernels.lora once per bucket its rows use, over
+scale [rows], a row per adapter. A forward runs the LoRA ops once per bucket its rows use, over
 that bucket's own stack, so rank-8 adapters beside a rank-64 one are multiplied, and held, at rank 8.
 
 The pool's bytes are its stacks' bytes, at most slots.adapter_mib. An adapter that does not fit evicts idle
@@ -15,7 +15,7 @@ Attached, detached and read on the engine's compute thread only.
 
 import torch
 
-from kernels import NO_SLOT, bgmv_expand, bgmv_shrink, lora
+from kernels import NO_SLOT, lora_by_token, lora_expand, lora_shrink
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import TableSlots, register_family
@@ -140,10 +140,11 @@ class AdapterPool(TableSlots):
         self.place: dict[int, tuple[BucketKey, int]] = {}
         """slot -> (its bucket, its row there)."""
         self._planned: tuple[BatchPlan | None, list[BucketKey]] = (None, [])
-        # With fixed_shapes (the runtime's, on CUDA) every bucket's ops run in every forward, each token reading its
-        # row from a per-token map on the device (kernels.bgmv_*): the same launches whichever adapters the rows
-        # use, so a CUDA graph replays them. Otherwise only the buckets the rows use run, their tokens grouped by
-        # row on the host (kernels.lora), which saves the gathers on a CPU.
+        # Each token reads its own stack row from a per-token map (kernels.lora_by_token: Triton on CUDA, a compiled
+        # loop for fp32 on a CPU; half precision on a CPU groups tokens by row instead, kernels.lora_shrink /
+        # lora_expand). With fixed_shapes (the runtime's, on CUDA) every bucket's ops run in every forward, the
+        # maps in buffers allocated once: the same launches whichever adapters the rows use, so a CUDA graph
+        # replays them. Otherwise only the buckets the rows use run.
         self.version = 0
         """Changes whenever a stack or a map buffer is reallocated (a captured graph read the old addresses)."""
         self._maps: dict[tuple[BucketKey, int], torch.Tensor] = {}
@@ -285,17 +286,18 @@ class AdapterPool(TableSlots):
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
         x = x.contiguous()  # [N, in]; a pooler reads a strided first token
+        by_token = x.is_cuda or x.dtype == torch.float32 or self.fixed_shapes
         for key in self._keys(plan):
             if name not in key[1]:
                 continue
             bucket = self.buckets[key]
-            if self.fixed_shapes:
-                rows = self._rows(plan, key, x.shape[0])
-                bgmv_expand(bgmv_shrink(x, bucket.a[name], bucket.scale[name], rows),
-                            bucket.bt[name].transpose(1, 2), rows, y)
-                continue
-            seg = plan.remapped_segments(self.family, key, lambda s, key=key: self._row_in(s, key), x.shape[0])
-            lora(x, bucket.a[name], bucket.bt[name].transpose(1, 2), bucket.scale[name], seg, y)
+            if by_token:
+                lora_by_token(x, bucket.a[name], bucket.bt[name].transpose(1, 2), bucket.scale[name],
+                              self._rows(plan, key, x.shape[0]), y)
+            else:  # half precision on a CPU (no compiled form): tokens grouped by row, batched matmuls
+                seg = plan.remapped_segments(self.family, key, lambda s, key=key: self._row_in(s, key), x.shape[0])
+                lora_expand(lora_shrink(x, bucket.a[name], bucket.scale[name], seg), bucket.bt[name].transpose(1, 2),
+                            seg, y)
         return y
 
     def _row_in(self, slot: int, key: BucketKey) -> int:

@@ -91,13 +91,14 @@ def test_rank_8_rows_beside_a_rank_64_one_are_multiplied_at_rank_8(rt, monkeypat
     rows = small[:3] + [big] + small[3:]
     slots = [rt.attach(v) for v in rows]
     calls = []
-    real = pool_module.lora
+    real = pool_module.lora_by_token
 
-    def lora(x, a_stacked, b_stacked, scale, seg, y):
-        calls.append((a_stacked.shape[1], seg.order.numel(), int(seg.slots.numel())))
-        return real(x, a_stacked, b_stacked, scale, seg, y)
+    def lora(x, a_stacked, b_stacked, scale, rows, y):
+        live = rows[rows >= 0]
+        calls.append((a_stacked.shape[1], live.numel(), len(set(live.tolist()))))
+        return real(x, a_stacked, b_stacked, scale, rows, y)
 
-    monkeypatch.setattr(pool_module, "lora", lora)
+    monkeypatch.setattr(pool_module, "lora_by_token", lora)
     seq = 4
     with torch.no_grad():
         rt.call(BatchPlan(slots, rt.device), input_ids=torch.randint(3, 40, (len(rows), seq)))

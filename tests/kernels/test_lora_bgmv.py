@@ -42,3 +42,15 @@ def test_the_triton_forms_equal_their_twins(dtype, in_f, triton_device, gen, tol
     torch.testing.assert_close(got, want, **tolerances[dtype])
     untouched = rows < 0
     assert torch.equal(got[untouched], y[untouched])
+
+
+@pytest.mark.parametrize("in_f", [45, 300])
+def test_the_numba_form_equals_the_twins(in_f, gen):
+    from kernels.lora_bgmv import lora_by_token_numba, lora_by_token_torch
+
+    x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen, in_f=in_f)
+    bt = b.transpose(1, 2).contiguous().transpose(1, 2)  # the adapter pool's layout
+    got = lora_by_token_numba(x, a, bt, scale, rows.to(torch.int32), y.clone())
+    torch.testing.assert_close(got, lora_by_token_torch(x, a, b, scale, rows, y.clone()), rtol=1e-5, atol=1e-5)
+    untouched = rows < 0
+    assert torch.equal(got[untouched], y[untouched])
