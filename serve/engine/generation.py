@@ -8,6 +8,8 @@ every step is one forward over one flattened sequence of tokens (serve/engine/st
   (batch.max_step_tokens); a long prompt takes several steps, and a row whose prompt is all written samples
   its first token in the same step.
 Nothing is copied between rows: a finished row gives its slot back and the next admitted row writes over it.
+On CUDA a decode step that replays a graph is followed at once by the next, launched from its sampled tokens on
+the device before the host reads them, so the host's reading and detokenising overlap the GPU (see `run`).
 Each row keeps its variant's slot (serve/engine/slots.py) too, and the step's BatchPlan maps every token to its
 row's variant. Sampling runs on the device over every row that samples this step (greedy rows give the tokens
 they give alone, seeded rows draw from their own generator) and the sampled tokens come back in one copy. Text
