@@ -203,8 +203,9 @@ def steady_ms(step, repeats: int, device: torch.device, rounds: int = 3) -> floa
     return 1e3 * statistics.median(times)
 
 
-def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int) -> float:
-    """The engine's decode step over len(variants) rows (None: the base), each at `context` tokens."""
+def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int, profile: list | None = None) -> float:
+    """The engine's decode step over len(variants) rows (None: the base), each at `context` tokens. profile: a
+    list to append the operations (CPU) or kernels (CUDA) of `repeats` more steps to, by total time."""
     from serve.engine.generation import DecodeBatch, NewRow
     from serve.engine.types import SamplingParams
 
@@ -218,10 +219,29 @@ def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int) ->
         batch.run(rows)
         while batch.prefilling:
             batch.run([])
-        return steady_ms(lambda: batch.run([]), repeats, rt.device)
+        ms = steady_ms(lambda: batch.run([]), repeats, rt.device)
+        if profile is not None:
+            profile += profiled(lambda: batch.run([]), repeats, rt.device)
+        return ms
     finally:
         batch.close()
         rt.eos_ids = eos
+
+
+def profiled(step, repeats: int, device: torch.device, top: int = 30) -> list[dict]:
+    """The `top` operations or kernels of `repeats` steps by their total self time on the device (CUDA) or the host:
+    where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            step()
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [{"name": e.key, "calls_per_step": e.count / repeats, "us_per_step": getattr(e, key) / repeats}
+            for e in events]
 
 
 def hf_step_ms(model, rows: int, context: int, repeats: int, device: torch.device, **kwargs) -> float:
@@ -252,7 +272,8 @@ def floor_ms(rt, rows: int, context: int, bandwidth: float | None) -> float | No
 
 
 def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: int, bandwidth: float | None,
-                rows_list=ROWS) -> list[dict]:
+                rows_list=ROWS, profile: bool = False) -> list[dict]:
+    """profile: the adapters' step at the most rows also profiled (its entry's "profile")."""
     from transformers import AutoModelForCausalLM
 
     from serve.config import BatchConfig, SlotsConfig
@@ -270,14 +291,17 @@ def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: in
     rows_out = []
     for rows in rows_list:
         mixed = [(None, adapters[i], fulls[i % 2])[i % 3] for i in range(rows)]
+        kernels = [] if profile and rows == most else None
         entry = {"rows": rows, "context": context, "floor_ms": floor_ms(rt, rows, context, bandwidth),
                  "transformers_ms": hf_step_ms(plain, rows, context, repeats, device),
                  "engine_base_ms": engine_step_ms(rt, [None] * rows, context, repeats, rows),
-                 "engine_lora_ms": engine_step_ms(rt, adapters[:rows], context, repeats, rows),
+                 "engine_lora_ms": engine_step_ms(rt, adapters[:rows], context, repeats, rows, kernels),
                  "engine_mixed_ms": engine_step_ms(rt, mixed, context, repeats, rows)}
         rows_out.append(entry)
         print(f"  {rows} rows: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in entry.items()})}",
               flush=True)
+        if kernels is not None:
+            entry["profile"] = kernels
     steps = dict(rt.step_counts)
     with_peft = peft_steps(plain, rt, adapters, rows_list, context, repeats, device, model_dir)
     for entry, peft in zip(rows_out, with_peft):
@@ -476,8 +500,9 @@ def bandwidth_of(device: torch.device) -> float | None:
 
 def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = False, repeats: int = 21,
                      context: int | None = None, shapes: list[str] | None = None, e2e: bool = True,
-                     rounds: int | None = None, steps: bool = True) -> dict:
-    """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table."""
+                     rounds: int | None = None, steps: bool = True, profile: bool = False) -> dict:
+    """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table;
+    profile: the adapters' step at 64 rows profiled for each shape (printed, and in the JSON)."""
     dev = torch.device(device)
     work.mkdir(parents=True, exist_ok=True)
     bandwidth = bandwidth_of(dev)
@@ -489,7 +514,8 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
         torch.set_num_threads(2)
         ctx = context or 128
         if steps:
-            report["steps"]["smollm2-135m (packaged, fp32)"] = bench_steps(smollm2_dir(), dev, ctx, repeats, None)
+            report["steps"]["smollm2-135m (packaged, fp32)"] = bench_steps(smollm2_dir(), dev, ctx, repeats, None,
+                                                                           profile=profile)
         if e2e:
             report["end_to_end"] = bench_end_to_end(smollm2_dir(), work / "e2e-cpu", dev, CPU_WORKLOAD, (8, 16),
                                                     None, rounds or 3)
@@ -499,7 +525,7 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
         for shape in names if steps else []:
             print(f"{shape}: building", flush=True)
             d = build_model_dir(shape, work / shape, dev)
-            report["steps"][shape] = bench_steps(d, dev, ctx, repeats, bandwidth)
+            report["steps"][shape] = bench_steps(d, dev, ctx, repeats, bandwidth, profile=profile)
         if e2e:
             d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
             report["end_to_end"] = bench_end_to_end(d, work / "e2e-1b", dev, GPU_WORKLOAD, (RANK,), 1, rounds or 1)
@@ -519,6 +545,12 @@ def print_report(report: dict) -> None:
             print(f"{shape:<32}{r['rows']:>5}{floor:>8}{r['transformers_ms']:>14.2f}{r['engine_base_ms']:>13.2f}"
                   f"{r['engine_lora_ms']:>13.2f}{r['engine_lora_ms'] / r['engine_base_ms']:>9.2f}x"
                   f"{r['engine_mixed_ms']:>14.2f}{r['peft_mixed_ms']:>12.2f}")
+    for shape, rows in report["steps"].items():
+        for r in rows:
+            if r.get("profile"):
+                print(f"\n{shape}, {r['rows']} rows with adapters: where a step goes (us a step, calls a step)")
+                for k in r["profile"]:
+                    print(f"  {k['us_per_step']:>9.1f} {k['calls_per_step']:>7.1f}  {k['name'][:90]}")
     e = report.get("end_to_end")
     if e:
         print(f"\nend to end: {e['requests']} requests of {e['new_tokens']} new tokens (prompts "

@@ -40,7 +40,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
     out = args.out or f"bench-results/engine-{'cpu' if args.device == 'cpu' else 'gpu'}.json"
     run_engine_bench(Path(out), Path(args.work), args.device, args.large, args.repeats, args.context,
                      args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end, rounds=args.rounds,
-                     steps=not args.no_steps)
+                     steps=not args.no_steps, profile=args.profile)
 
 
 def cmd_bench_emr(args: argparse.Namespace) -> None:
@@ -173,6 +173,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     en.add_argument("--no-end-to-end", action="store_true", help="decode steps only")
     en.add_argument("--no-steps", action="store_true", help="end to end only")
     en.add_argument("--rounds", type=int, help="end-to-end rounds, the systems taking turns (CPU 3, CUDA 1)")
+    en.add_argument("--profile", action="store_true", help="profile the adapters' step at the most rows (torch.profiler)")
     be = add_command(bench, "emr", cmd_bench_emr, "EMR-Merging against the individual fine-tunes, task arithmetic, "
                      "TIES and averaging; its bytes per task; a mixed forward's time")
     be.add_argument("--out", default="bench-results/emr.json")
