@@ -61,7 +61,6 @@ class BatchPlan:
             if len(self.tokens) != self.rows:
                 raise ValueError(f"{len(self.tokens)} token counts for {self.rows} rows")
             self._row_of_token = [r for r, n in enumerate(self.tokens) for _ in range(n)]
-        self._slot_ids: dict[str, torch.Tensor] = {}
         self._by_token: dict[tuple, list[int]] = {}
         self._segments: dict[tuple, Segments] = {}
         self._slot_sets: dict[str, frozenset[int]] = {}
@@ -74,12 +73,6 @@ class BatchPlan:
 
     def __contains__(self, family: str) -> bool:
         return family in self._host
-
-    def slot_ids(self, family: str) -> torch.Tensor:
-        """[rows] int64 slot ids of `family` on the plan's device."""
-        if family not in self._slot_ids:
-            self._slot_ids[family] = torch.tensor(self._host[family], dtype=torch.long, device=self.device)
-        return self._slot_ids[family]
 
     def rows_of(self, num_tokens: int) -> list[int]:
         """The row of each of a module's num_tokens tokens."""
@@ -134,14 +127,13 @@ class BatchPlan:
             self._slot_sets[family] = frozenset(s for s in self._host.get(family, ()) if s != NO_SLOT)
         return self._slot_sets[family]
 
-    def groups(self, family: str, num_tokens: int | None = None) -> list[tuple[int, torch.Tensor]]:
-        """(slot, indices) for every slot of `family` used in this forward, ascending by slot: the indices of its
-        rows, or with num_tokens, of its tokens among a module's num_tokens."""
+    def groups(self, family: str, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
+        """(slot, token indices) for every slot of `family` used in this forward, ascending by slot, among a
+        module's num_tokens tokens."""
         key = (family, num_tokens)
         if key not in self._groups:
-            ids = self._host.get(family, ()) if num_tokens is None else self.token_slots(family, num_tokens)
             by_slot: dict[int, list[int]] = {}
-            for i, slot in enumerate(ids):
+            for i, slot in enumerate(self.token_slots(family, num_tokens)):
                 if slot != NO_SLOT:
                     by_slot.setdefault(slot, []).append(i)
             self._groups[key] = [(s, torch.tensor(idx, dtype=torch.long, device=self.device))

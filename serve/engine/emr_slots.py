@@ -217,12 +217,11 @@ class EmrSlots(Slots):
     def _embedding(self, merged, ids: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         """ids [N], y [N, dim]."""
         (_, tau, masks), = merged
-        flat, y2 = ids, y
-        seg = plan.segments(self.family, flat.numel())
+        seg = plan.segments(self.family, ids.numel())
         task = seg.slots.repeat_interleave(seg.lengths)  # [n] each sorted token's task
-        token = flat[seg.order]  # [n] its id
+        token = ids[seg.order]  # [n] its id
         delta = masked(masks[task, token], tau[token]) * self.scale[task, None]  # [n, dim]
-        y2.index_add_(0, seg.order, delta.to(y2.dtype))
+        y.index_add_(0, seg.order, delta.to(y.dtype))
         return y
 
 
