@@ -120,3 +120,19 @@ def write_tiny_gpt2(path: Path, seed: int = 0, pad: bool = True) -> Path:
     torch.manual_seed(seed)
     GPT2LMHeadModel(cfg).save_pretrained(path)
     return path
+
+
+def random_lora(rt, name: str, rank: int, seed: int, targets: tuple[str, ...], scale: float | None = None):
+    """A LoRA on every layer's `targets` of a runtime's base, A and B random (wide: a wrong row is far off), as the
+    variant cache would hold it; scale alpha / r with alpha 16 unless given."""
+    from serve.variants.base import LoadedVariant
+
+    g = torch.Generator().manual_seed(seed)
+    tensors, scales = {}, {}
+    for module, linear in rt.view.modules.items():
+        if module.endswith(targets):
+            out_f, in_f = linear.weight.shape
+            tensors[f"{module}.A"] = torch.randn(rank, in_f, generator=g) * 0.3
+            tensors[f"{module}.B"] = torch.randn(out_f, rank, generator=g) * 0.3
+            scales[module] = 16 / rank if scale is None else scale
+    return LoadedVariant(name, "lora", "lora", tensors, scales)

@@ -11,7 +11,7 @@ from serve.engine.adapter_pool import AdapterPool, bucket_key, bucket_row_bytes,
 from serve.engine.batch import BatchPlan
 from serve.engine.model import BaseModelRuntime
 from serve.variants.base import LoadedVariant
-from tests.models import write_tiny_causal
+from tests.models import random_lora, write_tiny_causal
 
 TARGETS = ("self_attn.q_proj", "self_attn.v_proj")
 
@@ -36,15 +36,7 @@ def plain(model_dir) -> torch.nn.Module:
 
 def adapter(rt: BaseModelRuntime, name: str, rank: int, seed: int, targets=TARGETS) -> LoadedVariant:
     """A LoRA on every layer's `targets` with random A, B and scale alpha / r (alpha 16)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors, scales = {}, {}
-    for module, linear in rt.view.modules.items():
-        if module.endswith(targets):
-            out_f, in_f = linear.weight.shape
-            tensors[f"{module}.A"] = torch.randn(rank, in_f, generator=g) * 0.3
-            tensors[f"{module}.B"] = torch.randn(out_f, rank, generator=g) * 0.3
-            scales[module] = 16 / rank
-    return LoadedVariant(name, "lora", "lora", tensors, scales)
+    return random_lora(rt, name, rank, seed, targets)
 
 
 def merged_logits(plain: torch.nn.Module, v: LoadedVariant, ids: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from serve.engine.model import BaseModelRuntime
 from serve.engine.steps import row_bucket
 from serve.engine.types import SamplingParams
 from serve.variants.base import LoadedVariant
-from tests.models import write_tiny_causal
+from tests.models import random_lora, write_tiny_causal
 
 TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 
@@ -31,15 +31,7 @@ def rt(tmp_path_factory) -> BaseModelRuntime:
 
 
 def lora(rt: BaseModelRuntime, name: str, rank: int, seed: int) -> LoadedVariant:
-    g = torch.Generator().manual_seed(seed)
-    tensors, scales = {}, {}
-    for module, linear in rt.view.modules.items():
-        if module.endswith(TARGETS):
-            out_f, in_f = linear.weight.shape
-            tensors[f"{module}.A"] = torch.randn(rank, in_f, generator=g) * 0.3
-            tensors[f"{module}.B"] = torch.randn(out_f, rank, generator=g) * 0.3
-            scales[module] = 1.0
-    return LoadedVariant(name, "lora", "lora", tensors, scales)
+    return random_lora(rt, name, rank, seed, TARGETS, scale=1.0)
 
 
 def full(rt: BaseModelRuntime, name: str, seed: int) -> LoadedVariant:
