@@ -155,15 +155,16 @@ def _check_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor,
     _check_rows(rows, x.shape[0], x.device)
 
 
-def _check_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor,
-                  rank: int | None = None) -> None:
-    """rank: given when there is no z (the fused form): b_stacked's rank must be it."""
+def _check_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> None:
+    if z.dim() != 2 or z.shape[0] != y.shape[0] or z.dtype != torch.float32 or z.device != y.device:
+        raise ValueError(f"z: expected [{y.shape[0]}, R] float32 on {y.device}; got {list(z.shape)} {z.dtype}")
+    _check_out(b_stacked, rows, y, z.shape[1])
+
+
+def _check_out(b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, rank: int) -> None:
+    """b_stacked, rows and y for an expand at `rank` (the fused form has no z to read it from)."""
     if y.dim() != 2 or y.dtype not in DTYPES or not y.is_contiguous():
         raise ValueError(f"y: expected a contiguous [T, out] fp32, fp16 or bf16 tensor; got {list(y.shape)} {y.dtype}")
-    if rank is None:
-        if z.dim() != 2 or z.shape[0] != y.shape[0] or z.dtype != torch.float32 or z.device != y.device:
-            raise ValueError(f"z: expected [{y.shape[0]}, R] float32 on {y.device}; got {list(z.shape)} {z.dtype}")
-        rank = z.shape[1]
     if b_stacked.dim() != 3 or tuple(b_stacked.shape[1:]) != (y.shape[1], rank):
         raise ValueError(f"b_stacked: expected [N, {y.shape[1]}, {rank}]; got {list(b_stacked.shape)}")
     if b_stacked.dtype != y.dtype or b_stacked.device != y.device:
@@ -210,7 +211,7 @@ def lora_by_token_numba(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: tor
     16 tokens on SmolLM2's q_proj, against 60 for the torch twins (2-core CPU). Sums in another order than the
     twins: equal up to fp32 rounding."""
     _check_shrink(x, a_stacked, scale, rows)
-    _check_expand(torch.empty((0, 0)), b_stacked, rows, y, rank=a_stacked.shape[1])
+    _check_out(b_stacked, rows, y, a_stacked.shape[1])
     if x.dtype != torch.float32 or x.is_cuda:
         raise ValueError(f"x: the numba form takes fp32 CPU tensors; got {x.dtype} on {x.device}")
     bt = b_stacked.transpose(1, 2)  # [N, R, out]
