@@ -27,7 +27,7 @@ TOKENS = 24
 
 def build_store(log=print) -> tuple[Path, list[str]]:
     """The store, built once under $MANYFOLD_HOME/burst."""
-    from serve.bench.engine import ALL_LINEARS, TARGETS, module_dims, write_adapter
+    from serve.bench.engine_models import ALL_LINEARS, TARGETS, module_dims, write_adapter
     from serve.data.cache import home
     from serve.data.models import smollm2_dir
     from serve.store.store import Store

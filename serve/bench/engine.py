@@ -36,19 +36,12 @@ from pathlib import Path
 
 import torch
 
-from serve.bench.report import NO_GPU, finish, machine
+from serve.bench.engine_models import (build_model_dir, loaded_adapter, module_dims, peft_with, top2_finetune,
+                                       write_adapter)
+from serve.bench.report import NO_GPU, finish, machine, median_time
 
 ROWS = (1, 16, 64)
 RANK = 16
-TARGETS = ("q_proj", "v_proj")
-SHAPES = {  # Llama-shaped configs of the models the issue names (random weights)
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
-}
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 """Bytes per second of HBM, by the name the device reports."""
 
@@ -71,104 +64,6 @@ GPU_WORKLOAD = Workload(requests=128, prompt_tokens=128, new_tokens=128, adapter
                         power_law=True)
 
 
-# ---- models and adapters
-def build_model_dir(shape: str, out: Path, device: torch.device, max_positions: int = 4096) -> Path:
-    """A Llama of the named shape with random weights in bf16, and a word-level tokenizer over its whole
-    vocabulary (no hub is reachable): ids in, ids out."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    if (out / "config.json").exists():
-        return out
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0, initializer_range=0.02, dtype="bfloat16")
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
-    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w3"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", pad_token="w0",
-                            unk_token="w3").save_pretrained(out)
-    del model
-    return out
-
-
-ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def module_dims(model_dir: Path, targets: tuple[str, ...] = TARGETS) -> dict[str, tuple[int, int]]:
-    """(in, out) of every targeted Linear of a Llama-shaped model, by module name."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv, h, m = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim, c.hidden_size, \
-        c.intermediate_size
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, m),
-            "up_proj": (h, m), "down_proj": (m, h)}
-    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
-    return {f"model.layers.{i}.{parent.get(t, 'mlp')}.{t}": dims[t] for i in range(c.num_hidden_layers)
-            for t in targets}
-
-
-def write_adapter(out: Path, dims: dict[str, tuple[int, int]], rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter directory on the modules of `dims` with trained-looking random A and B (A ~ 1/sqrt(in),
-    B small)."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module, (in_f, out_f) in dims.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, in_f, generator=g)
-                                                                / in_f ** 0.5).to(torch.bfloat16)
-        tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out_f, rank, generator=g)
-                                                                * 0.02).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    targets = sorted({m.rsplit(".", 1)[1] for m in dims})
-    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM").save_pretrained(out)
-    save_file(tensors, out / "adapter_model.safetensors")
-    return out
-
-
-def loaded_adapter(name: str, dims: dict[str, tuple[int, int]], rank: int, seed: int, dtype: torch.dtype,
-                   device: torch.device):
-    """The same adapter as write_adapter, straight into a LoadedVariant (for step timings, no store)."""
-    from serve.variants.base import LoadedVariant
-
-    g = torch.Generator().manual_seed(seed)
-    tensors, scales = {}, {}
-    for module, (in_f, out_f) in dims.items():
-        tensors[f"{module}.A"] = (torch.randn(rank, in_f, generator=g) / in_f ** 0.5).to(dtype).to(device)
-        tensors[f"{module}.B"] = (torch.randn(out_f, rank, generator=g) * 0.02).to(dtype).to(device)
-        scales[module] = 2.0
-    return LoadedVariant(name, "lora", "lora", tensors, scales)
-
-
-def top2_finetune(rt, name: str, seed: int):
-    """A full fine-tune of the top two layers, as the cache would hold it (weights family)."""
-    from serve.variants.base import LoadedVariant
-
-    g = torch.Generator(device=rt.device).manual_seed(seed)
-    layers = rt.model.config.num_hidden_layers
-    top = (f"layers.{layers - 2}.", f"layers.{layers - 1}.")
-    tensors = {k: t + torch.randn(t.shape, generator=g, device=rt.device, dtype=t.dtype) * 1e-3
-               for k, t in rt.view.tensors.items() if any(p in k for p in top)}
-    return LoadedVariant(name, "full", "weights", tensors)
-
-
-def peft_with(plain, adapters: dict[str, Path]):
-    """PEFT's model over a plain transformers copy of the base, every adapter loaded by name."""
-    from peft import PeftModel
-
-    names = list(adapters)
-    model = PeftModel.from_pretrained(plain, adapters[names[0]], adapter_name=names[0])
-    for n in names[1:]:
-        model.load_adapter(adapters[n], adapter_name=n)
-    return model.eval()
-
-
 # ---- one decode step
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -176,15 +71,8 @@ def sync(device: torch.device) -> None:
 
 
 def median_ms(fn, repeats: int, device: torch.device) -> float:
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    """report.median_time of fn with the device's work waited for."""
+    return 1e3 * median_time(lambda: (fn(), sync(device)), repeats, warmup=True)
 
 
 def steady_ms(step, repeats: int, device: torch.device, rounds: int = 3) -> float:
@@ -415,29 +303,34 @@ def run_generate(model, prompts: list[list[int]], new_tokens: int, batch: int, p
     return seconds, out
 
 
-def bench_end_to_end(model_dir: Path, work: Path, device: torch.device, workload: Workload, ranks: tuple[int, ...],
-                     peft_batches: int | None, rounds: int = 1) -> dict:
-    """Every system in turn, `rounds` times; tokens/s medians (each round's figures in the report)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def adapter_store(model_dir: Path, work: Path, n: int, ranks: tuple[int, ...]) -> tuple[Path, dict[str, Path]]:
+    """A store (built once under `work`) of the base as "bench" and n adapters tenant-0.. of the ranks in turn,
+    registered from PEFT directories as a tenant would; -> its root and the directories by name."""
     from serve.store.store import Store
     from serve.variants import variant_kind
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
-    vocab = plain.config.vocab_size
-    prompts = prompts_for(workload, tokenizer, vocab)
-    which = assignment(workload)
     dims = module_dims(model_dir)
     adapters = {f"tenant-{k}": write_adapter(work / "adapters" / f"tenant-{k}", dims, ranks[k % len(ranks)], 1000 + k)
-                for k in range(workload.adapters)}
-    names = [f"tenant-{k}" for k in which]
+                for k in range(n)}
     store_root = work / "store"
     if not (store_root / "manifest.json").exists():
         store = Store(store_root, create=True)
         store.add_base("bench", model_dir)
         for name, path in adapters.items():
             variant_kind("lora").add(store, name, "bench", path)
+    return store_root, adapters
+
+
+def bench_end_to_end(model_dir: Path, work: Path, device: torch.device, workload: Workload, ranks: tuple[int, ...],
+                     peft_batches: int | None, rounds: int = 1) -> dict:
+    """Every system in turn, `rounds` times; tokens/s medians (each round's figures in the report)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+    prompts = prompts_for(workload, tokenizer, plain.config.vocab_size)
+    store_root, adapters = adapter_store(model_dir, work, workload.adapters, ranks)
+    names = [f"tenant-{k}" for k in assignment(workload)]
     new = workload.new_tokens
     wide = 2 * workload.static_batch  # the engine takes every request at once: a batch twice the static one
     used = sorted(set(names))
