@@ -34,6 +34,29 @@ def _merge(dists: list[dict]) -> dict:
     return out
 
 
+def _by_base(name: str, doc: str, snapshots: list[dict], key: str) -> GaugeMetricFamily:
+    """A gauge of each base's figure snapshot[key][base], summed over the replicas."""
+    gauge = GaugeMetricFamily(name, doc, labels=["base"])
+    for base in sorted({b for s in snapshots for b in s.get(key, {})}):
+        gauge.add_metric([base], sum(s.get(key, {}).get(base, 0) for s in snapshots))
+    return gauge
+
+
+def _steps(snapshots: list[dict]) -> CounterMetricFamily:
+    steps = CounterMetricFamily("manyfold_generation_steps", "Generation steps by how they ran: graphed (a CUDA graph "
+                                "replayed) or eager, with the reason (cpu, graphs off, prefill, neuzip, or the family "
+                                "of rows that cannot be captured: weights, emr)", labels=["base", "mode", "reason"])
+    counts: dict[tuple[str, str, str], int] = {}
+    for s in snapshots:
+        for base, by in s.get("steps", {}).items():
+            for how, n in by.items():
+                mode, _, reason = how.partition(":")
+                counts[(base, mode, reason)] = counts.get((base, mode, reason), 0) + n
+    for labels, n in sorted(counts.items()):
+        steps.add_metric(list(labels), n)
+    return steps
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -88,30 +111,12 @@ class Metrics:
         families.append(seconds)
         families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",
                                           value=sum(s["queue_depth"] for s in snapshots)))
-        weights = GaugeMetricFamily("manyfold_base_weight_bytes", "Resident bytes of each base's weights (a NeuZip "
-                                    "base: its coded streams, the weights kept decoded, its decode buffers)",
-                                    labels=["base"])
-        for name in sorted({b for s in snapshots for b in s.get("base_bytes", {})}):
-            weights.add_metric([name], sum(s.get("base_bytes", {}).get(name, 0) for s in snapshots))
-        families.append(weights)
-        kv = GaugeMetricFamily("manyfold_kv_store_bytes", "Bytes of each causal base's KV store, allocated once",
-                               labels=["base"])
-        for name in sorted({b for s in snapshots for b in s.get("kv_bytes", {})}):
-            kv.add_metric([name], sum(s.get("kv_bytes", {}).get(name, 0) for s in snapshots))
-        families.append(kv)
-        steps = CounterMetricFamily("manyfold_generation_steps", "Generation steps by how they ran: graphed (a CUDA "
-                                    "graph replayed) or eager, with the reason (cpu, graphs off, prefill, neuzip, or "
-                                    "the family of rows that cannot be captured: weights, emr)",
-                                    labels=["base", "mode", "reason"])
-        counts: dict[tuple[str, str, str], int] = {}
-        for s in snapshots:
-            for base, by in s.get("steps", {}).items():
-                for how, n in by.items():
-                    mode, _, reason = how.partition(":")
-                    counts[(base, mode, reason)] = counts.get((base, mode, reason), 0) + n
-        for labels, n in sorted(counts.items()):
-            steps.add_metric(list(labels), n)
-        families.append(steps)
+        families.append(_by_base("manyfold_base_weight_bytes", "Resident bytes of each base's weights (a NeuZip base: "
+                                 "its coded streams, the weights kept decoded, its decode buffers)", snapshots,
+                                 "base_bytes"))
+        families.append(_by_base("manyfold_kv_store_bytes", "Bytes of each causal base's KV store, allocated once",
+                                 snapshots, "kv_bytes"))
+        families.append(_steps(snapshots))
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]
         if plans:  # neuzip_decoded_mib: auto
             plan = GaugeMetricFamily("manyfold_memory_plan_bytes", "The replicas' memory plan: target, resident with "
