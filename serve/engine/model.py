@@ -95,15 +95,18 @@ class BaseModelRuntime:
         """A causal LM's KV store (serve/engine/kv_store.py), allocated once here."""
         self.graphs: StepGraphs | None = None
         if self.causal:
-            self.model.set_attn_implementation(ATTENTION)
-            dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
-            self.kv = KVStore(config, kv_slots(batch, config, self.max_length, dtype), self.max_length, dtype,
-                              self.device)
-            if self.device.type == "cuda" and engine.cuda_graphs == "auto":
-                self.graphs = StepGraphs(self)
-                self.graphs.warm_up()
+            self._ready_to_generate(config, batch, engine)
         eos = self.model.generation_config.eos_token_id if self.causal else None
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    def _ready_to_generate(self, config, batch: BatchConfig, engine: EngineConfig) -> None:
+        """The attention that reads the KV store, the store itself, and on CUDA the base rows' step graphs."""
+        self.model.set_attn_implementation(ATTENTION)
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        self.kv = KVStore(config, kv_slots(batch, config, self.max_length, dtype), self.max_length, dtype, self.device)
+        if self.device.type == "cuda" and engine.cuda_graphs == "auto":
+            self.graphs = StepGraphs(self)
+            self.graphs.warm_up()
 
     @property
     def nbytes(self) -> int:
