@@ -14,13 +14,15 @@ from kernels.lora_bgmv import (bgmv_expand_torch, bgmv_expand_triton, bgmv_shrin
 from kernels.lora_expand import lora_expand_torch, lora_expand_triton
 from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton
+from kernels.rotary import rotary_store_torch, rotary_store_triton
+from kernels.silu_mul import silu_mul_torch, silu_mul_triton
 from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
                                    neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
 from kernels.segments import NO_SLOT, Segments, make_segments
 
 __all__ = ["NO_SLOT", "DecodeGroup", "Segments", "bgmv_expand", "bgmv_shrink", "decode_attention", "emr_delta",
            "lora_by_token", "lora_expand", "lora_shrink", "make_segments", "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits", "rms_norm",
-           "unpack_bits"]
+           "rotary_store", "silu_mul", "unpack_bits"]
 
 
 def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor,
@@ -35,13 +37,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return dispatch(rms_norm_torch, rms_norm_triton, x)(x, weight, eps)
 
 
+def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_store: torch.Tensor, v_store: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+                 ) -> torch.Tensor:
+    """q and k rotated as transformers' apply_rotary_pos_emb rotates them, q in place, k and v written into the KV
+    store at (slots[t], positions[t]); one launch on CUDA. Returns q."""
+    return dispatch(rotary_store_torch, rotary_store_triton, q)(q, k, v, cos, sin, k_store, v_store, slots,
+                                                                positions)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u as a gated MLP computes it eagerly, one launch on CUDA; a new tensor."""
+    return dispatch(silu_mul_torch, silu_mul_triton, g)(g, u)
+
+
 def bgmv_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """z[t] = scale[r] * x[t] @ a_stacked[r].T for r = rows[t] >= 0, else 0; z is a new [T, R] fp32 tensor."""
+    """z[t] = x[t] @ a_stacked[r].T * scale[r] (by blocks of columns for a [N, G] scale) for r = rows[t] >= 0, else
+    0; z is a new [S, T, R] fp32 tensor of S partial sums, which bgmv_expand adds up."""
     return dispatch(bgmv_shrink_torch, bgmv_shrink_triton, x)(x, a_stacked, scale, rows)
 
 
 def bgmv_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y[t] += z[t] @ b_stacked[r].T for r = rows[t] >= 0, in place. Returns y."""
+    """y[t] += z.sum(0)[t] @ b_stacked[r].T for r = rows[t] >= 0, in place. Returns y."""
     return dispatch(bgmv_expand_torch, bgmv_expand_triton, y)(z, b_stacked, rows, y)
 
 

@@ -4,13 +4,21 @@ mix of adapters and a CUDA graph replays them; on a CPU one compiled loop does a
 token (lora_by_token_numba), where the torch twins pay a dozen small operations a call.
 
 Semantics:
-    bgmv_shrink: z[t] = scale[r] * x[t] @ a_stacked[r].T         for r = rows[t] >= 0, else z[t] = 0
+    bgmv_shrink: z[t] = x[t] @ a_stacked[r].T * scale[r]         for r = rows[t] >= 0, else z[t] = 0
     bgmv_expand: y[t] = cast(y[t] + z[t] @ b_stacked[r].T)       for r = rows[t] >= 0, else y[t] untouched
     lora_by_token: bgmv_shrink then bgmv_expand
 
-Shapes: x [T, in]; a_stacked [N, R, in], x's dtype; scale [N] fp32; rows [T] int (a row of the stacks, or -1);
-z [T, R] fp32 (new, from bgmv_shrink); b_stacked [N, out, R], y's dtype (contiguous, or the transpose of a
-contiguous [N, R, out]); y [T, out], contiguous, added into in place.
+Several Linear layers that read one input (a layer's q, k and v) shrink in one launch (Punica's packed slices):
+their A stacks lie in one [N, G * R, in] tensor and scale is [N, G], block g of R columns scaled by scale[:, g];
+each layer's expand then reads its own block of z, z[..., g * R:(g + 1) * R].
+
+z is [S, T, R] fp32: S partial sums over parts of `in` (a decode step has few tokens and `in` is long, so the
+Triton shrink splits it; the twin's S is 1), which bgmv_expand adds up. No atomics and no zeroed buffer: the same
+bits every run.
+
+Shapes: x [T, in]; a_stacked [N, R, in] in x's dtype, last dim contiguous; scale [N] or [N, G] fp32 (G divides
+R); rows [T] int (a row of the stacks, or -1); b_stacked [N, out, R] in y's dtype (contiguous, or the transpose of
+a contiguous [N, R, out]); y [T, out], contiguous, added into in place.
 """
 
 import numpy as np
@@ -21,26 +29,30 @@ from kernels._backend import tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TARGET_PROGRAMS = 512
+SHRINK_BLOCK_K = 128
+EXPAND_BLOCK_N = 128
 
 
 def bgmv_shrink_torch(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor
                       ) -> torch.Tensor:
-    """The twin: each token's A gathered, one batched matrix-vector product."""
+    """The twin: each token's A gathered, one batched matrix-vector product; -> [1, T, R]."""
     _check_shrink(x, a_stacked, scale, rows)
     live = rows >= 0  # [T]
     at = rows.clamp(min=0)
     a = a_stacked.index_select(0, at).float()  # [T, R, in]
     z = torch.bmm(a, x.float()[:, :, None])[:, :, 0]  # [T, R]
-    return z.mul_((scale.index_select(0, at) * live)[:, None])
+    s = scale.index_select(0, at).reshape(len(at), -1) * live[:, None]  # [T, G]
+    return z.mul_(s.repeat_interleave(z.shape[1] // s.shape[1], dim=1))[None]
 
 
 def bgmv_expand_torch(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor
                       ) -> torch.Tensor:
-    """The twin: each token's B gathered, one batched matrix-vector product added where rows[t] >= 0."""
+    """The twin: the partial sums added up, each token's B gathered, one batched matrix-vector product added where
+    rows[t] >= 0."""
     _check_expand(z, b_stacked, rows, y)
     live = rows >= 0
     b = b_stacked.index_select(0, rows.clamp(min=0)).float()  # [T, out, R]
-    delta = torch.bmm(b, z[:, :, None])[:, :, 0]  # [T, out]
+    delta = torch.bmm(b, z.sum(0)[:, :, None])[:, :, 0]  # [T, out]
     y[live] = (y[live].float() + delta[live]).to(y.dtype)
     return y
 
@@ -48,14 +60,14 @@ def bgmv_expand_torch(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tens
 @triton.jit
 def _bgmv_shrink_kernel(
     x_ptr, a_ptr, scale_ptr, rows_ptr, z_ptr,
-    K, R, K_PER,
-    stride_xt, stride_as, stride_ar, stride_zt,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    K, R, R_BLOCK, K_PER,
+    stride_xt, stride_as, stride_ar, stride_sn, stride_sg, stride_zs, stride_zt,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One program: one token's R outputs over one K_PER-long part of `in` (SPLIT_K parts, summed into z, which
-    starts at zero, when there are several: a decode step has few tokens and `in` is long)."""
+    """One program: one token's R outputs over one K_PER-long part of `in`, written as that part's partial sum."""
     t = tl.program_id(0)
-    k_start = tl.program_id(1) * K_PER
+    part = tl.program_id(1)
+    k_start = part * K_PER
     r = tl.load(rows_ptr + t)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
@@ -68,19 +80,16 @@ def _bgmv_shrink_kernel(
             a = tl.load(a_ptr + r * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
                         mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
             acc += tl.sum(a * x[None, :], 1)
-        acc = acc * tl.load(scale_ptr + r)
-    if SPLIT_K == 1:
-        tl.store(z_ptr + t * stride_zt + offs_r, acc, mask=mask_r)
-    else:
-        tl.atomic_add(z_ptr + t * stride_zt + offs_r, acc, mask=mask_r)
+        acc = acc * tl.load(scale_ptr + r * stride_sn + (offs_r // R_BLOCK) * stride_sg, mask=mask_r, other=0.0)
+    tl.store(z_ptr + part * stride_zs + t * stride_zt + offs_r, acc, mask=mask_r)
 
 
 @triton.jit
 def _bgmv_expand_kernel(
     z_ptr, b_ptr, rows_ptr, y_ptr,
     N, R,
-    stride_zt, stride_bs, stride_bn, stride_bk, stride_yt,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    stride_zs, stride_zt, stride_bs, stride_bn, stride_bk, stride_yt,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One program: BLOCK_N outputs of one token."""
     t = tl.program_id(0)
@@ -90,7 +99,9 @@ def _bgmv_expand_kernel(
         offs_r = tl.arange(0, BLOCK_R)
         mask_n = offs_n < N
         mask_r = offs_r < R
-        z = tl.load(z_ptr + t * stride_zt + offs_r, mask=mask_r, other=0.0)  # [BLOCK_R] fp32
+        z = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for part in tl.static_range(SPLIT):
+            z += tl.load(z_ptr + part * stride_zs + t * stride_zt + offs_r, mask=mask_r, other=0.0)
         b = tl.load(b_ptr + r * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_bk,
                     mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
         y_ptrs = y_ptr + t * stride_yt + offs_n
@@ -103,18 +114,20 @@ def bgmv_shrink_triton(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Te
     _check_shrink(x, a_stacked, scale, rows)
     tokens, in_features = x.shape
     rank = a_stacked.shape[1]
-    block_k = 128
+    block_k = SHRINK_BLOCK_K
     # A few tokens make few programs: split `in` until about TARGET_PROGRAMS run (a fixed split per token count,
     # so a step's launches stay those of its bucket).
     split = max(1, min(triton.cdiv(in_features, block_k), TARGET_PROGRAMS // max(tokens, 1)))
     per = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
     split = triton.cdiv(in_features, per)
-    z = (torch.zeros if split > 1 else torch.empty)((tokens, rank), dtype=torch.float32, device=x.device)
+    z = torch.empty((split, tokens, rank), dtype=torch.float32, device=x.device)
+    scale2 = scale.reshape(scale.shape[0], -1)
     if tokens:
         _bgmv_shrink_kernel[(tokens, split)](
-            x, a_stacked, scale, rows, z, in_features, rank, per,
-            x.stride(0), a_stacked.stride(0), a_stacked.stride(1), z.stride(0),
-            BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k, SPLIT_K=split,
+            x, a_stacked, scale2, rows, z, in_features, rank, rank // scale2.shape[1], per,
+            x.stride(0), a_stacked.stride(0), a_stacked.stride(1), scale2.stride(0), scale2.stride(1),
+            z.stride(0), z.stride(1),
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k,
         )
     return z
 
@@ -123,12 +136,12 @@ def bgmv_expand_triton(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Ten
                        ) -> torch.Tensor:
     _check_expand(z, b_stacked, rows, y)
     tokens, out = y.shape
-    block_n = 128
+    block_n = EXPAND_BLOCK_N
     if tokens:
         _bgmv_expand_kernel[(tokens, triton.cdiv(out, block_n))](
-            z, b_stacked, rows, y, out, z.shape[1],
-            z.stride(0), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), y.stride(0),
-            BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(z.shape[1])),
+            z, b_stacked, rows, y, out, z.shape[2],
+            z.stride(0), z.stride(1), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), y.stride(0),
+            SPLIT=z.shape[0], BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(z.shape[2])),
         )
     return y
 
@@ -144,21 +157,27 @@ def _check_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor,
     if x.dim() != 2 or x.dtype not in DTYPES or x.stride(-1) != 1:
         raise ValueError(f"x: expected a [T, in] fp32, fp16 or bf16 tensor, last dim contiguous; "
                          f"got {list(x.shape)} {x.dtype}")
-    if a_stacked.dim() != 3 or a_stacked.shape[2] != x.shape[1] or not a_stacked.is_contiguous():
-        raise ValueError(f"a_stacked: expected a contiguous [N, R, {x.shape[1]}] tensor; got {list(a_stacked.shape)}")
+    if a_stacked.dim() != 3 or a_stacked.shape[2] != x.shape[1] or a_stacked.stride(-1) != 1:
+        raise ValueError(f"a_stacked: expected an [N, R, {x.shape[1]}] tensor, last dim contiguous; got "
+                         f"{list(a_stacked.shape)}")
     if a_stacked.dtype != x.dtype or a_stacked.device != x.device:
         raise ValueError(f"a_stacked: expected {x.dtype} on {x.device} (x's); got {a_stacked.dtype} on "
                          f"{a_stacked.device}")
-    if scale.shape != (a_stacked.shape[0],) or scale.dtype != torch.float32 or scale.device != x.device:
-        raise ValueError(f"scale: expected [{a_stacked.shape[0]}] float32 on {x.device}; got {list(scale.shape)} "
-                         f"{scale.dtype}")
+    n, rank = a_stacked.shape[:2]
+    blocks = scale.shape[1] if scale.dim() == 2 else 1
+    if scale.shape[:1] != (n,) or scale.dim() > 2 or rank % blocks or scale.dtype != torch.float32 \
+            or scale.device != x.device:
+        raise ValueError(f"scale: expected [{n}] or [{n}, G] (G dividing {rank}) float32 on {x.device}; got "
+                         f"{list(scale.shape)} {scale.dtype}")
     _check_rows(rows, x.shape[0], x.device)
 
 
 def _check_expand(z: torch.Tensor, b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> None:
-    if z.dim() != 2 or z.shape[0] != y.shape[0] or z.dtype != torch.float32 or z.device != y.device:
-        raise ValueError(f"z: expected [{y.shape[0]}, R] float32 on {y.device}; got {list(z.shape)} {z.dtype}")
-    _check_out(b_stacked, rows, y, z.shape[1])
+    if z.dim() != 3 or z.shape[1] != y.shape[0] or z.dtype != torch.float32 or z.device != y.device \
+            or z.stride(-1) != 1:
+        raise ValueError(f"z: expected [S, {y.shape[0]}, R] float32 on {y.device}, last dim contiguous; got "
+                         f"{list(z.shape)} {z.dtype}")
+    _check_out(b_stacked, rows, y, z.shape[2])
 
 
 def _check_out(b_stacked: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, rank: int) -> None:
@@ -214,6 +233,8 @@ def lora_by_token_numba(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: tor
     _check_out(b_stacked, rows, y, a_stacked.shape[1])
     if x.dtype != torch.float32 or x.is_cuda:
         raise ValueError(f"x: the numba form takes fp32 CPU tensors; got {x.dtype} on {x.device}")
+    if scale.dim() != 1:
+        raise ValueError(f"scale: the numba form takes one scale a row, [N]; got {list(scale.shape)}")
     bt = b_stacked.transpose(1, 2)  # [N, R, out]
     if not bt.is_contiguous():
         bt = bt.contiguous()

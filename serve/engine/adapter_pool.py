@@ -4,7 +4,9 @@ a count of slots (S-LoRA's unified memory pool).
 Each adapter sits in a rank bucket: the adapters whose rank rounds up to the same power of two R (8 at least)
 and that target the same modules share one stack per module, A [rows, R, in], B^T [rows, R, out] and
 scale [rows], a row per adapter. A forward runs the LoRA ops once per bucket its rows use, over
-that bucket's own stack, so rank-8 adapters beside a rank-64 one are multiplied, and held, at rank 8.
+that bucket's own stack, so rank-8 adapters beside a rank-64 one are multiplied, and held, at rank 8. On CUDA the
+A stacks of layers that read one input (a layer's q, k and v; gate and up: SIBLINGS) lie in one tensor, so their
+shrink is one launch for all of them (Punica's packed slices) and each layer's expand reads its own block.
 
 The pool's bytes are its stacks' bytes, at most slots.adapter_mib. An adapter that does not fit evicts idle
 ones, least recently used first, and the buckets are compacted so their memory goes back; when the adapters of
@@ -15,7 +17,7 @@ Attached, detached and read on the engine's compute thread only.
 
 import torch
 
-from kernels import NO_SLOT, lora_by_token, lora_expand, lora_shrink
+from kernels import NO_SLOT, bgmv_expand, bgmv_shrink, lora_by_token, lora_expand, lora_shrink
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import TableSlots, register_family
@@ -28,6 +30,28 @@ MIB = 1 << 20
 
 BucketKey = tuple[int, tuple[str, ...]]
 """(R, the modules its adapters target)."""
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Layers of one parent that read the same input, by their names in transformers' models (vLLM's
+packed_modules_mapping)."""
+
+
+def same_input(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two views of one tensor's same elements, unchanged between them."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a._version == b._version)
+
+
+def packed_groups(modules: tuple[str, ...], base: BaseView) -> list[tuple[str, ...]]:
+    """The modules as groups whose A stacks share one tensor: siblings of one parent with one input width
+    together, in SIBLINGS' order; every other module alone."""
+    groups: dict[tuple, list[str]] = {}
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        family = next((i for i, names in enumerate(SIBLINGS) if leaf in names), None)
+        key = (m,) if family is None else (parent, family, matmul_dims(base.modules[m])[0])
+        groups.setdefault(key, []).append(m)
+    order = {leaf: i for names in SIBLINGS for i, leaf in enumerate(names)}
+    return [tuple(sorted(g, key=lambda m: order.get(m.rpartition(".")[2], 0))) for g in groups.values()]
 
 
 def rank_bucket(rank: int) -> int:
@@ -39,17 +63,25 @@ class Bucket:
     """The adapters of one BucketKey: a stack per module, a row per adapter; rows are reused, and the stacks
     grow (at most doubling) and shrink (compact) as the pool asks."""
 
-    def __init__(self, key: BucketKey, base: BaseView, device: torch.device):
+    def __init__(self, key: BucketKey, base: BaseView, device: torch.device, packed: bool):
+        """packed: siblings' A stacks share one tensor (packed_groups); else every module has its own."""
         self.rank, self.modules = key
         self.modules_of = {m: base.modules[m] for m in self.modules}
         self.device = device
+        self.groups = packed_groups(self.modules, base) if packed else [(m,) for m in self.modules]
+        self.group_of = {m: (g, i) for g in self.groups for i, m in enumerate(g)}
+        """module -> (its group, its place there)."""
+        self.a_group: dict[tuple[str, ...], torch.Tensor] = {}
+        """group -> [rows, len(group) * R, in]: its modules' A stacks, one block of R each."""
+        self.scale_group: dict[tuple[str, ...], torch.Tensor] = {}
+        """group -> [rows, len(group)] fp32: each module's scale, a column each."""
         self.a: dict[str, torch.Tensor] = {}
-        """module -> [rows, R, in]: each row's A, zero beyond its own rank."""
+        """module -> [rows, R, in] (a view of its group's): each row's A, zero beyond its own rank."""
         self.bt: dict[str, torch.Tensor] = {}
         """module -> [rows, R, out]: B transposed, read as lora_expand's [rows, out, R] through a view (the CPU
         twin's batched matmul runs twice as fast on this layout)."""
         self.scale: dict[str, torch.Tensor] = {}
-        """module -> [rows] fp32."""
+        """module -> [rows] fp32 (a column of its group's)."""
         self.owners: list[int | None] = []
         """row -> the pool slot whose adapter it holds (None: free)."""
         self.row_bytes = bucket_row_bytes(key, base)
@@ -83,16 +115,27 @@ class Bucket:
         left unwritten: no segment reads them, and `put` writes every element of a row it takes."""
         prefix = keep == list(range(len(keep)))  # growing: the old rows stay where they are
         idx = None if prefix else torch.tensor(keep, dtype=torch.long, device=self.device)
+
+        def resized(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+            if keep:
+                new[: len(keep)] = old[: len(keep)] if prefix else old.index_select(0, idx)
+            return new
+
+        for g in self.groups:
+            in_f = matmul_dims(self.modules_of[g[0]])[0]
+            dtype = self.modules_of[g[0]].weight.dtype
+            a = resized(self.a_group.get(g), torch.empty((rows, len(g) * self.rank, in_f), dtype=dtype,
+                                                         device=self.device))
+            scale = resized(self.scale_group.get(g), torch.zeros((rows, len(g)), dtype=torch.float32,
+                                                                 device=self.device))
+            self.a_group[g], self.scale_group[g] = a, scale
+            for i, m in enumerate(g):
+                self.a[m] = a[:, i * self.rank:(i + 1) * self.rank]
+                self.scale[m] = scale[:, i]
         for m, module in self.modules_of.items():
-            in_f, out_f = matmul_dims(module)
-            dtype = module.weight.dtype
-            a = torch.empty((rows, self.rank, in_f), dtype=dtype, device=self.device)
-            bt = torch.empty((rows, self.rank, out_f), dtype=dtype, device=self.device)
-            scale = torch.zeros(rows, dtype=torch.float32, device=self.device)
-            for new, old in ((a, self.a), (bt, self.bt), (scale, self.scale)):
-                if keep:
-                    new[: len(keep)] = old[m][: len(keep)] if prefix else old[m].index_select(0, idx)
-            self.a[m], self.bt[m], self.scale[m] = a, bt, scale
+            out_f = matmul_dims(module)[1]
+            self.bt[m] = resized(self.bt.get(m), torch.empty((rows, self.rank, out_f), dtype=module.weight.dtype,
+                                                             device=self.device))
         self.owners = [self.owners[r] for r in keep] + [None] * (rows - len(keep))
 
     def put(self, row: int, slot: int, variant: LoadedVariant) -> None:
@@ -152,6 +195,11 @@ class AdapterPool(TableSlots):
         `_maps_of`; prepared ones are views of `_buffers`."""
         self._maps_of: BatchPlan | None = None
         self._buffers: dict[tuple[BucketKey, str], torch.Tensor] = {}
+        self.packed = device.type == "cuda"
+        """Buckets made from now on pack siblings' A stacks (Bucket): on CUDA, where a launch costs more than the
+        shrink's bytes; a CPU's compiled loop does a module whole."""
+        self._shrunk: tuple | None = None
+        """The last packed shrink, (plan, bucket, group, x, z): the group's other modules reuse its z."""
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +261,7 @@ class AdapterPool(TableSlots):
         key = bucket_key(variant)
         bucket = self.buckets.get(key)
         if bucket is None:
-            bucket = self.buckets[key] = Bucket(key, self.base, self.device)
+            bucket = self.buckets[key] = Bucket(key, self.base, self.device, self.packed)
             self.version += 1
         row = bucket.free_row()
         if row is None:
@@ -291,7 +339,12 @@ class AdapterPool(TableSlots):
             if name not in key[1]:
                 continue
             bucket = self.buckets[key]
-            if by_token:
+            group, i = bucket.group_of[name]
+            if by_token and len(group) > 1:  # the group's shrink, once for all of it; this module's block of z
+                rows = self._rows(plan, key, x.shape[0])
+                z = self._group_shrink(bucket, group, x, rows, plan)
+                bgmv_expand(z[..., i * bucket.rank:(i + 1) * bucket.rank], bucket.bt[name].transpose(1, 2), rows, y)
+            elif by_token:
                 lora_by_token(x, bucket.a[name], bucket.bt[name].transpose(1, 2), bucket.scale[name],
                               self._rows(plan, key, x.shape[0]), y)
             else:  # half precision on a CPU (no compiled form): tokens grouped by row, batched matmuls
@@ -299,6 +352,17 @@ class AdapterPool(TableSlots):
                 lora_expand(lora_shrink(x, bucket.a[name], bucket.scale[name], seg), bucket.bt[name].transpose(1, 2),
                             seg, y)
         return y
+
+    def _group_shrink(self, bucket: Bucket, group: tuple[str, ...], x: torch.Tensor, rows: torch.Tensor,
+                      plan: BatchPlan) -> torch.Tensor:
+        """z of every module of the group for input x: the group's first module to see x shrinks for all; its
+        siblings, called with the same x in the same forward, read that z."""
+        last = self._shrunk
+        if last is not None and last[0] is plan and last[1] is bucket and last[2] == group and same_input(last[3], x):
+            return last[4]
+        z = bgmv_shrink(x, bucket.a_group[group], bucket.scale_group[group], rows)
+        self._shrunk = (plan, bucket, group, x, z)  # x held: no other tensor can take its memory meanwhile
+        return z
 
     def _row_in(self, slot: int, key: BucketKey) -> int:
         place = self.place.get(slot)

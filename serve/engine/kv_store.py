@@ -158,18 +158,24 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     if kv_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    heads, dim = query.shape[1], query.shape[3]
-    scale = scaling if scaling is not None else dim ** -0.5
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    rows = kv_layout.decode_rows
-    decoded = decode_attention(q[:rows], key, value, kv_layout.lengths, scale, kv_layout.max_length)  # [B, H, D]
-    if not kv_layout.chunks:
-        return decoded[None], None
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    return attend(query[0].transpose(0, 1), key, value, kv_layout, scale)[None], None
+
+
+def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: StepLayout, scale: float
+           ) -> torch.Tensor:
+    """q [T, H, D], the step's queries as `layout` lays them out; key, value: one layer's whole store. -> [T, H, D]:
+    decode rows through kernels.decode_attention, then each prefill chunk as SDPA over its own slot."""
+    tokens, heads, dim = q.shape
+    rows = layout.decode_rows
+    decoded = decode_attention(q[:rows], key, value, layout.lengths, scale, layout.max_length)  # [B, H, D]
+    if not layout.chunks:
+        return decoded
     out = torch.empty_like(q)
     out[:rows] = decoded
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    for c in kv_layout.chunks:
+    for c in layout.chunks:
         end = c.first + c.length
         # the chunk's queries as [KVH, group * length, D]: each group of query heads reads one key/value head
         qc = q[c.start:c.start + c.length].transpose(0, 1).reshape(kv_heads, group * c.length, dim)
@@ -178,7 +184,7 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         o = torch.nn.functional.scaled_dot_product_attention(
             qc, key[c.slot, :, :end], value[c.slot, :, :end], attn_mask=causal.repeat(group, 1), scale=scale)
         out[c.start:c.start + c.length] = o.view(heads, c.length, dim).transpose(0, 1)
-    return out[None], None
+    return out
 
 
 AttentionInterface.register(ATTENTION, slot_attention)

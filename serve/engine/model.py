@@ -19,6 +19,7 @@ import serve.engine.adapter_pool  # noqa: F401  (registers the "lora" family)
 import serve.engine.emr_slots  # noqa: F401  (registers the "emr" family)
 from serve.engine import faults
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
+from serve.engine.fused import fuse_layers
 from serve.engine.graphs import StepGraphs
 from serve.engine.kv_store import ATTENTION, KVStore, slot_bytes
 from serve.engine.layers import Corrections, wrap_modules, leaf_modules
@@ -100,8 +101,10 @@ class BaseModelRuntime:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     def _ready_to_generate(self, config, batch: BatchConfig, engine: EngineConfig) -> None:
-        """The attention that reads the KV store, the store itself, and on CUDA the base rows' step graphs."""
+        """The attention that reads the KV store, the store itself, layers fused where they can be
+        (serve/engine/fused.py), and on CUDA the base rows' step graphs."""
         self.model.set_attn_implementation(ATTENTION)
+        fuse_layers(self.model)
         dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
         self.kv = KVStore(config, kv_slots(batch, config, self.max_length, dtype), self.max_length, dtype, self.device)
         if self.device.type == "cuda" and engine.cuda_graphs == "auto":

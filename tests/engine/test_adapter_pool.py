@@ -74,6 +74,33 @@ def test_64_distinct_adapters_run_in_one_forward_each_row_as_its_adapter_alone(r
     assert pool.in_use == 0
 
 
+def test_packed_siblings_shrink_once_a_layer_and_each_row_is_its_adapter_alone(rt, plain, monkeypatch):
+    """As on CUDA: q, k and v (and gate and up) of a layer share one A tensor and one shrink; each row still gets
+    its own adapter, through the stacks' growth."""
+    every = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+             "mlp.down_proj")
+    adapters = [adapter(rt, f"p{i}", rank=(8, 4)[i % 2], seed=400 + i, targets=every) for i in range(6)]
+    pool = pool_of(rt, mib=64)
+    pool.packed = True
+    slots = [rt.attach(v) for v in adapters]
+    (bucket,) = pool.buckets.values()
+    layers = rt.model.config.num_hidden_layers
+    assert sorted(map(len, bucket.groups)) == [1] * layers + [2] * layers + [3] * layers
+    shrinks, alone = [], []
+    monkeypatch.setattr(pool_module, "bgmv_shrink",
+                        lambda *a, real=pool_module.bgmv_shrink: shrinks.append(1) or real(*a))
+    monkeypatch.setattr(pool_module, "lora_by_token",
+                        lambda *a, real=pool_module.lora_by_token: alone.append(1) or real(*a))
+    ids = torch.randint(3, 40, (len(adapters), 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = rt.call(BatchPlan(slots, rt.device), input_ids=ids).logits
+    assert (len(shrinks), len(alone)) == (2 * layers, layers)  # a shrink per group; down_proj alone
+    for i, v in enumerate(adapters):
+        torch.testing.assert_close(out[i], merged_logits(plain, v, ids[i:i + 1])[0], rtol=1e-3, atol=1e-3)
+    for s in slots:
+        rt.detach(s)
+
+
 def test_rank_8_rows_beside_a_rank_64_one_are_multiplied_at_rank_8(rt, monkeypatch):
     """The ops' shapes: each stack the ops read has its bucket's rank, and the rank-64 stack sees only the
     rank-64 row's tokens."""

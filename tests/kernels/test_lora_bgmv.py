@@ -20,13 +20,15 @@ def make_inputs(dtype, device, gen, in_f=45, out=37, rank=5, n=3):
 def test_the_twins_equal_a_loop_over_tokens(gen):
     x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen)
     z = bgmv_shrink_torch(x, a, scale, rows)
+    assert z.shape == (1, len(ROWS), a.shape[1])
+    z = z[0]
     want_y = y.clone()
     for t, r in enumerate(ROWS):
         want_z = scale[r] * x[t] @ a[r].T if r >= 0 else torch.zeros(a.shape[1])
         torch.testing.assert_close(z[t], want_z)
         if r >= 0:
             want_y[t] += z[t] @ b[r].T
-    torch.testing.assert_close(bgmv_expand_torch(z, b, rows, y.clone()), want_y)
+    torch.testing.assert_close(bgmv_expand_torch(z[None], b, rows, y.clone()), want_y)
 
 
 @pytest.mark.parametrize("in_f", [45, 300])  # 300: `in` split over several programs per token, summed
@@ -34,8 +36,9 @@ def test_the_twins_equal_a_loop_over_tokens(gen):
 def test_the_triton_forms_equal_their_twins(dtype, in_f, triton_device, gen, tolerances):
     x, a, scale, b, y, rows = make_inputs(dtype, triton_device, gen, in_f=in_f)
     z = bgmv_shrink_triton(x, a, scale, rows)
-    torch.testing.assert_close(z, bgmv_shrink_torch(x, a, scale, rows), **tolerances[torch.float32 if dtype ==
-                                                                                    torch.float32 else dtype])
+    assert z.shape[0] == (1 if in_f == 45 else 3)  # partial sums: one per part of `in`
+    torch.testing.assert_close(z.sum(0), bgmv_shrink_torch(x, a, scale, rows)[0], **tolerances[torch.float32 if dtype ==
+                                                                                                 torch.float32 else dtype])
     bt = b.transpose(1, 2).contiguous().transpose(1, 2)  # the adapter pool's layout: B^T contiguous
     got = bgmv_expand_triton(z, bt, rows, y.clone())
     want = bgmv_expand_torch(z, b, rows, y.clone())
@@ -54,3 +57,32 @@ def test_the_numba_form_equals_the_twins(in_f, gen):
     torch.testing.assert_close(got, lora_by_token_torch(x, a, b, scale, rows, y.clone()), rtol=1e-5, atol=1e-5)
     untouched = rows < 0
     assert torch.equal(got[untouched], y[untouched])
+
+
+@pytest.mark.parametrize("form", ["torch", "triton"])
+def test_packed_layers_shrink_in_one_launch_as_each_alone(form, triton_device, gen):
+    """Three layers' A stacks in one [N, 3R, in] tensor, a scale each: one shrink, then each layer's expand over its
+    own block of z, gives what each layer's own shrink and expand give."""
+    shrink, expand = {"torch": (bgmv_shrink_torch, bgmv_expand_torch),
+                      "triton": (bgmv_shrink_triton, bgmv_expand_triton)}[form]
+    n, rank, in_f, outs = 3, 4, 300, (37, 9, 9)
+    x = torch.randn(len(ROWS), in_f, generator=gen).to(triton_device)
+    packed = torch.randn(n, 3 * rank, in_f, generator=gen).to(triton_device)
+    scale = (torch.rand(n, 3, generator=gen) + 0.5).to(triton_device)
+    rows = torch.tensor(ROWS, device=triton_device)
+    z = shrink(x, packed, scale, rows)
+    for g, out in enumerate(outs):
+        b = torch.randn(n, out, rank, generator=gen).to(triton_device)
+        y = torch.randn(len(ROWS), out, generator=gen).to(triton_device)
+        a = packed[:, g * rank:(g + 1) * rank]  # a strided view: the layer's own stack
+        alone = bgmv_expand_torch(bgmv_shrink_torch(x, a.contiguous(), scale[:, g].contiguous(), rows), b, rows,
+                                  y.clone())
+        # sums of 300 products in another order: fp32 rounding of the larger partials
+        torch.testing.assert_close(expand(z[..., g * rank:(g + 1) * rank], b, rows, y.clone()), alone,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_scale_that_does_not_split_the_rank_fails_with_one_clear_line(gen):
+    x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen)  # rank 5
+    with pytest.raises(ValueError, match="scale: expected"):
+        bgmv_shrink_torch(x, a, scale[:, None].expand(-1, 2).contiguous(), rows)
