@@ -21,6 +21,8 @@ R); rows [T] int (a row of the stacks, or -1); b_stacked [N, out, R] in y's dtyp
 a contiguous [N, R, out]); y [T, out], contiguous, added into in place.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from numba import njit
@@ -239,4 +241,44 @@ def lora_by_token_numba(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: tor
     if not bt.is_contiguous():
         bt = bt.contiguous()
     _lora_by_token(x.contiguous().numpy(), a_stacked.numpy(), bt.numpy(), scale.numpy(), rows.numpy(), y.numpy())
+    return y
+
+
+class HostStacks(NamedTuple):
+    """One module's stacks as the numba form reads them, checked and viewed once (host_stacks): CPU serving calls
+    it for every module of every step, where checking and converting the stacks again cost more than the loop."""
+
+    a: np.ndarray
+    """[N, R, in] fp32."""
+    bt: np.ndarray
+    """[N, R, out] fp32, contiguous."""
+    scale: np.ndarray
+    """[N] fp32."""
+
+
+def host_stacks(a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.Tensor) -> HostStacks:
+    """The numba form's view of CPU fp32 stacks (shapes as lora_by_token_numba's), sharing their memory."""
+    if a_stacked.is_cuda or a_stacked.dtype != torch.float32 or scale.dim() != 1:
+        raise ValueError(f"host stacks: expected fp32 CPU stacks and an [N] scale; got {a_stacked.dtype} on "
+                         f"{a_stacked.device}, scale {list(scale.shape)}")
+    _check_shrink(torch.empty(0, a_stacked.shape[2]), a_stacked, scale, torch.empty(0, dtype=torch.int32))
+    _check_out(b_stacked, torch.empty(0, dtype=torch.int32), torch.empty(0, b_stacked.shape[1]), a_stacked.shape[1])
+    bt = b_stacked.transpose(1, 2)
+    if not bt.is_contiguous():
+        raise ValueError("b_stacked: expected the transpose of a contiguous [N, R, out] tensor")
+    return HostStacks(a_stacked.numpy(), bt.numpy(), scale.numpy())
+
+
+def lora_by_token_host(x: torch.Tensor, stacks: HostStacks, rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """lora_by_token_numba over stacks viewed once; only x, rows and y are checked here."""
+    n, rank, in_f = stacks.a.shape
+    tokens = x.shape[0] if x.dim() == 2 else -1
+    if x.dtype != torch.float32 or x.is_cuda or x.shape != (tokens, in_f) or not x.is_contiguous():
+        raise ValueError(f"x: expected a contiguous [T, {in_f}] fp32 CPU tensor; got {list(x.shape)} {x.dtype}")
+    if y.dtype != torch.float32 or y.shape != (tokens, stacks.bt.shape[2]) or not y.is_contiguous():
+        raise ValueError(f"y: expected a contiguous [{tokens}, {stacks.bt.shape[2]}] fp32 tensor; got "
+                         f"{list(y.shape)} {y.dtype}")
+    if rows.shape != (tokens,) or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows: expected [{tokens}] int32 or int64; got {list(rows.shape)} {rows.dtype}")
+    _lora_by_token(x.numpy(), stacks.a, stacks.bt, stacks.scale, rows.numpy(), y.numpy())
     return y

@@ -17,7 +17,8 @@ Attached, detached and read on the engine's compute thread only.
 
 import torch
 
-from kernels import NO_SLOT, bgmv_expand, bgmv_shrink, lora_by_token, lora_expand, lora_shrink
+from kernels import (NO_SLOT, HostStacks, bgmv_expand, bgmv_shrink, host_stacks, lora_by_token, lora_expand,
+                     lora_shrink)
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import TableSlots, register_family
@@ -78,10 +79,15 @@ class Bucket:
         self.a: dict[str, torch.Tensor] = {}
         """module -> [rows, R, in] (a view of its group's): each row's A, zero beyond its own rank."""
         self.bt: dict[str, torch.Tensor] = {}
-        """module -> [rows, R, out]: B transposed, read as lora_expand's [rows, out, R] through a view (the CPU
+        """module -> [rows, R, out]: B transposed, read as the kernels' [rows, out, R] through a view, `b` (the CPU
         twin's batched matmul runs twice as fast on this layout)."""
+        self.b: dict[str, torch.Tensor] = {}
+        """module -> bt[module].transpose(1, 2)."""
         self.scale: dict[str, torch.Tensor] = {}
         """module -> [rows] fp32 (a column of its group's)."""
+        self.host: dict[str, HostStacks] = {}
+        """module -> its stacks as CPU serving's compiled loop reads them (fp32 on a CPU only), viewed once a
+        resize."""
         self.owners: list[int | None] = []
         """row -> the pool slot whose adapter it holds (None: free)."""
         self.row_bytes = bucket_row_bytes(key, base)
@@ -136,6 +142,9 @@ class Bucket:
             out_f = matmul_dims(module)[1]
             self.bt[m] = resized(self.bt.get(m), torch.empty((rows, self.rank, out_f), dtype=module.weight.dtype,
                                                              device=self.device))
+            self.b[m] = self.bt[m].transpose(1, 2)
+            if self.device.type == "cpu" and module.weight.dtype == torch.float32 and len(self.group_of[m][0]) == 1:
+                self.host[m] = host_stacks(self.a[m], self.b[m], self.scale[m])
         self.owners = [self.owners[r] for r in keep] + [None] * (rows - len(keep))
 
     def put(self, row: int, slot: int, variant: LoadedVariant) -> None:
@@ -182,7 +191,9 @@ class AdapterPool(TableSlots):
         self.buckets: dict[BucketKey, Bucket] = {}
         self.place: dict[int, tuple[BucketKey, int]] = {}
         """slot -> (its bucket, its row there)."""
-        self._planned: tuple[BatchPlan | None, list[BucketKey]] = (None, [])
+        self._planned: tuple[BatchPlan | None, list[tuple[BucketKey, Bucket]], frozenset[str]] = \
+            (None, [], frozenset())
+        """The last forward's plan, its buckets, and the modules they target."""
         # Each token reads its own stack row from a per-token map (kernels.lora_by_token: Triton on CUDA, a compiled
         # loop for fp32 on a CPU; half precision on a CPU groups tokens by row instead, kernels.lora_shrink /
         # lora_expand). With fixed_shapes (the runtime's, on CUDA) every bucket's ops run in every forward, the
@@ -190,7 +201,7 @@ class AdapterPool(TableSlots):
         # replays them. Otherwise only the buckets the rows use run.
         self.version = 0
         """Changes whenever a stack or a map buffer is reallocated (a captured graph read the old addresses)."""
-        self._maps: dict[tuple[BucketKey, int], torch.Tensor] = {}
+        self._maps: dict[tuple[Bucket, int], torch.Tensor] = {}
         """(bucket, tokens) -> [tokens] int32 on the device, each token's row (-1: none), for the plan
         `_maps_of`; prepared ones are views of `_buffers`."""
         self._maps_of: BatchPlan | None = None
@@ -283,13 +294,14 @@ class AdapterPool(TableSlots):
             self.version += 1
 
     # ---- forwards
-    def _keys(self, plan: BatchPlan) -> list[BucketKey]:
+    def _keys(self, plan: BatchPlan) -> list[tuple[BucketKey, Bucket]]:
         """The buckets this forward runs, found once per forward (every wrapped module asks): with fixed shapes
         all of them, else those its rows use."""
         if self._planned[0] is not plan:
             used = self.buckets if self.fixed_shapes else {self.place[s][0] for s in plan.slot_set(self.family)
                                                            if s in self.place}
-            self._planned = (plan, sorted(used))
+            self._planned = (plan, [(key, self.buckets[key]) for key in sorted(used)],
+                             frozenset(m for key in used for m in key[1]))
         return self._planned[1]
 
     def prepare(self, plan: BatchPlan) -> None:
@@ -301,11 +313,11 @@ class AdapterPool(TableSlots):
         sizes = {"all": sum(plan.tokens)}
         if plan.kept is not None and len(plan.kept) != sizes["all"]:
             sizes["kept"] = len(plan.kept)
-        for key in self._keys(plan):
+        for key, bucket in self._keys(plan):
             for which, n in sizes.items():
                 buffer = self._buffer(key, which, n)
                 buffer[:n].copy_(self._host_rows(plan, key, n), non_blocking=True)
-                self._maps[(key, n)] = buffer[:n]
+                self._maps[(bucket, n)] = buffer[:n]
 
     def _buffer(self, key: BucketKey, which: str, n: int) -> torch.Tensor:
         buffer = self._buffers.get((key, which))
@@ -320,37 +332,38 @@ class AdapterPool(TableSlots):
         return torch.tensor([NO_SLOT if s == NO_SLOT else self._row_in(s, key)
                              for s in plan.token_slots(self.family, n)], dtype=torch.int32)
 
-    def _rows(self, plan: BatchPlan, key: BucketKey, n: int) -> torch.Tensor:
+    def _rows(self, plan: BatchPlan, key: BucketKey, bucket: Bucket, n: int) -> torch.Tensor:
         """The prepared map, or (a forward of rows of equal length, not prepared) one built now."""
         if self._maps_of is not plan:
             self._maps, self._maps_of = {}, plan
-        if (key, n) not in self._maps:
-            self._maps[(key, n)] = self._host_rows(plan, key, n).to(self.device)
-        return self._maps[(key, n)]
+        rows = self._maps.get((bucket, n))
+        if rows is None:
+            rows = self._maps[(bucket, n)] = self._host_rows(plan, key, n).to(self.device)
+        return rows
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
-        return any(name in modules for _, modules in self._keys(plan))
+        self._keys(plan)
+        return name in self._planned[2]
 
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
         x = x.contiguous()  # [N, in]; a pooler reads a strided first token
         by_token = x.is_cuda or x.dtype == torch.float32 or self.fixed_shapes
-        for key in self._keys(plan):
-            if name not in key[1]:
+        for key, bucket in self._keys(plan):
+            place = bucket.group_of.get(name)
+            if place is None:
                 continue
-            bucket = self.buckets[key]
-            group, i = bucket.group_of[name]
+            group, i = place
             if by_token and len(group) > 1:  # the group's shrink, once for all of it; this module's block of z
-                rows = self._rows(plan, key, x.shape[0])
+                rows = self._rows(plan, key, bucket, x.shape[0])
                 z = self._group_shrink(bucket, group, x, rows, plan)
-                bgmv_expand(z[..., i * bucket.rank:(i + 1) * bucket.rank], bucket.bt[name].transpose(1, 2), rows, y)
+                bgmv_expand(z[..., i * bucket.rank:(i + 1) * bucket.rank], bucket.b[name], rows, y)
             elif by_token:
-                lora_by_token(x, bucket.a[name], bucket.bt[name].transpose(1, 2), bucket.scale[name],
-                              self._rows(plan, key, x.shape[0]), y)
+                lora_by_token(x, bucket.a[name], bucket.b[name], bucket.scale[name],
+                              self._rows(plan, key, bucket, x.shape[0]), y, bucket.host.get(name))
             else:  # half precision on a CPU (no compiled form): tokens grouped by row, batched matmuls
                 seg = plan.remapped_segments(self.family, key, lambda s, key=key: self._row_in(s, key), x.shape[0])
-                lora_expand(lora_shrink(x, bucket.a[name], bucket.scale[name], seg), bucket.bt[name].transpose(1, 2),
-                            seg, y)
+                lora_expand(lora_shrink(x, bucket.a[name], bucket.scale[name], seg), bucket.b[name], seg, y)
         return y
 
     def _group_shrink(self, bucket: Bucket, group: tuple[str, ...], x: torch.Tensor, rows: torch.Tensor,

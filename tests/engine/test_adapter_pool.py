@@ -112,10 +112,10 @@ def test_rank_8_rows_beside_a_rank_64_one_are_multiplied_at_rank_8(rt, monkeypat
     calls = []
     real = pool_module.lora_by_token
 
-    def lora(x, a_stacked, b_stacked, scale, rows, y):
+    def lora(x, a_stacked, b_stacked, scale, rows, y, host=None):
         live = rows[rows >= 0]
         calls.append((a_stacked.shape[1], live.numel(), len(set(live.tolist()))))
-        return real(x, a_stacked, b_stacked, scale, rows, y)
+        return real(x, a_stacked, b_stacked, scale, rows, y, host)
 
     monkeypatch.setattr(pool_module, "lora_by_token", lora)
     seq = 4

@@ -86,3 +86,22 @@ def test_a_scale_that_does_not_split_the_rank_fails_with_one_clear_line(gen):
     x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen)  # rank 5
     with pytest.raises(ValueError, match="scale: expected"):
         bgmv_shrink_torch(x, a, scale[:, None].expand(-1, 2).contiguous(), rows)
+
+
+def test_stacks_viewed_once_give_what_the_numba_form_gives_and_calls_are_still_checked(gen):
+    from kernels.lora_bgmv import host_stacks, lora_by_token_host, lora_by_token_numba
+
+    x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen, in_f=300)
+    bt = b.transpose(1, 2).contiguous().transpose(1, 2)  # the adapter pool's layout
+    rows = rows.to(torch.int32)
+    stacks = host_stacks(a, bt, scale)
+    assert torch.equal(lora_by_token_host(x, stacks, rows, y.clone()),
+                       lora_by_token_numba(x, a, bt, scale, rows, y.clone()))
+    with torch.no_grad():
+        a[1] += 1.0  # the views share the stacks' memory: a row written later is read
+    assert torch.equal(lora_by_token_host(x, stacks, rows, y.clone()),
+                       lora_by_token_numba(x, a, bt, scale, rows, y.clone()))
+    with pytest.raises(ValueError, match="y: expected a contiguous"):
+        lora_by_token_host(x, stacks, rows, y[:, :5].clone())
+    with pytest.raises(ValueError, match="expected the transpose of a contiguous"):
+        host_stacks(a, b, scale)
