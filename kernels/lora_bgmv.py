@@ -271,14 +271,13 @@ def host_stacks(a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.T
 
 def lora_by_token_host(x: torch.Tensor, stacks: HostStacks, rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """lora_by_token_numba over stacks viewed once; only x, rows and y are checked here."""
-    n, rank, in_f = stacks.a.shape
-    tokens = x.shape[0] if x.dim() == 2 else -1
-    if x.dtype != torch.float32 or x.is_cuda or x.shape != (tokens, in_f) or not x.is_contiguous():
-        raise ValueError(f"x: expected a contiguous [T, {in_f}] fp32 CPU tensor; got {list(x.shape)} {x.dtype}")
-    if y.dtype != torch.float32 or y.shape != (tokens, stacks.bt.shape[2]) or not y.is_contiguous():
-        raise ValueError(f"y: expected a contiguous [{tokens}, {stacks.bt.shape[2]}] fp32 tensor; got "
-                         f"{list(y.shape)} {y.dtype}")
-    if rows.shape != (tokens,) or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rows: expected [{tokens}] int32 or int64; got {list(rows.shape)} {rows.dtype}")
-    _lora_by_token(x.numpy(), stacks.a, stacks.bt, stacks.scale, rows.numpy(), y.numpy())
+    xn, rn, yn = x.numpy(), rows.numpy(), y.numpy()  # CPU tensors only (numpy() refuses the others)
+    tokens, in_f = xn.shape if xn.ndim == 2 else (-1, -1)
+    if (xn.dtype != np.float32 or in_f != stacks.a.shape[2] or not xn.flags.c_contiguous
+            or yn.dtype != np.float32 or yn.shape != (tokens, stacks.bt.shape[2]) or not yn.flags.c_contiguous
+            or rn.shape != (tokens,) or rn.dtype not in (np.int32, np.int64)):
+        raise ValueError(f"x, rows, y: expected contiguous fp32 [T, {stacks.a.shape[2]}], int [T] and contiguous "
+                         f"fp32 [T, {stacks.bt.shape[2]}]; got {list(x.shape)} {x.dtype}, {list(rows.shape)} "
+                         f"{rows.dtype}, {list(y.shape)} {y.dtype}")
+    _lora_by_token(xn, stacks.a, stacks.bt, stacks.scale, rn, yn)
     return y

@@ -101,7 +101,7 @@ def test_stacks_viewed_once_give_what_the_numba_form_gives_and_calls_are_still_c
         a[1] += 1.0  # the views share the stacks' memory: a row written later is read
     assert torch.equal(lora_by_token_host(x, stacks, rows, y.clone()),
                        lora_by_token_numba(x, a, bt, scale, rows, y.clone()))
-    with pytest.raises(ValueError, match="y: expected a contiguous"):
+    with pytest.raises(ValueError, match="x, rows, y: expected contiguous"):
         lora_by_token_host(x, stacks, rows, y[:, :5].clone())
     with pytest.raises(ValueError, match="expected the transpose of a contiguous"):
         host_stacks(a, b, scale)
