@@ -68,3 +68,40 @@ def serving_store(tmp_path_factory):
         add_full_variant(store, name, "tiny-lm", refs[name])
     add_full_variant(store, "minilm-clf", "minilm", refs["minilm-clf"])
     return store.root, refs
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server on loopback (moto's server mode, as s3fs's own tests run one), its endpoint and
+    credentials in the environment as a platform sets them. -> its URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                             "AWS_REGION")}
+    os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="manyfold-test", AWS_SECRET_ACCESS_KEY="manyfold-test",
+                      AWS_REGION="us-east-1")
+    try:
+        yield url
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request) -> str:
+    """A new, empty bucket on the loopback S3 server. -> s3://BUCKET."""
+    import uuid
+
+    import boto3
+
+    name = f"manyfold-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return f"s3://{name}"

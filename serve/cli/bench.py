@@ -34,6 +34,12 @@ def cmd_bench_mixed(args: argparse.Namespace) -> None:
     run_mixed_bench(Path(args.out), tuple(int(r) for r in args.rows.split(",")), args.repeats)
 
 
+def cmd_bench_objects(args: argparse.Namespace) -> None:
+    from serve.bench.objects import run_objects_bench
+
+    run_objects_bench(Path(args.out), args.repeats)
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> None:
     from serve.bench.engine import run_engine_bench
 
@@ -188,6 +194,10 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bf.add_argument("--only", help="only the fine-tunes whose name contains one of these (comma-separated)")
     bf.add_argument("--mergekit", help="a mergekit-extract-lora command (mergekit in a venv of its own) to compare "
                                        "against at the same ranks")
+    ob = add_command(bench, "objects", cmd_bench_objects, "obstore against s3fs on an S3 server on loopback: large "
+                     "and small puts and gets, put-if-absent")
+    ob.add_argument("--out", default="bench-results/objects.json")
+    ob.add_argument("--repeats", type=int, default=3)
     _add_translora(bench)
     _add_neuzip(bench)
     _add_soak(bench)

@@ -1,0 +1,131 @@
+"""Where a store's bytes live: a local directory or object storage (s3://, gs://, file://), through obstore.
+
+A store writes objects that never change once written:
+    objects/<sha256>                      a file's bytes, named by their digest (the same bytes twice: one object)
+    manifests/<generation, 20 digits>     the manifest, one object per generation
+The only write that must not collide is a new manifest generation, and it is put-if-absent: of two writers racing
+for generation N + 1, one wins and the other reads N + 1 and tries N + 2 (Delta Lake's log does this). Every
+backend has put-if-absent (S3's If-None-Match, GCS's ifGenerationMatch=0, a local file created exclusively), so
+a directory and a bucket behave alike, and a reader never sees an object half-written.
+
+obstore over s3fs (`manyfold bench objects`: both against moto's S3 server on loopback, 2-core VM, median of 3):
+a 64 MB get in 0.087 s against 0.269, 200 gets of 4 KB in 0.50 s against 1.61 (s3fs batched), 200 small puts
+0.63 against 0.89, the 64 MB put 0.56 against 0.46; both refuse a put-if-absent on an existing key, obstore with
+a typed AlreadyExistsError; one API for S3, GCS, Azure, local directories and memory. The endpoint comes from
+AWS_ENDPOINT_URL and the credentials from the standard AWS variables (obstore reads them).
+"""
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import obstore
+from obstore.exceptions import AlreadyExistsError, NotFoundError
+from obstore.store import LocalStore, from_url
+
+from serve.errors import ArtifactError, ConfigError
+
+SCHEMES = ("s3://", "gs://", "az://", "file://", "memory://")
+CHUNK = 8 << 20
+
+
+def is_url(location: str | Path) -> bool:
+    """Whether a store location is a URL (else it is a local directory)."""
+    return isinstance(location, str) and "://" in location
+
+
+class Objects:
+    """One store's objects, by key relative to the store's root."""
+
+    def __init__(self, location: str | Path):
+        """location: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://..., file:///PATH, memory://, or a local path
+        (created if missing)."""
+        self.location = str(location)
+        if is_url(location):
+            if not self.location.startswith(SCHEMES):
+                raise ConfigError(f"store {self.location}: unknown scheme; expected a local path or one of "
+                                  f"{', '.join(SCHEMES)}")
+            options = {"allow_http": True} if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://") else {}
+            try:
+                self._store = from_url(self.location, client_options=options) if options else from_url(self.location)
+            except Exception as e:  # obstore raises its own types for an unknown scheme, a bad bucket name, ...
+                raise ConfigError(f"store {self.location}: cannot be opened ({e})".splitlines()[0]) from None
+        else:
+            Path(location).mkdir(parents=True, exist_ok=True)
+            self._store = LocalStore(Path(location).resolve())
+
+    def __repr__(self) -> str:
+        return f"Objects({self.location!r})"
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Write key once: False (nothing written) when it exists already."""
+        try:
+            obstore.put(self._store, key, data, mode="create")
+        except AlreadyExistsError:
+            return False
+        return True
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a file (in parts when large). For content-addressed keys: a racing upload writes the same bytes."""
+        with open(path, "rb") as f:
+            obstore.put(self._store, key, f, chunk_size=CHUNK)
+
+    def exists(self, key: str) -> bool:
+        try:
+            obstore.head(self._store, key)
+        except (NotFoundError, FileNotFoundError):
+            return False
+        return True
+
+    def size(self, key: str) -> int:
+        return int(obstore.head(self._store, key)["size"])
+
+    def read(self, key: str) -> bytes:
+        try:
+            return obstore.get(self._store, key).bytes().to_bytes()
+        except (NotFoundError, FileNotFoundError):
+            raise ArtifactError(f"{self.location}: object '{key}' is missing") from None
+
+    def download(self, key: str, dest: Path, sha256: str | None = None) -> int:
+        """Stream key into dest (written beside it, then renamed: dest is whole or absent); with sha256, the bytes
+        are checked on the way and a mismatch leaves nothing. -> bytes written."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256() if sha256 is not None else None
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+        size = 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in self._chunks(key):
+                    f.write(chunk)
+                    size += len(chunk)
+                    if h is not None:
+                        h.update(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if h is not None and h.hexdigest() != sha256:
+                raise ArtifactError(f"{self.location}: object '{key}' has sha256 {h.hexdigest()[:12]}…, expected "
+                                    f"{sha256[:12]}…")
+            os.replace(tmp, dest)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return size
+
+    def _chunks(self, key: str) -> Iterator[bytes | memoryview]:
+        try:
+            yield from obstore.get(self._store, key).stream(min_chunk_size=CHUNK)
+        except (NotFoundError, FileNotFoundError):
+            raise ArtifactError(f"{self.location}: object '{key}' is missing") from None
+
+    def keys(self, prefix: str, after: str | None = None) -> list[str]:
+        """Keys under the directory `prefix`, sorted; with `after`, only those that sort after it."""
+        out = [m["path"] for batch in obstore.list(self._store, prefix=prefix) for m in batch]
+        return sorted(k for k in out if after is None or k > after)
+
+    def delete(self, key: str) -> None:
+        try:
+            obstore.delete(self._store, key)
+        except (NotFoundError, FileNotFoundError):
+            pass
