@@ -48,7 +48,8 @@ def _ingress(config: ServeConfig, bases: list[str]):
 
             handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
             app = serve.get_replica_context().app_name
-            health = DeploymentHealth({b: deployment_name(b) for b in bases}, serve_status(app))
+            health = DeploymentHealth({b: deployment_name(b) for b in bases}, serve_status(app),
+                                      may_idle=idle_bases(config, bases))
             return build_http_app(Router(config.store, handles, serve.get_deployment_handle(BOARD), health), config,
                                   self.gate)
 
@@ -88,6 +89,12 @@ def build_app(args: dict | ServeConfig) -> Application:
         threads = d.torch_threads or max(1, round(shares[base]))
         children.append(EngineReplica.options(**options).bind(config.model_dump(mode="json"), base, board, threads))
     return _ingress(config, bases).bind(*children)
+
+
+def idle_bases(config: ServeConfig, bases: list[str]) -> frozenset[str]:
+    """The bases allowed to run no replica (autoscaling with min_replicas 0): their first request starts one."""
+    return frozenset(b for b in bases if (d := config.deployments.get(b, config.deployment)).autoscaling is not None
+                     and d.autoscaling.min_replicas == 0)
 
 
 def _replicas(d: DeploymentConfig) -> int:
@@ -137,7 +144,9 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
         target = serve.RunTarget(target=build_app(config), name=APP, route_prefix="/",
                                  logging_config={"log_level": "WARNING"})
         serve.run_many([target], wait_for_applications_running=False)  # a base Ray cannot place must not hang us
-        for line in wait_for_bases(APP, config.start_timeout_s, stop):
+        bases = list(Store(config.store).manifest.bases)
+        for line in wait_for_bases(APP, {b: deployment_name(b) for b in bases}, idle_bases(config, bases),
+                                   config.start_timeout_s, stop):
             print(line, flush=True)
         if not stop.is_set():
             ready(f"http://{config.host}:{config.port}")
@@ -148,22 +157,25 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
         ray.shutdown()
 
 
-def wait_for_bases(app: str, timeout_s: float, stop) -> list[str]:
-    """Until every deployment of `app` has a running replica, at most timeout_s (or until stop is set); -> a
-    warning line for each base still not running, whose models then answer 503 naming why."""
+def wait_for_bases(app: str, bases: dict[str, str], may_idle: frozenset[str], timeout_s: float, stop) -> list[str]:
+    """Until the app is ready as /readyz says (every deployment of `app` running, but bases Ray cannot place and
+    bases allowed to idle), at most timeout_s (or until stop is set); -> a warning line for each base then not
+    running, whose models answer 503 naming why. bases: base -> its deployment's name."""
     import time
 
-    from serve.deployments.health import serve_status
+    from serve.deployments.health import base_state, readiness, serve_status
 
-    read, deadline, waiting = serve_status(app), time.monotonic() + timeout_s, {}
-    while not stop.is_set():
+    read, deadline = serve_status(app), time.monotonic() + timeout_s
+    while True:
         status = read()
-        waiting = {name: message for name, (running, message) in status.items() if not running}
-        if (status and not waiting) or time.monotonic() >= deadline:
+        others = [name for name in status if name not in bases.values()]  # the ingress and the board
+        states = {b: base_state(b, *status[name]) if name in status else None for b, name in bases.items()}
+        ready, words = readiness(states, may_idle)
+        if (status and ready and all(status[n][0] for n in others)) or time.monotonic() >= deadline or stop.is_set():
             break
         stop.wait(0.5)
-    return [f"warning: {name.removeprefix('base-')} is not running after {timeout_s:.0f} s; its models answer 503"
-            + (f" ({message.split('. ')[0]})" if message else "") for name, message in waiting.items()]
+    return [f"warning: {base} is not running after {timeout_s:.0f} s; its models answer 503 ({w})"
+            for base, w in words.items() if not w.startswith(("running", "idle"))]
 
 
 def drain(config: ServeConfig, app: str = APP) -> None:

@@ -97,6 +97,9 @@ class DeploymentConfig(StrictModel):
     that, 429 with Retry-After."""
     graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     """In-flight requests get this long to finish when a replica stops."""
+    stall_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    """A replica whose engine has had requests this long without answering one or taking a generation step fails
+    its health check, and Serve replaces it (the longest honest wait: a large variant's first load)."""
     memory_target_mib: Annotated[int, Field(ge=1)] | None = None
     """Memory one replica may hold in all (host memory on CPU, device memory on CUDA); Ray reserves it for the
     replica. With `neuzip_decoded_mib: auto` a NeuZip base keeps decoded what it leaves (serve/engine/memory.py).

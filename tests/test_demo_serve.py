@@ -76,6 +76,8 @@ def serving(*args: str) -> Iterator[tuple[str, list[str], set[int]]]:
 
 def test_the_demo_serves_every_model_it_lists_with_default_settings(demo_store):
     with serving("--store", str(demo_store)) as (url, log, _), httpx.Client(base_url=url, timeout=300) as http:
+        ready = http.get("/readyz")  # the moment it says it serves, as a client polling /readyz would go on
+        assert ready.status_code == 200 and set(ready.json()["bases"].values()) == {"running"}, ready.text
         cards = http.get("/v1/models").json()["data"]
         assert {c["id"] for c in cards if c["kind"] == "base"} == {"minilm", "smollm2", "smollm2-nz"}
         assert all(c["status"] == "ready" for c in cards), cards  # every base scheduled on this machine

@@ -222,6 +222,8 @@ def test_models_show_residency_over_every_replica(server, http, tmp_path):
 def test_models_and_metrics(http):
     http.post("/v1/classify", json={"model": "minilm-clf", "input": "x"})
     cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    ready = http.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["bases"] == {"tiny-lm": "running", "minilm": "running"}
     assert cards["minilm-clf"]["residency"] == "hot" and cards["tiny-lm"]["kind"] == "base"
     text = http.get("/metrics").text
     assert 'manyfold_requests_total{model="minilm-clf",route="/v1/classify",status="200"}' in text

@@ -6,25 +6,14 @@ put and get many small ones (adapters, manifests), and the put-if-absent a manif
 figures compare the libraries' overheads, not a cloud's bandwidth."""
 
 import os
-import statistics
-import time
 import uuid
 from pathlib import Path
 
-from serve.bench.report import NO_GPU, finish, machine
+from serve.bench.report import NO_GPU, finish, machine, median_time
 
 LARGE_MB = 64
 SMALL = 200
 SMALL_BYTES = 4096
-
-
-def _timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _obstore_ops(url: str, bucket: str, large: bytes, small: list[bytes], repeats: int) -> dict:
@@ -39,10 +28,10 @@ def _obstore_ops(url: str, bucket: str, large: bytes, small: list[bytes], repeat
         conditional = "not enforced"
     except AlreadyExistsError:
         conditional = "refused (AlreadyExistsError)"
-    return {"put_large_s": _timed(lambda: obstore.put(st, "large", large), repeats),
-            "get_large_s": _timed(lambda: obstore.get(st, "large").bytes(), repeats),
-            "put_small_s": _timed(lambda: [obstore.put(st, f"s/{i}", d) for i, d in enumerate(small)], repeats),
-            "get_small_s": _timed(lambda: [obstore.get(st, f"s/{i}").bytes() for i in range(len(small))], repeats),
+    return {"put_large_s": median_time(lambda: obstore.put(st, "large", large), repeats),
+            "get_large_s": median_time(lambda: obstore.get(st, "large").bytes(), repeats),
+            "put_small_s": median_time(lambda: [obstore.put(st, f"s/{i}", d) for i, d in enumerate(small)], repeats),
+            "get_small_s": median_time(lambda: [obstore.get(st, f"s/{i}").bytes() for i in range(len(small))], repeats),
             "put_if_absent_on_existing": conditional}
 
 
@@ -57,10 +46,10 @@ def _s3fs_ops(url: str, bucket: str, large: bytes, small: list[bytes], repeats: 
     except FileExistsError:
         conditional = "refused (FileExistsError)"
     keys = [f"{bucket}/s/{i}" for i in range(len(small))]
-    return {"put_large_s": _timed(lambda: fs.pipe_file(f"{bucket}/large", large), repeats),
-            "get_large_s": _timed(lambda: fs.cat_file(f"{bucket}/large"), repeats),
-            "put_small_s": _timed(lambda: fs.pipe(dict(zip(keys, small))), repeats),
-            "get_small_s": _timed(lambda: fs.cat(keys), repeats),
+    return {"put_large_s": median_time(lambda: fs.pipe_file(f"{bucket}/large", large), repeats),
+            "get_large_s": median_time(lambda: fs.cat_file(f"{bucket}/large"), repeats),
+            "put_small_s": median_time(lambda: fs.pipe(dict(zip(keys, small))), repeats),
+            "get_small_s": median_time(lambda: fs.cat(keys), repeats),
             "put_if_absent_on_existing": conditional}
 
 

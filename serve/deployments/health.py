@@ -1,6 +1,8 @@
 """Which bases have a running replica, as Ray Serve's controller reports it. The ingress asks before it routes a
 request, so that a base Ray cannot schedule (or that is restarting) answers 503 with the reason within a bound,
-never a request that waits for ever, and /v1/models can say which bases are not running.
+never a request that waits for ever, and /v1/models can say which bases are not running. Readiness (/readyz, and
+when `manyfold serve` says it is serving) is every base that can run running: a base Ray cannot place, or one
+allowed to scale to zero (min_replicas 0, started by its first request), does not hold it back.
 
 Plain asyncio over a `read` function (serve_status reads Ray Serve's; tests give their own).
 """
@@ -25,6 +27,26 @@ class BaseState:
     running: bool
     reason: str = ""
     """Why it is not running, one line."""
+    placeable: bool = True
+    """False: Ray said it cannot place a replica (the cluster lacks what one needs)."""
+
+
+def readiness(states: dict[str, BaseState | None], may_idle: frozenset[str] = frozenset()
+              ) -> tuple[bool, dict[str, str]]:
+    """(whether every base that can run runs, each base's state in words); None: not reported yet."""
+    words = {}
+    for base, s in states.items():
+        if s is None:
+            words[base] = "starting: not reported by Serve's controller yet"
+        elif s.running:
+            words[base] = "running"
+        elif not s.placeable:
+            words[base] = f"unplaceable: {s.reason}"
+        elif base in may_idle:
+            words[base] = "idle: min_replicas is 0, its first request starts a replica"
+        else:
+            words[base] = f"starting: {s.reason}"
+    return all(not w.startswith("starting") for w in words.values()), words
 
 
 def serve_status(app: str) -> Read:
@@ -41,10 +63,12 @@ def serve_status(app: str) -> Read:
 
 class DeploymentHealth:
     def __init__(self, deployments: dict[str, str], read: Read, refresh_s: float = 2.0, wait_s: float = 10.0,
-                 read_timeout_s: float = 5.0):
+                 read_timeout_s: float = 5.0, may_idle: frozenset[str] = frozenset()):
         """deployments: base -> its deployment's name. A base not running is waited for up to wait_s (a replica
-        restarting comes back) before its requests are refused."""
+        restarting comes back) before its requests are refused; one in may_idle (min_replicas 0) is not: its
+        request goes on, and Serve starts a replica for it."""
         self.deployments = deployments
+        self.may_idle = may_idle
         self._read = read
         self.refresh_s = refresh_s
         self.wait_s = wait_s
@@ -69,15 +93,21 @@ class DeploymentHealth:
             log.warning("deployment status unavailable: %s", (str(e).splitlines() or [type(e).__name__])[0])
             self._read_at = time.monotonic()
             return
-        self._states = {base: _state(base, *raw[name]) for base, name in self.deployments.items() if name in raw}
+        self._states = {base: base_state(base, *raw[name]) for base, name in self.deployments.items() if name in raw}
         self._read_at = time.monotonic()
 
+    async def readiness(self) -> tuple[bool, dict[str, str]]:
+        """readiness() of every base as last read (a base the controller never reported is still starting)."""
+        await self.states()
+        return readiness({b: self._states.get(b) for b in self.deployments}, self.may_idle)
+
     async def require(self, base: str, model: str) -> None:
-        """Return once `base` runs; Unavailable naming why if it does not within wait_s."""
+        """Return once `base` runs (or may start for this request); Unavailable naming why if it does not within
+        wait_s."""
         deadline = time.monotonic() + self.wait_s
         while True:
             state = (await self.states()).get(base, BaseState(True))
-            if state.running:
+            if state.running or (base in self.may_idle and state.placeable):
                 return
             if time.monotonic() >= deadline:
                 raise Unavailable(f"model '{model}' is unavailable: {state.reason}")
@@ -87,13 +117,14 @@ class DeploymentHealth:
 _UNPLACEABLE = re.compile(r"Resources required for each replica: (\{.*?\}), total resources available: (\{.*?\})")
 
 
-def _state(base: str, running: int, message: str) -> BaseState:
+def base_state(base: str, running: int, message: str) -> BaseState:
+    """A base's state from its deployment's running replicas and the controller's message about it."""
     if running > 0:
         return BaseState(True)
     why = f"base '{base}' has no running replica"
     placed = _UNPLACEABLE.search(message)
     if placed:  # Ray's own words, after 30 s of trying
         return BaseState(False, f"{why}: Ray cannot place it (each replica needs {placed[1]}; the cluster has "
-                                f"{placed[2]} available)")
+                                f"{placed[2]} available)", placeable=False)
     first = message.split(". ")[0].strip().rstrip(".")
     return BaseState(False, why + (f" ({first})" if first else ""))

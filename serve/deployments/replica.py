@@ -32,14 +32,19 @@ class EngineReplica:
         """threads: torch's intra-op threads, the replica's CPU share (serve/app.py): Ray would leave it one."""
         torch.set_num_threads(threads)
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")  # bytes, when Ray reserved some
-        self.engine = Engine(parse_config(config), bases=[base], memory_target=int(memory) if memory else None)
+        parsed = parse_config(config)
+        self.engine = Engine(parsed, bases=[base], memory_target=int(memory) if memory else None)
+        self.stall_timeout_s = parsed.deployments.get(base, parsed.deployment).stall_timeout_s
         self.board = board
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = Reporter(lambda held: self.board.report.remote(self.replica_id, held),
                                  before=lambda: faults.hit("report", [base]))
 
     async def check_health(self) -> None:
-        """Serve calls this every health_check_period_s: the board's heartbeat (bounded; never fails the check)."""
+        """Serve calls this every health_check_period_s: it fails when the engine is stuck (requests waiting, no
+        step for stall_timeout_s), so Serve replaces the replica; otherwise it is the board's heartbeat (bounded;
+        a board away never fails the check)."""
+        self.engine.check_progress(self.stall_timeout_s)
         await self.reporter.report(self.engine.cache.resident())
 
     @serve.multiplexed(max_num_models_per_replica=MAX_MULTIPLEXED_IDS)

@@ -117,6 +117,11 @@ class Router:
             self._listed, self._by_base = self.store.manifest, by_base
         return self._by_base
 
+    async def readiness(self) -> tuple[bool, dict[str, str]]:
+        """Whether every base that can run has a running replica, and each base's state in words
+        (serve/deployments/health.py)."""
+        return await self.health.readiness()
+
     async def snapshots(self) -> list[dict]:
         """The counters of every running base's replica that answers in time."""
         states = await self.health.states()

@@ -26,7 +26,7 @@ from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Op
 from serve.engine.scheduler import Scheduler
 from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
-from serve.errors import ArtifactError, BadRequest, ConfigError, VariantIncompatible, VariantNotFound
+from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
 from serve.store.store import Store
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
@@ -135,6 +135,18 @@ class Engine:
     async def models(self) -> list[ModelInfo]:
         self.refresh()
         return self.model_infos()
+
+    def check_progress(self, stall_timeout_s: float) -> None:
+        """Raise Unavailable when requests have waited stall_timeout_s without an answer or a step: a stuck
+        engine, which a replica's health check reports so that Serve replaces it."""
+        stalled = self.scheduler.stalled_s()
+        if stalled > stall_timeout_s:
+            raise Unavailable(f"the engine has had requests for {stalled:.0f} s without answering one or taking a "
+                              f"step (stall_timeout_s {stall_timeout_s:g})")
+
+    async def readiness(self) -> tuple[bool, dict[str, str]]:
+        """In one process every base is loaded before the engine answers: ready, each base running."""
+        return True, {b: "running" for b in self.bases}
 
     async def snapshots(self) -> list[dict]:
         return [await self.snapshot()]

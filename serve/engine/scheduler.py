@@ -55,10 +55,18 @@ class Scheduler:
         self._worker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._generating: dict[str, _Generating] = {}
+        self._open = 0
+        """Rows submitted and not yet answered."""
+        self._progress_at = time.monotonic()
+        """When a row was last answered or a generation last stepped (or work arrived at an idle scheduler)."""
 
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize() if self._queue is not None else 0
+
+    def stalled_s(self) -> float:
+        """Seconds the scheduler has had rows to answer without answering one or stepping; 0 when idle."""
+        return time.monotonic() - self._progress_at if self._open else 0.0
 
     # ---- requests
     def submit(self, op: Op, base: str, model: str | None, payload: Any, stream: asyncio.Queue | None = None) -> Row:
@@ -72,6 +80,9 @@ class Scheduler:
             self._queue.put_nowait(row)
         except asyncio.QueueFull:
             raise Overloaded(f"{self._queue.maxsize} requests already waiting; retry later") from None
+        if not self._open:
+            self._progress_at = time.monotonic()  # the clock starts with the work
+        self._open += 1
         return row
 
     async def result(self, row: Row) -> Any:
@@ -98,7 +109,7 @@ class Scheduler:
         another, whose rows the old loop could never serve). A loop that ended is restarted on the same queue."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._loop, self._worker, self._generating = loop, None, {}
+            self._loop, self._worker, self._generating, self._open = loop, None, {}, 0
             self._queue = asyncio.Queue(maxsize=self.config.max_queue)
             self._in_flight = asyncio.Semaphore(self.config.max_batch_size * self.config.max_concurrent_groups)
         if self._worker is None or self._worker.done():
@@ -228,6 +239,8 @@ class Scheduler:
         if row.done:
             return
         row.done = True
+        self._open -= 1
+        self._progress_at = time.monotonic()
         held, row.held = row.held, None
         try:
             if held is not None:
@@ -289,6 +302,7 @@ class Scheduler:
                     self.seconds.add("scheduling", time.perf_counter() - ended)
                 step = await self._loop.run_in_executor(self.compute, g.batch.run, new, gone)
                 ended = time.perf_counter()
+                self._progress_at = time.monotonic()
                 self._after_step(g, new, step)
                 new = []
             self._retire(base, g)

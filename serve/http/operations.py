@@ -1,10 +1,10 @@
-"""Routes for operating the server: GET /healthz, /metrics (Prometheus text) and /v1/models (what the caller's
-tenant may call, with kind, parent base and residency)."""
+"""Routes for operating the server: GET /healthz (liveness), /readyz (readiness), /metrics (Prometheus text) and
+/v1/models (what the caller's tenant may call, with kind, parent base and residency)."""
 
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from serve.config import TenantConfig
 from serve.errors import BadRequest
@@ -20,7 +20,16 @@ MAX_MODELS_PAGE = 10_000
 
 @router.get("/healthz")
 async def healthz():
+    """Liveness: this process answers. Whether models do is /readyz."""
     return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(state: State):
+    """200 once every base that can run has a running replica (one Ray cannot place, or one allowed to scale to
+    zero, does not hold it back); 503 until then. Either way, each base's state."""
+    ready, bases = await state.backend.readiness()
+    return JSONResponse({"status": "ready" if ready else "starting", "bases": bases}, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")

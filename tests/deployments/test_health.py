@@ -66,3 +66,36 @@ def test_a_controller_that_fails_keeps_what_was_known():
 
     first, second = asyncio.run(go())
     assert first == second and not first["lm"].running and first["new"].running  # never read: counted running
+
+
+def test_ready_once_every_base_that_can_run_runs():
+    """An unplaceable base and one allowed to scale to zero do not hold readiness back; one starting, or one the
+    controller has not reported yet, does."""
+    replies = iter([
+        {"base-lm": (1, ""), "base-nz": (0, PENDING), "base-idle": (0, "")},  # "base-new" not reported yet
+        {"base-lm": (1, ""), "base-nz": (0, PENDING), "base-idle": (0, ""), "base-new": (0, "Deploying.")},
+        {"base-lm": (1, ""), "base-nz": (0, PENDING), "base-idle": (0, ""), "base-new": (1, "")},
+    ])
+    health = DeploymentHealth({b: f"base-{b}" for b in ("lm", "nz", "idle", "new")}, lambda: next(replies),
+                              refresh_s=0.0, may_idle=frozenset({"idle"}))
+
+    async def go():
+        return [await health.readiness() for _ in range(3)]
+
+    (r1, w1), (r2, w2), (r3, w3) = asyncio.run(go())
+    assert (r1, r2, r3) == (False, False, True)
+    assert w1["new"] == "starting: not reported by Serve's controller yet"
+    assert w2["new"] == "starting: base 'new' has no running replica (Deploying)"
+    assert w3 == {"lm": "running", "nz": w3["nz"], "idle": "idle: min_replicas is 0, its first request starts a replica",
+                  "new": "running"}
+    assert w3["nz"].startswith("unplaceable: base 'nz' has no running replica: Ray cannot place it")
+
+
+def test_a_request_for_a_base_scaled_to_zero_goes_on_to_start_it():
+    health = DeploymentHealth({"idle": "base-idle"}, lambda: {"base-idle": (0, "")}, wait_s=0.0,
+                              may_idle=frozenset({"idle"}))
+    asyncio.run(health.require("idle", "idle-lora"))  # not refused: Serve starts a replica for it
+    unplaceable = DeploymentHealth({"idle": "base-idle"}, lambda: {"base-idle": (0, PENDING)}, wait_s=0.0,
+                                   may_idle=frozenset({"idle"}))
+    with pytest.raises(Unavailable, match="Ray cannot place it"):
+        asyncio.run(unplaceable.require("idle", "idle-lora"))

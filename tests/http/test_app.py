@@ -266,6 +266,9 @@ def test_corrupt_variant_fails_alone(serving_store, tmp_path):
         for model in ("tiny-lm", "tiny-lm-top"):
             assert c.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 2}).status_code == 200
         assert c.get("/healthz").json() == {"status": "ok"}
+        ready = c.get("/readyz")
+        assert ready.status_code == 200 and ready.json() == {"status": "ready", "bases": {b: "running" for b in
+                                                                                         ("tiny-lm", "minilm")}}
 
 
 def test_overload_is_429_with_retry_after(serving_store):
