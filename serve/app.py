@@ -75,20 +75,38 @@ def build_app(args: dict | ServeConfig) -> Application:
     shares = cpu_shares(config, bases, *cluster_cpus())
     children = []
     for base in bases:
-        d = config.deployments.get(base, config.deployment)
-        actor = {"num_cpus": shares[base], "runtime_env": {"env_vars": REPLICA_ENV}}
-        if d.memory_target_mib is not None:
-            actor["memory"] = d.memory_target_mib << 20
-        options = {"name": deployment_name(base), "ray_actor_options": actor,
-                   "max_ongoing_requests": d.max_ongoing_requests, "max_queued_requests": d.max_queued_requests,
-                   "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s}
-        if d.autoscaling is not None:
-            options["autoscaling_config"] = d.autoscaling.model_dump()
-        else:
-            options["num_replicas"] = d.num_replicas
-        threads = d.torch_threads or max(1, round(shares[base]))
+        options, threads = replica_options(config, base, shares[base])
         children.append(EngineReplica.options(**options).bind(config.model_dump(mode="json"), base, board, threads))
     return _ingress(config, bases).bind(*children)
+
+
+def replica_options(config: ServeConfig, base: str, cpus: float) -> tuple[dict, int]:
+    """Ray Serve options of a base's model deployment, its replicas reserving `cpus` each; -> (options, torch
+    threads of a replica)."""
+    d = config.deployments.get(base, config.deployment)
+    actor = {"num_cpus": cpus, "num_gpus": replica_gpus(config, d), "runtime_env": {"env_vars": REPLICA_ENV}}
+    if d.memory_target_mib is not None:
+        actor["memory"] = d.memory_target_mib << 20
+    if d.resources:
+        actor["resources"] = dict(d.resources)
+    options = {"name": deployment_name(base), "ray_actor_options": actor,
+               "max_ongoing_requests": d.max_ongoing_requests, "max_queued_requests": d.max_queued_requests,
+               "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s}
+    if d.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = d.max_replicas_per_node
+    if d.autoscaling is not None:
+        options["autoscaling_config"] = d.autoscaling.model_dump()
+    else:
+        options["num_replicas"] = d.num_replicas
+    return options, d.torch_threads or max(1, round(cpus))
+
+
+def replica_gpus(config: ServeConfig, d: DeploymentConfig) -> float:
+    """GPUs each replica of a base reserves: its num_gpus, else one on a CUDA device (Ray then places it only on a
+    node with a free GPU), else none."""
+    if d.num_gpus is not None:
+        return d.num_gpus
+    return 1.0 if config.device.startswith("cuda") else 0.0
 
 
 def idle_bases(config: ServeConfig, bases: list[str]) -> frozenset[str]:
@@ -128,8 +146,8 @@ def cluster_cpus() -> tuple[float, float]:
 
 
 def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> None:
-    """Start Ray on this machine, serve the store on config.host:config.port, block until SIGINT/SIGTERM,
-    then shut down gracefully (replicas finish their in-flight requests first)."""
+    """Start Ray on this machine (or join config.ray_address), serve the store on config.host:config.port, block
+    until SIGINT/SIGTERM, then shut down gracefully (replicas finish their in-flight requests first)."""
     import signal
     import threading
 
@@ -138,7 +156,10 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    ray.init(include_dashboard=False, logging_level="WARNING", configure_logging=True)
+    if config.ray_address:  # a cluster that runs without us: join it, and leave it as it was
+        ray.init(address=config.ray_address, logging_level="WARNING", configure_logging=True)
+    else:
+        ray.init(include_dashboard=False, logging_level="WARNING", configure_logging=True)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         target = serve.RunTarget(target=build_app(config), name=APP, route_prefix="/",
@@ -153,7 +174,10 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
             stop.wait()
         drain(config)
     finally:
-        serve.shutdown()
+        if config.ray_address:
+            serve.delete(APP)  # this app only: the cluster's other apps, and Serve itself, stay
+        else:
+            serve.shutdown()
         ray.shutdown()
 
 

@@ -87,6 +87,13 @@ class DeploymentConfig(StrictModel):
     num_cpus: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
     """CPUs Ray reserves for each replica. "auto": the node's CPUs left by bases that name a number, shared
     among the replicas of the bases that say auto, so that every base is scheduled (serve/app.py cpu_shares)."""
+    num_gpus: Annotated[float, Field(ge=0)] | None = None
+    """GPUs Ray reserves for each replica; None: 1 with `device: cuda` (so a replica lands only where a GPU is),
+    0 otherwise."""
+    resources: dict[str, Annotated[float, Field(gt=0)]] = {}
+    """Custom Ray resources each replica needs (a node label such as {"a100": 1}: only nodes that offer it)."""
+    max_replicas_per_node: Annotated[int, Field(ge=1)] | None = None
+    """At most this many of the base's replicas on one node (Ray Serve's option; None: no limit)."""
     torch_threads: Annotated[int, Field(ge=1)] | None = None
     """Threads torch computes with in each replica; None: its CPU share, rounded, at least 1 (Ray itself would
     leave one thread per replica)."""
@@ -137,6 +144,9 @@ class ServeConfig(StrictModel):
     """Defaults for every base's model deployment."""
     deployments: dict[str, DeploymentConfig] = {}
     """Per-base overrides, by base name."""
+    ray_address: str | None = None
+    """An existing Ray cluster to deploy onto (`ray://HOST:10001`, `HOST:6379`, or `auto`); None: `manyfold serve`
+    starts Ray on this machine."""
     ingress_replicas: Annotated[int, Field(ge=1)] = 1
     start_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 120.0
     """`manyfold serve` waits this long for every base to run before it serves; a base still not running then

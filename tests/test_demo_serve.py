@@ -43,9 +43,10 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def serving(*args: str) -> Iterator[tuple[str, list[str], set[int]]]:
+def serving(*args: str, own_ray: bool = True) -> Iterator[tuple[str, list[str], set[int]]]:
     """`manyfold serve ARGS` until it says it serves -> (its URL, its log so far and to come, the Ray processes
-    under it); on leaving, Ctrl-C and wait for it to exit, then check that none of those processes is left."""
+    under it); on leaving, Ctrl-C and wait for it to exit, then check that none of those processes is left.
+    own_ray False: it joins a cluster that runs without it, so no Ray process is its own."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", *args, "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -60,7 +61,7 @@ def serving(*args: str) -> Iterator[tuple[str, list[str], set[int]]]:
         assert server.poll() is None, "".join(log)
         threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
         ray_processes = descendants(server.pid)
-        assert ray_processes, "no Ray processes under the server"
+        assert ray_processes or not own_ray, "no Ray processes under the server"
         yield f"http://127.0.0.1:{port}", log, ray_processes
     finally:
         ray_processes |= descendants(server.pid)  # replicas started since
@@ -110,3 +111,32 @@ def test_a_base_ray_cannot_place_answers_503_and_the_rest_serve(tmp_path):
     assert refused.status_code == 503 and refused.headers["retry-after"]
     assert refused.json()["error"]["message"].startswith("model 'big' is unavailable: base 'big' has no running "
                                                          "replica")
+
+
+def test_serve_joins_a_running_cluster_and_leaves_it_running(tmp_path, monkeypatch):
+    """`manyfold serve --ray-address` deploys onto a Ray cluster it did not start; Ctrl-C removes its app and
+    leaves the cluster (and Serve on it) running."""
+    from serve.store.store import Store
+    from tests.models import write_tiny_causal
+
+    store = Store(tmp_path / "store", create=True)
+    store.add_base("lm", write_tiny_causal(tmp_path / "lm"))
+    gcs = free_port()
+    # Ray 2.59+ turns token auth on for a head started where a token exists (an earlier local ray.init writes one),
+    # and its clients send the token only with RAY_AUTH_MODE=token: this cluster runs without it, on loopback.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", "2",
+                    "--include-dashboard", "false", "--disable-usage-stats"], check=True, env=env, capture_output=True)
+    try:
+        with serving("--store", str(store.root), "--ray-address", f"127.0.0.1:{gcs}", own_ray=False) as (url, log, _), \
+                httpx.Client(base_url=url, timeout=300) as http:
+            assert http.get("/readyz").status_code == 200, "".join(log)
+            answer = http.post("/v1/completions", json={"model": "lm", "prompt": "a b", "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+        status = subprocess.run([ray, "status", "--address", f"127.0.0.1:{gcs}"], env=env, capture_output=True,
+                                text=True)
+        assert status.returncode == 0, status.stderr  # the cluster outlived the server
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)

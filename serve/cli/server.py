@@ -34,11 +34,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def _serve_config(args: argparse.Namespace, store: Path | None):
     from serve.config import load_config, parse_config
 
+    address = getattr(args, "ray_address", None)
     if getattr(args, "config", None):
-        return load_config(args.config, store=str(store) if store else None, port=args.port)
+        config = load_config(args.config, store=str(store) if store else None, port=args.port)
+        return config.model_copy(update={"ray_address": address}) if address else config
     if store is None:
         raise ConfigError("serve needs --store DIR or --config FILE")
-    return parse_config({"store": str(store), "port": args.port or 8000})
+    return parse_config({"store": str(store), "port": args.port or 8000, "ray_address": address})
 
 
 def _print_examples(url: str, config) -> None:
@@ -76,3 +78,5 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--store", help="the store (or `store:` in --config)")
     srv.add_argument("--config", help="ServeConfig as YAML or JSON (see deploy/serve-config.yaml)")
     srv.add_argument("--port", type=int, default=None)
+    srv.add_argument("--ray-address", help="deploy onto this running Ray cluster (ray://HOST:10001, HOST:6379 or "
+                                           "auto) instead of starting Ray here")
