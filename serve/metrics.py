@@ -19,11 +19,7 @@ MAX_MODEL_LABELS = 256
 
 
 def _histogram(name: str, doc: str, dist: dict) -> HistogramMetricFamily:
-    cumulative, running = [], 0
-    for bound, count in zip([*dist["buckets"], float("inf")], dist["counts"]):
-        running += count
-        cumulative.append(("+Inf" if bound == float("inf") else str(bound), running))
-    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=dist["total"])
+    return HistogramMetricFamily(name, doc, buckets=_cumulative(dist), sum_value=dist["total"])
 
 
 def _merge(dists: list[dict]) -> dict:
@@ -31,6 +27,48 @@ def _merge(dists: list[dict]) -> dict:
     for d in dists:
         out["counts"] = [a + b for a, b in zip(out["counts"], d["counts"])]
         out["total"] += d["total"]
+    return out
+
+
+VLLM_LATENCIES = (
+    ("vllm:time_to_first_token_seconds", "first_token", "Seconds from a request's arrival to its first token"),
+    ("vllm:inter_token_latency_seconds", "inter_token", "Seconds between two tokens of a request"),
+    ("vllm:e2e_request_latency_seconds", "end_to_end", "Seconds from a request's arrival to its answer"),
+)
+"""vLLM's names for what every dashboard built for vLLM reads, with its label `model_name` (here: the base)."""
+
+
+def _vllm(snapshots: list[dict]) -> list:
+    """vLLM-compatible families: latencies, running and waiting requests, the LoRA adapters of each."""
+    out = []
+    for name, key, doc in VLLM_LATENCIES:
+        family = HistogramMetricFamily(name, doc, labels=["model_name"])
+        for base in sorted({b for s in snapshots for b in s.get("latencies", {})}):
+            dist = _merge([s["latencies"][base][key] for s in snapshots if base in s.get("latencies", {})])
+            family.add_metric([base], _cumulative(dist), sum_value=dist["total"])
+        out.append(family)
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests in a generation batch", labels=["model_name"])
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests not yet answered nor in a generation batch",
+                                labels=["model_name"])
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "The LoRA adapters of running and waiting requests "
+                             "(value: when this was read)", labels=["running_lora_adapters",
+                                                                    "waiting_lora_adapters", "max_lora"])
+    loads = [s.get("load", {}) for s in snapshots]
+    for base in sorted({b for load in loads for b in load}):
+        running.add_metric([base], sum(load.get(base, {}).get("running", 0) for load in loads))
+        waiting.add_metric([base], sum(load.get(base, {}).get("waiting", 0) for load in loads))
+    names = {k: sorted({v for load in loads for by in load.values() for v in by.get(f"{k}_variants", [])})
+             for k in ("running", "waiting")}
+    most = max((s.get("max_batch_size", 0) for s in snapshots), default=0)
+    lora.add_metric([",".join(names["running"]), ",".join(names["waiting"]), str(most)], time.time())
+    return [*out, running, waiting, lora]
+
+
+def _cumulative(dist: dict) -> list[tuple[str, float]]:
+    out, running = [], 0
+    for bound, count in zip([*dist["buckets"], float("inf")], dist["counts"]):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else str(bound), running))
     return out
 
 
@@ -117,6 +155,7 @@ class Metrics:
         families.append(_by_base("manyfold_kv_store_bytes", "Bytes of each causal base's KV store, allocated once",
                                  snapshots, "kv_bytes"))
         families.append(_steps(snapshots))
+        families += _vllm(snapshots)
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]
         if plans:  # neuzip_decoded_mib: auto
             plan = GaugeMetricFamily("manyfold_memory_plan_bytes", "The replicas' memory plan: target, resident with "

@@ -163,7 +163,18 @@ class Engine:
                 "memory_plan": self.memory_plan.to_dict() if self.memory_plan else None,
                 "base_bytes": {name: rt.nbytes for name, rt in self.bases.items()},
                 "kv_bytes": {name: rt.kv.nbytes for name, rt in self.bases.items() if rt.kv is not None},
-                "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts}}
+                "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts},
+                "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},
+                "load": self._load(), "max_batch_size": self.config.batch.max_batch_size}
+
+    def _load(self) -> dict[str, dict]:
+        """Scheduler.load by base, its variants narrowed to LoRA and PiSSA adapters (vllm:lora_requests_info)."""
+        variants = self.store.manifest.variants
+        out = self.scheduler.load()
+        for by in out.values():
+            for key in ("running_variants", "waiting_variants"):
+                by[key] = [v for v in by[key] if v in variants and variants[v].kind in ("lora", "pissa")]
+        return out
 
     def seconds(self) -> dict[str, float]:
         """Seconds of work by part (compute thread and scheduler), summed over the bases (see Seconds)."""

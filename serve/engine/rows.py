@@ -33,6 +33,12 @@ class Row:
     """Resolved: its hold, queue place and permit are back."""
     generation: Generation | None = None
     """Streamed generation only: the row's Generation as far as it has gone."""
+    submitted_at: float = 0.0
+    """time.monotonic() when it was queued."""
+    tokens_seen: int = 0
+    """Generation: tokens generated as of the last step (the scheduler's latency figures)."""
+    token_at: float = 0.0
+    """Generation: time.monotonic() of its latest token."""
 
     @property
     def label(self) -> str:

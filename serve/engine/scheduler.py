@@ -17,6 +17,7 @@ place in the queue and its permit, whatever happened.
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 
 from serve.config import BatchConfig
 from serve.engine.rows import Forwards, GenerationBatch, Holds, Op, Row, Step, row_error
-from serve.engine.stats import BATCH_BUCKETS, Distribution, Seconds
+from serve.engine.stats import BATCH_BUCKETS, Distribution, Latencies, Seconds
 from serve.errors import ManyfoldError, Overloaded
 from serve.store.manifest import MEMBER_SEP
 
@@ -55,8 +56,10 @@ class Scheduler:
         self._worker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._generating: dict[str, _Generating] = {}
-        self._open = 0
-        """Rows submitted and not yet answered."""
+        self._open: Counter[str] = Counter()
+        """Rows submitted and not yet answered, by base."""
+        self.latencies: dict[str, Latencies] = {}
+        """By base: each answered request's time to first token, between tokens, end to end."""
         self._progress_at = time.monotonic()
         """When a row was last answered or a generation last stepped (or work arrived at an idle scheduler)."""
 
@@ -66,7 +69,7 @@ class Scheduler:
 
     def stalled_s(self) -> float:
         """Seconds the scheduler has had rows to answer without answering one or stepping; 0 when idle."""
-        return time.monotonic() - self._progress_at if self._open else 0.0
+        return time.monotonic() - self._progress_at if self._open.total() else 0.0
 
     # ---- requests
     def submit(self, op: Op, base: str, model: str | None, payload: Any, stream: asyncio.Queue | None = None) -> Row:
@@ -75,14 +78,15 @@ class Scheduler:
             raise Overloaded("server is shutting down")
         self._start()
         entry = model.split(MEMBER_SEP, 1)[0] if model is not None else None  # what the cache holds (a group's name)
-        row = Row(op, base, entry, payload, self._loop.create_future(), model=model, stream=stream)
+        row = Row(op, base, entry, payload, self._loop.create_future(), model=model, stream=stream,
+                  submitted_at=time.monotonic())
         try:
             self._queue.put_nowait(row)
         except asyncio.QueueFull:
             raise Overloaded(f"{self._queue.maxsize} requests already waiting; retry later") from None
-        if not self._open:
+        if not self._open.total():
             self._progress_at = time.monotonic()  # the clock starts with the work
-        self._open += 1
+        self._open[base] += 1
         return row
 
     async def result(self, row: Row) -> Any:
@@ -109,7 +113,7 @@ class Scheduler:
         another, whose rows the old loop could never serve). A loop that ended is restarted on the same queue."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._loop, self._worker, self._generating, self._open = loop, None, {}, 0
+            self._loop, self._worker, self._generating, self._open = loop, None, {}, Counter()
             self._queue = asyncio.Queue(maxsize=self.config.max_queue)
             self._in_flight = asyncio.Semaphore(self.config.max_batch_size * self.config.max_concurrent_groups)
         if self._worker is None or self._worker.done():
@@ -239,8 +243,10 @@ class Scheduler:
         if row.done:
             return
         row.done = True
-        self._open -= 1
-        self._progress_at = time.monotonic()
+        self._open[row.base] -= 1
+        self._progress_at = now = time.monotonic()
+        if error is None and not row.cancelled:
+            self.latencies.setdefault(row.base, Latencies()).end_to_end.observe(now - row.submitted_at)
         held, row.held = row.held, None
         try:
             if held is not None:
@@ -343,6 +349,9 @@ class Scheduler:
         g.pending = list(step.waiting) + g.pending
         if len(g.batch) or step.finished:
             self.batch_sizes.observe(len(g.batch) + len(step.finished))
+        now = time.monotonic()
+        for row, gen in [*g.batch.rows(), *step.finished]:
+            self._tokens(row, len(gen.token_ids), now)
         for row, gen in g.batch.rows():
             if row.stream is not None:
                 row.stream.put_nowait((gen.text, len(gen.token_ids)))
@@ -351,6 +360,34 @@ class Scheduler:
             if row in g.running:
                 g.running.remove(row)
             self._finish(row, gen)
+
+    def _tokens(self, row: Row, count: int, now: float) -> None:
+        """A generation row's latencies as its tokens arrive: the first since it was queued, each later one since
+        the one before (a step that brings several spreads its time over them)."""
+        new = count - row.tokens_seen
+        if new <= 0:
+            return
+        latency = self.latencies.setdefault(row.base, Latencies())
+        if row.tokens_seen == 0:
+            latency.first_token.observe(now - row.submitted_at)
+            new -= 1
+        else:
+            gap = (now - row.token_at) / new
+            for _ in range(new):
+                latency.inter_token.observe(gap)
+        row.tokens_seen, row.token_at = count, now
+
+    def load(self) -> dict[str, dict]:
+        """By base: requests running (in a generation batch) and waiting (every other one not yet answered), and
+        the variants running and waiting to join the batch."""
+        out: dict[str, dict] = {}
+        for base, n in self._open.items():
+            g = self._generating.get(base)
+            running, pending = (g.running, g.pending) if g is not None else ([], [])
+            out[base] = {"running": len(running), "waiting": max(0, n - len(running)),
+                         "running_variants": sorted({r.variant for r in running if r.variant}),
+                         "waiting_variants": sorted({r.variant for r in pending if r.variant})}
+        return out
 
     async def _abandon(self, base: str, g: _Generating, new: list[Row], e: Exception) -> None:
         """A step raised: the batch's state is not to be trusted. Its rows fail; rows that only waited to join

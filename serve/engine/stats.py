@@ -31,6 +31,20 @@ class Distribution:
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+"""Seconds between two tokens of a request (vLLM's buckets for vllm:inter_token_latency_seconds)."""
+
+
+@dataclass
+class Latencies:
+    """A base's request latencies, as vLLM exports them: to the first token, between tokens, end to end."""
+
+    first_token: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
+    inter_token: Distribution = field(default_factory=lambda: Distribution(TOKEN_BUCKETS))
+    end_to_end: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass

@@ -229,6 +229,53 @@ def test_metrics_are_prometheus_text(client):
     assert kv["tiny-lm"] > 0 and "minilm" not in kv  # an encoder keeps no KV store
 
 
+def test_vllm_latency_and_load_metrics_count_every_request_and_token(serving_store):
+    """vLLM's names, as dashboards built for vLLM read them: one time-to-first-token and one end-to-end figure a
+    request, one inter-token figure for every token after the first; nothing running or waiting once answered."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    config = ServeConfig(store=serving_store[0])
+    engine = Engine(config)
+    with TestClient(build_http_app(engine, config)) as c:
+        tokens = [c.post("/v1/completions", json={"model": "tiny-lm", "prompt": "the cat", "max_tokens": n,
+                                                  "temperature": 0}).json()["usage"]
+                  ["completion_tokens"] for n in (1, 3, 5)]
+        families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+
+    def count(name: str) -> float:
+        return next(s.value for s in families[name].samples
+                    if s.name.endswith("_count") and s.labels == {"model_name": "tiny-lm"})
+
+    assert count("vllm:time_to_first_token_seconds") == 3 and count("vllm:e2e_request_latency_seconds") == 3
+    assert count("vllm:inter_token_latency_seconds") == sum(tokens) - 3
+    load = {(f.name, s.labels["model_name"]): s.value for f in families.values() for s in f.samples
+            if f.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
+    assert load[("vllm:num_requests_running", "tiny-lm")] == load[("vllm:num_requests_waiting", "tiny-lm")] == 0
+    assert "vllm:lora_requests_info" in families
+
+
+def test_every_dashboard_panel_reads_a_metric_the_server_exposes(serving_store):
+    """deploy/grafana-dashboard.json: each panel's query names only series /metrics has (after a completion, a
+    classification and a cold load, as a server in use has them)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    config = ServeConfig(store=serving_store[0])
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        c.post("/v1/completions", json={"model": "tiny-lm-top", "prompt": "the cat", "max_tokens": 2})
+        c.post("/v1/classify", json={"model": "minilm-clf", "input": "x"})
+        text = c.get("/metrics").text
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\b(?:manyfold_|vllm:)[a-zA-Z0-9_:]+", target["expr"])}
+    assert len(dashboard["panels"]) >= 12 and queried
+    assert queried <= exposed, sorted(queried - exposed)
+
+
 def test_admin_add_and_remove_without_restart(client, serving_store, tmp_path):
     from tests.models import write_perturbed
 
