@@ -125,20 +125,21 @@ class Metrics:
         self.requests.labels(self.model_label(model, status), route, str(status)).inc()
 
     def render(self, snapshots: list[dict], models: list, in_flight: int = 0) -> bytes:
-        """This process's metrics plus the engines' snapshots and every model's residency."""
+        """This process's metrics plus the engines' snapshots (every replica's; counters of replicas gone come as a
+        snapshot of counters alone) and every model's residency."""
         extra = CollectorRegistry()
         families = [GaugeMetricFamily("manyfold_requests_in_flight", "HTTP requests this ingress is answering "
                                       "(streams until their last event), this one included", value=in_flight)]
         events = CounterMetricFamily("manyfold_cache_events", "Variant cache lookups and evictions", labels=["event"])
         for event in ("hit", "miss", "eviction"):
             key = {"hit": "cache_hits", "miss": "cache_misses", "eviction": "cache_evictions"}[event]
-            events.add_metric([event], sum(s[key] for s in snapshots))
+            events.add_metric([event], sum(s.get(key, 0) for s in snapshots))
         families.append(events)
         used = GaugeMetricFamily("manyfold_cache_bytes", "Bytes of decoded variants per tier (hot: the fast tier, "
                                  "warm: host memory); recycled: buffers of evicted variants kept for the next decode",
                                  labels=["tier"])
         for tier in ("hot", "warm", "recycled"):
-            used.add_metric([tier], sum(s["cache_bytes"][tier] for s in snapshots))
+            used.add_metric([tier], sum(s.get("cache_bytes", {}).get(tier, 0) for s in snapshots))
         families.append(used)
         seconds = CounterMetricFamily("manyfold_engine_seconds", "Engine time by part: step (a generation step "
                                       "on the compute thread), forward (model forwards), lora / weights / emr "
@@ -148,7 +149,7 @@ class Metrics:
             seconds.add_metric([part], sum(s.get("seconds", {}).get(part, 0.0) for s in snapshots))
         families.append(seconds)
         families.append(GaugeMetricFamily("manyfold_queue_depth", "Rows waiting for a scheduler",
-                                          value=sum(s["queue_depth"] for s in snapshots)))
+                                          value=sum(s.get("queue_depth", 0) for s in snapshots)))
         families.append(_by_base("manyfold_base_weight_bytes", "Resident bytes of each base's weights (a NeuZip base: "
                                  "its coded streams, the weights kept decoded, its decode buffers)", snapshots,
                                  "base_bytes"))
@@ -164,11 +165,11 @@ class Metrics:
             for part in ("target", "resident", "working", "reserved", "decoded"):
                 plan.add_metric([part], sum(p[part] for p in plans))
             families.append(plan)
-        if snapshots:
-            families.append(_histogram("manyfold_batch_size", "Rows per forward pass",
-                                       _merge([s["batch_sizes"] for s in snapshots])))
-            families.append(_histogram("manyfold_variant_load_seconds", "Decode time of a cold variant",
-                                       _merge([s["load_seconds"] for s in snapshots])))
+        for name, doc, key in (("manyfold_batch_size", "Rows per forward pass", "batch_sizes"),
+                               ("manyfold_variant_load_seconds", "Decode time of a cold variant", "load_seconds")):
+            dists = [s[key] for s in snapshots if key in s]
+            if dists:
+                families.append(_histogram(name, doc, _merge(dists)))
         resident = GaugeMetricFamily("manyfold_variant_resident", "1 at the tier where a model's weights are: hot "
                                      "(the fast tier), warm (host memory), cold (on disk only)",
                                      labels=["model", "tier"])

@@ -304,3 +304,44 @@ def test_a_killed_replica_is_restarted_and_no_request_hangs(server):
     for entry in [*store.manifest.bases.values(), *store.manifest.variants.values()]:
         if entry.name != "tiny-lm-broken":  # spoilt on purpose by this module's fixture
             store.verify(entry)
+
+
+def test_metrics_scraped_during_a_load_over_two_replicas_never_go_backwards(server, http):
+    """tiny-lm runs two replicas; each reports its counters to the board, and /metrics sums them: twenty scrapes
+    taken while requests come in, every counter and histogram sample at least what it was the scrape before."""
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def load():
+        with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+            for i in range(2000):  # bounded; ends when the scrapes do
+                if stop.is_set():
+                    return
+                model = ("tiny-lm", "tiny-lm-top", "tiny-lm-all")[i % 3]
+                answered.append(c.post("/v1/completions", json={"model": model, "prompt": "the cat",
+                                                                "max_tokens": 2}).status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    scrapes = []
+    try:
+        while len(scrapes) < 20:
+            text = http.get("/metrics").text
+            scrapes.append({(s.name, tuple(sorted(s.labels.items()))): s.value
+                            for f in text_string_to_metric_families(text) if f.type in ("counter", "histogram")
+                            for s in f.samples})
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+    for before, after in zip(scrapes, scrapes[1:]):
+        went_back = [k for k, v in before.items() if after.get(k, 0.0) < v]
+        assert not went_back, went_back
+    assert answered and set(answered) == {200}
+    steps = [v for (name, labels), v in scrapes[-1].items() if name == "manyfold_generation_steps_total"]
+    assert steps and sum(steps) > 0  # the replicas' counters reached /metrics through the board

@@ -1,8 +1,12 @@
-"""ResidencyBoard: which variants every model replica holds, so /v1/models shows the whole deployment.
+"""ResidencyBoard: which variants every model replica holds, and every replica's counters, so /v1/models and
+/metrics show the whole deployment.
 
 A Ray Serve handle reaches one replica per call, so asking the replicas cannot see them all: instead each
-replica reports what its cache holds whenever that changes, and at every health check, and the ingress reads
-the board. A replica that stops reporting (gone without a goodbye) drops off after `stale_after_s`.
+replica reports what its cache holds, with its engine's counters (Engine.snapshot), whenever its residency
+changes and at every health check, and the ingress reads the board. A replica that stops reporting (gone
+without a goodbye) drops off after `stale_after_s`, and one that leaves says so; either way its counters' last
+report is kept in a retired total, so that the sum over the deployment, which /metrics renders, never goes
+backwards however replicas come and go.
 """
 
 import asyncio
@@ -26,26 +30,67 @@ class ResidencyBoard:
     def __init__(self, stale_after_s: float = 60.0):
         self.stale_after_s = stale_after_s
         self._reports: dict[str, tuple[float, dict[str, str]]] = {}
+        self._counters: dict[str, dict] = {}
+        """replica -> its latest snapshot."""
+        self._retired: dict = {}
+        """The counters (COUNTERS) of replicas gone, added up."""
 
-    def report(self, replica: str, held: dict[str, str]) -> None:
+    def report(self, replica: str, held: dict[str, str], snapshot: dict | None = None) -> None:
         self._reports[replica] = (time.monotonic(), dict(held))
+        if snapshot is not None:
+            self._counters[replica] = snapshot
 
     def forget(self, replica: str) -> None:
         self._reports.pop(replica, None)
+        last = self._counters.pop(replica, None)
+        if last is not None:
+            self._retired = add_counters(self._retired, {k: last[k] for k in COUNTERS if k in last})
+
+    def _live(self) -> dict[str, dict[str, str]]:
+        now = time.monotonic()
+        for replica, (at, _) in list(self._reports.items()):
+            if now - at > self.stale_after_s:
+                self.forget(replica)
+        return {replica: held for replica, (_, held) in self._reports.items()}
 
     def residency(self) -> dict[str, str]:
         """variant -> the best tier any live replica holds it in (variants no replica holds are absent)."""
-        now = time.monotonic()
         out: dict[str, str] = {}
-        for replica, (at, held) in list(self._reports.items()):
-            if now - at > self.stale_after_s:
-                del self._reports[replica]
-                continue
+        for held in self._live().values():
             for name, tier in held.items():
                 out[name] = best_tier(tier, out.get(name, "cold"))
         return out
 
+    def snapshots(self) -> list[dict]:
+        """Every live replica's latest snapshot, and the retired replicas' counters as one more."""
+        live = self._live()
+        return [s for r, s in self._counters.items() if r in live] + ([self._retired] if self._retired else [])
 
+
+COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "batch_sizes", "load_seconds", "seconds", "steps",
+            "latencies")
+"""The keys of Engine.snapshot that only grow (the rest are gauges: what is held or waiting now)."""
+
+
+def add_counters(a: dict, b: dict) -> dict:
+    """a + b, key by key, through nested dicts; a histogram's counts add element by element, its bounds stay."""
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = add_counters(out[key], value)
+        elif key == "buckets":
+            continue
+        elif isinstance(value, list | tuple):
+            out[key] = [x + y for x, y in zip(out[key], value)]
+        else:
+            out[key] = out[key] + value
+    return out
+
+
+REFRESH_S = 1.0
+"""A replica answering requests reports at least this often (its counters, for /metrics)."""
 REPORT_TIMEOUT_S = 2.0
 """How long one residency report may take before it is given up (one warning line)."""
 
@@ -57,17 +102,21 @@ class Reporter:
 
     def __init__(self, send: Callable[[dict[str, str]], Awaitable[None]], timeout_s: float = REPORT_TIMEOUT_S,
                  before: Callable[[], None] = lambda: None):
-        """send(held): the report itself (the board handle's call); before(): a test's fault hook."""
+        """send(held): the report itself (the board handle's call, which adds the replica's counters);
+        before(): a test's fault hook."""
         self._send = send
         self.timeout_s = timeout_s
         self._before = before
         self._reported: dict[str, str] | None = None
+        self._reported_at = -float("inf")
         self._task: asyncio.Task | None = None
         self.failures = 0
 
     def changed(self, held: dict[str, str]) -> None:
-        """After a request: report `held` in the background if it differs from the last report (never waits)."""
-        if held != self._reported and (self._task is None or self._task.done()):
+        """After a request: report in the background if `held` differs from the last report, or the last is
+        older than REFRESH_S (the counters move with every request); never waits."""
+        due = held != self._reported or time.monotonic() - self._reported_at >= REFRESH_S
+        if due and (self._task is None or self._task.done()):
             self._task = asyncio.ensure_future(self.report(held))
 
     async def report(self, held: dict[str, str]) -> None:
@@ -75,7 +124,7 @@ class Reporter:
         try:
             self._before()
             await asyncio.wait_for(self._send(dict(held)), self.timeout_s)
-            self._reported = dict(held)
+            self._reported, self._reported_at = dict(held), time.monotonic()
         except Exception as e:  # noqa: BLE001
             self.failures += 1
             why = "timed out" if isinstance(e, TimeoutError) else (str(e).splitlines() or [type(e).__name__])[0]

@@ -37,8 +37,11 @@ class EngineReplica:
         self.stall_timeout_s = parsed.deployments.get(base, parsed.deployment).stall_timeout_s
         self.board = board
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.reporter = Reporter(lambda held: self.board.report.remote(self.replica_id, held),
+        self.reporter = Reporter(self._report,
                                  before=lambda: faults.hit("report", [base]))
+
+    async def _report(self, held: dict[str, str]) -> None:
+        await self.board.report.remote(self.replica_id, held, await self.engine.snapshot())
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s: it fails when the engine is stuck (requests waiting, no

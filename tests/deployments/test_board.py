@@ -64,3 +64,47 @@ def test_a_report_that_raises_never_reaches_the_request():
     with faults.injected("report", "lm"):
         asyncio.run(reporter.report({"x": "hot"}))  # no exception escapes
     assert reporter.failures == 1 and faults.hits["report"] >= 1
+
+
+def snapshot(hits: int, steps: int, queue: int) -> dict:
+    from serve.engine.stats import Distribution, Latencies
+
+    lat = Latencies()
+    for _ in range(steps):
+        lat.end_to_end.observe(0.2)
+    batches = Distribution((1, 2, 4))
+    batches.observe(2)
+    return {"cache_hits": hits, "cache_misses": 1, "cache_evictions": 0, "queue_depth": queue,
+            "cache_bytes": {"hot": 10, "warm": 0, "recycled": 0, "slots": 0}, "batch_sizes": batches.to_dict(),
+            "load_seconds": Distribution((1.0,)).to_dict(), "seconds": {"step": 0.5 * steps},
+            "steps": {"lm": {"eager:cpu": steps}}, "latencies": {"lm": lat.to_dict()}, "load": {}}
+
+
+def counters(text: str) -> dict[tuple, float]:
+    """Every sample of a counter or histogram, by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+            if f.type in ("counter", "histogram") for s in f.samples}
+
+
+def test_the_deployments_counters_never_go_backwards_as_replicas_come_and_go():
+    """/metrics sums every replica's last report; a replica that leaves (or stops reporting) leaves its counters
+    behind in a retired total, so no scrape shows less than the one before."""
+    from serve.metrics import Metrics
+
+    board = ResidencyBoard(stale_after_s=60)
+    metrics = Metrics()
+    timeline = [("report", "r1", snapshot(3, 2, 1)), ("report", "r2", snapshot(5, 4, 0)),
+                ("forget", "r1", None), ("report", "r3", snapshot(0, 0, 2)), ("report", "r2", snapshot(9, 7, 3)),
+                ("forget", "r2", None), ("report", "r3", snapshot(1, 1, 0))]
+    last: dict[tuple, float] = {}
+    for what, replica, snap in timeline:
+        board.report(replica, {}, snap) if what == "report" else board.forget(replica)
+        now = counters(metrics.render(board.snapshots(), []).decode())
+        assert all(now.get(k, 0.0) >= v for k, v in last.items()), [k for k, v in last.items() if now.get(k, 0) < v]
+        last = now
+    hits = last[("manyfold_cache_events_total", (("event", "hit"),))]
+    assert hits == 3 + 9 + 1  # r1's and r2's last reports, retired, and r3's
+    e2e = last[("vllm:e2e_request_latency_seconds_count", (("model_name", "lm"),))]
+    assert e2e == 2 + 7 + 1
