@@ -15,7 +15,7 @@ from ray.serve import Application
 
 from serve.config import DeploymentConfig, ServeConfig, parse_config
 from serve.deployments.board import ResidencyBoard
-from serve.store.store import Store
+from serve.store.store import open_store
 
 
 REPLICA_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -70,7 +70,7 @@ def build_app(args: dict | ServeConfig) -> Application:
     from serve.deployments.replica import EngineReplica  # here: the ingress's process imports this module too
 
     config = args if isinstance(args, ServeConfig) else parse_config(dict(args), "serve application args")
-    bases = list(Store(config.store).manifest.bases)
+    bases = list(open_store(config.store).manifest.bases)
     board = serve.deployment(ResidencyBoard, name=BOARD, num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
     shares = cpu_shares(config, bases, *cluster_cpus())
     children = []
@@ -165,7 +165,7 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
         target = serve.RunTarget(target=build_app(config), name=APP, route_prefix="/",
                                  logging_config={"log_level": "WARNING"})
         serve.run_many([target], wait_for_applications_running=False)  # a base Ray cannot place must not hang us
-        bases = list(Store(config.store).manifest.bases)
+        bases = list(open_store(config.store).manifest.bases)
         for line in wait_for_bases(APP, {b: deployment_name(b) for b in bases}, idle_bases(config, bases),
                                    config.start_timeout_s, stop):
             print(line, flush=True)

@@ -132,7 +132,9 @@ NEUZIP_DECODED_MIB = 0
 
 
 class ServeConfig(StrictModel):
-    store: Path
+    store: Path | str
+    """A local directory, or object storage as a URL (s3://BUCKET/PREFIX, gs://, az://, file://; the endpoint from
+    AWS_ENDPOINT_URL, credentials from the AWS variables; serve/store/object_store.py)."""
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     device: str = "cpu"
@@ -166,10 +168,13 @@ class ServeConfig(StrictModel):
     slots: SlotsConfig = SlotsConfig()
     limits: LimitsConfig = LimitsConfig()
 
-    @field_validator("store")
+    @field_validator("store", mode="before")
     @classmethod
-    def _expand_home(cls, v: Path) -> Path:
-        return v.expanduser()
+    def _path_or_url(cls, v: object) -> object:
+        """A URL stays a string (its scheme checked when the store opens); anything else is a local path."""
+        if isinstance(v, str) and "://" in v:
+            return v
+        return Path(v).expanduser() if isinstance(v, str | Path) else v
 
     @field_validator("neuzip_decoded_mib", mode="before")
     @classmethod

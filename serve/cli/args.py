@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from serve.errors import ConfigError
 
 if TYPE_CHECKING:
-    from serve.store.store import Store
+    from serve.store.store import StoreView
 
 
 def add_command(parent: argparse._SubParsersAction, name: str, fn: Callable[[argparse.Namespace], None],
@@ -25,11 +25,12 @@ def default_store() -> str | None:
     return os.environ.get("MANYFOLD_STORE")
 
 
-def open_store(args: argparse.Namespace, create: bool = False) -> "Store":
-    """The store at --store, imported late so that `manyfold --help` stays quick."""
-    from serve.store.store import Store
+def open_store(args: argparse.Namespace, create: bool = False) -> "StoreView":
+    """The store at --store (a directory, or an s3://, gs://, ... URL), imported late so that `manyfold --help`
+    stays quick."""
+    from serve.store.store import open_store as open_location
 
-    return Store(args.store, create=create)
+    return open_location(args.store, create=create)
 
 
 def base_dir(args: argparse.Namespace) -> Path:

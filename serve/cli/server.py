@@ -44,9 +44,9 @@ def _serve_config(args: argparse.Namespace, store: Path | None):
 
 
 def _print_examples(url: str, config) -> None:
-    from serve.store.store import Store, is_causal_lm
+    from serve.store.store import is_causal_lm, open_store
 
-    store = Store(config.store)
+    store = open_store(config.store)
     lines = [f"serving {config.store} at {url}  (Ctrl-C to stop)", "", "try:"]
     classifiers = [m for v in store.manifest.variants.values() for m, labels in v.models().items() if labels]
     if classifiers:

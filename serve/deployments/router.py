@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, TextDelta
 from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable, VariantNotFound
-from serve.store.store import Store
+from serve.store.store import open_store
 
 PEEK_TIMEOUT_S = 2.0
 """How long /v1/models and /metrics wait for the board or a replica's counters before answering without them."""
@@ -24,7 +24,7 @@ PEEK_TIMEOUT_S = 2.0
 class Router:
     def __init__(self, store_root: str | Path, handles: dict[str, DeploymentHandle], board: DeploymentHandle,
                  health: DeploymentHealth):
-        self.store = Store(store_root)
+        self.store = open_store(store_root)
         self.handles = handles
         self.board = board
         self.health = health

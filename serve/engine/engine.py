@@ -27,7 +27,7 @@ from serve.engine.rows import Op
 from serve.engine.scheduler import Scheduler
 from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
 from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
-from serve.store.store import Store
+from serve.store.store import open_store
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
 from serve.variants.base import LoadedVariant
@@ -42,7 +42,7 @@ class Engine:
         """memory_target: bytes the engine may hold in all (a replica's Ray memory); None: the memory_target_mib of
         its bases' deployments. Only `neuzip_decoded_mib: auto` reads it."""
         self.config = config
-        self.store = Store(config.store)
+        self.store = open_store(config.store)
         self.bases: dict[str, BaseModelRuntime] = {}
         self._only = set(bases) if bases is not None else None
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")

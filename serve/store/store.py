@@ -38,7 +38,137 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class Store:
+class StoreView:
+    """What every store does through its manifest alone, wherever its bytes live: resolve model ids, read entries,
+    check a write, add a base. A store in a local directory (Store) and one on object storage
+    (serve/store/object_store.py: ObjectStore) each keep `manifest` current and place files their own way."""
+
+    root: str | Path
+    """Where the store is, as messages name it."""
+    manifest: StoreManifest
+
+    def resolve(self, model: str) -> tuple[str, str | None]:
+        """A model id -> (its base, the model id again, or None for a base); unknown ids suggest close ones."""
+        if model in self.manifest.bases:
+            return model, None
+        entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
+        if entry is not None and model in entry.models():
+            return entry.base, model
+        known = [*self.manifest.bases, *(m for v in self.manifest.variants.values() for m in v.models())]
+        close = difflib.get_close_matches(model, known, n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise VariantNotFound(f"model '{model}' does not exist{hint}")
+
+    def labels(self, model: str) -> list[str] | None:
+        """A served variant's class labels (None: not a classifier, or a base)."""
+        entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
+        return entry.models().get(model) if entry is not None else None
+
+    def base(self, name: str) -> BaseEntry:
+        try:
+            return self.manifest.bases[name]
+        except KeyError:
+            raise VariantNotFound(f"store {self.root} has no base '{name}'") from None
+
+    def variant(self, name: str) -> VariantEntry:
+        try:
+            return self.manifest.variants[name]
+        except KeyError:
+            raise VariantNotFound(f"store {self.root} has no variant '{name}'") from None
+
+    def base_shapes(self, name: str) -> dict[str, list[int]]:
+        """Shapes of a base's tensors, from its safetensors headers: what a variant is validated against."""
+        from serve.store.tensors import SafetensorsSource
+
+        return SafetensorsSource(self.base_dir(name)).shapes()
+
+    def summary(self) -> list[dict]:
+        """One row per base and variant: what `manyfold store list` prints."""
+        rows = [{"name": b.name, "kind": "base", "base": "-", "architecture": b.architecture,
+                 "stored_bytes": sum(f.bytes for f in b.files), "raw_bytes": None, "params": b.params}
+                for b in self.manifest.bases.values()]
+        rows += [{"name": v.name, "kind": v.kind, "base": v.base, "architecture": v.architecture,
+                  "stored_bytes": sum(f.bytes for f in v.files), "raw_bytes": v.raw_bytes,
+                  "models": v.models(), "forms": {m: v.form_of(m) for m in v.models()},
+                  "form_records": {m: r.model_dump() for m, r in v.form_records().items()}}
+                 for v in self.manifest.variants.values()]
+        return rows
+
+    def _refuse_taken(self, name: str, manifest: StoreManifest | None = None) -> None:
+        m = self.manifest if manifest is None else manifest
+        if name in m.bases or name in m.variants:
+            raise BadRequest(f"store {self.root} already has an entry named '{name}'")
+
+    def add_base(self, name: str, model_dir: str | Path, derive: Callable[[Path], None] | None = None,
+                 neuzip_bits: int | None = None) -> BaseEntry:
+        """Copy a HF model directory (safetensors weights, config, tokenizer) into the store as a base.
+        derive(staged) may rewrite the copy and add files before it is committed (a NeuZip form:
+        serve/codecs/neuzip_file.py add_base); the entry describes the weights as staged."""
+        from serve.store.tensors import SafetensorsSource, fingerprint
+
+        model_dir = Path(model_dir)
+        read_model_config(model_dir)
+        with self.stage() as staged:
+            shutil.copytree(model_dir, staged, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(*NOT_COPIED))
+            if derive is not None:
+                derive(staged)
+            weights = SafetensorsSource(staged)
+            entry = BaseEntry(name=name, architecture=architecture_of(read_model_config(staged), model_dir),
+                              params=sum(t.numel() for t in weights.values()),
+                              fingerprint=fingerprint(weights), files=[], neuzip_bits=neuzip_bits)
+            return self.commit(staged, entry)
+
+    def base_dir(self, name: str) -> Path:
+        """A local directory holding the base's files."""
+        raise NotImplementedError
+
+    def variant_dir(self, name: str) -> Path:
+        """A local directory holding the variant's files."""
+        raise NotImplementedError
+
+    def stage(self) -> contextlib.AbstractContextManager[Path]:
+        """A local temp directory for a new entry's files; removed unless committed."""
+        raise NotImplementedError
+
+    def commit(self, staged: Path, entry: BaseEntry | VariantEntry, replace: bool = False) -> BaseEntry | VariantEntry:
+        raise NotImplementedError
+
+    def _replaceable(self, manifest: StoreManifest, entry: BaseEntry | VariantEntry, replace: bool
+                     ) -> VariantEntry | None:
+        """The entry `entry` replaces (None: its name is new), after the checks every commit makes."""
+        old = manifest.variants.get(entry.name) if entry.kind != "base" else None
+        if old is not None and replace:
+            if (old.kind, old.base) != (entry.kind, entry.base):
+                raise BadRequest(f"store {self.root}: '{entry.name}' is a {old.kind} variant of '{old.base}'; "
+                                 f"it cannot be replaced by a {entry.kind} variant of '{entry.base}'")
+            if old.directory == entry.directory:
+                raise BadRequest(f"store {self.root}: '{entry.name}' already holds this bundle")
+        else:
+            self._refuse_taken(entry.name, manifest)
+            old = None
+        if entry.kind != "base" and entry.base not in manifest.bases:
+            raise VariantNotFound(f"store {self.root} has no base '{entry.base}'")
+        return old
+
+    def _without(self, manifest: StoreManifest, name: str) -> tuple[StoreManifest, str, str]:
+        """The manifest without entry `name` (a base only once no variant needs it); -> (it, its section, its
+        directory)."""
+        if name in manifest.variants:
+            variants = {k: v for k, v in manifest.variants.items() if k != name}
+            return manifest.model_copy(update={"variants": variants}), "variants", manifest.variants[name].directory
+        if name in manifest.bases:
+            children = sorted(v.name for v in manifest.variants.values() if v.base == name)
+            if children:
+                raise BadRequest(f"base '{name}' still has variants: {', '.join(children)}")
+            bases = {k: v for k, v in manifest.bases.items() if k != name}
+            return manifest.model_copy(update={"bases": bases}), "bases", name
+        raise VariantNotFound(f"store {self.root} has no entry '{name}'")
+
+
+class Store(StoreView):
+    """A store in a local directory (the layout above)."""
+
     def __init__(self, root: str | Path, create: bool = False):
         self.root = Path(root)
         if create and not (self.root / MANIFEST).exists():
@@ -66,23 +196,6 @@ class Store:
         self.reload()
         return True
 
-    def resolve(self, model: str) -> tuple[str, str | None]:
-        """A model id -> (its base, the model id again, or None for a base); unknown ids suggest close ones."""
-        if model in self.manifest.bases:
-            return model, None
-        entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
-        if entry is not None and model in entry.models():
-            return entry.base, model
-        known = [*self.manifest.bases, *(m for v in self.manifest.variants.values() for m in v.models())]
-        close = difflib.get_close_matches(model, known, n=3)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise VariantNotFound(f"model '{model}' does not exist{hint}")
-
-    def labels(self, model: str) -> list[str] | None:
-        """A served variant's class labels (None: not a classifier, or a base)."""
-        entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
-        return entry.models().get(model) if entry is not None else None
-
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -92,27 +205,8 @@ class Store:
         finally:
             os.close(fd)
 
-    # ---- reading
-    def base(self, name: str) -> BaseEntry:
-        try:
-            return self.manifest.bases[name]
-        except KeyError:
-            raise VariantNotFound(f"store {self.root} has no base '{name}'") from None
-
-    def variant(self, name: str) -> VariantEntry:
-        try:
-            return self.manifest.variants[name]
-        except KeyError:
-            raise VariantNotFound(f"store {self.root} has no variant '{name}'") from None
-
     def base_dir(self, name: str) -> Path:
         return self.root / "bases" / self.base(name).name
-
-    def base_shapes(self, name: str) -> dict[str, list[int]]:
-        """Shapes of a base's tensors, from its safetensors headers: what a variant is validated against."""
-        from serve.store.tensors import SafetensorsSource
-
-        return SafetensorsSource(self.base_dir(name)).shapes()
 
     def variant_dir(self, name: str) -> Path:
         return self.root / "variants" / self.variant(name).directory
@@ -129,19 +223,6 @@ class Store:
             if digest != f.sha256:
                 raise ArtifactError(f"{path}: sha256 mismatch (manifest {f.sha256[:12]}…, file {digest[:12]}…)")
 
-    def summary(self) -> list[dict]:
-        """One row per base and variant: what `manyfold store list` prints."""
-        rows = [{"name": b.name, "kind": "base", "base": "-", "architecture": b.architecture,
-                 "stored_bytes": sum(f.bytes for f in b.files), "raw_bytes": None, "params": b.params}
-                for b in self.manifest.bases.values()]
-        rows += [{"name": v.name, "kind": v.kind, "base": v.base, "architecture": v.architecture,
-                  "stored_bytes": sum(f.bytes for f in v.files), "raw_bytes": v.raw_bytes,
-                  "models": v.models(), "forms": {m: v.form_of(m) for m in v.models()},
-                  "form_records": {m: r.model_dump() for m, r in v.form_records().items()}}
-                 for v in self.manifest.variants.values()]
-        return rows
-
-    # ---- writing
     @contextlib.contextmanager
     def stage(self) -> Iterator[Path]:
         """A temp directory inside the store for a new entry's files; removed unless committed."""
@@ -180,17 +261,7 @@ class Store:
         section = "bases" if entry.kind == "base" else "variants"
         with self._locked():
             self.reload()
-            old = self.manifest.variants.get(entry.name) if section == "variants" else None
-            if old is not None and replace:
-                if (old.kind, old.base) != (entry.kind, entry.base):
-                    raise BadRequest(f"store {self.root}: '{entry.name}' is a {old.kind} variant of '{old.base}'; "
-                                     f"it cannot be replaced by a {entry.kind} variant of '{entry.base}'")
-                if old.directory == entry.directory:
-                    raise BadRequest(f"store {self.root}: '{entry.name}' already holds this bundle")
-            else:
-                self._refuse_taken(entry.name)
-            if section == "variants":
-                self.base(entry.base)
+            old = self._replaceable(self.manifest, entry, replace)
             directory = entry.name if entry.kind == "base" else entry.directory
             entry = entry.model_copy(update={"files": self._place(staged, section, directory)})
             entries = {**getattr(self.manifest, section), entry.name: entry}
@@ -235,49 +306,25 @@ class Store:
                 write_manifest(self.root, self.manifest)
         return added, refused
 
-    def _refuse_taken(self, name: str) -> None:
-        if name in self.manifest.bases or name in self.manifest.variants:
-            raise BadRequest(f"store {self.root} already has an entry named '{name}'")
-
-    def add_base(self, name: str, model_dir: str | Path, derive: Callable[[Path], None] | None = None,
-                 neuzip_bits: int | None = None) -> BaseEntry:
-        """Copy a HF model directory (safetensors weights, config, tokenizer) into the store as a base.
-        derive(staged) may rewrite the copy and add files before it is committed (a NeuZip form:
-        serve/codecs/neuzip_file.py add_base); the entry describes the weights as staged."""
-        from serve.store.tensors import SafetensorsSource, fingerprint
-
-        model_dir = Path(model_dir)
-        read_model_config(model_dir)
-        with self.stage() as staged:
-            shutil.copytree(model_dir, staged, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns(*NOT_COPIED))
-            if derive is not None:
-                derive(staged)
-            weights = SafetensorsSource(staged)
-            entry = BaseEntry(name=name, architecture=architecture_of(read_model_config(staged), model_dir),
-                              params=sum(t.numel() for t in weights.values()),
-                              fingerprint=fingerprint(weights), files=[], neuzip_bits=neuzip_bits)
-            return self.commit(staged, entry)
-
     def remove(self, name: str) -> None:
         """Drop an entry from the manifest first, then its files. A base goes only without variants."""
         with self._locked():
             self.reload()
-            m = self.manifest
-            if name in m.variants:
-                update, section = {"variants": {k: v for k, v in m.variants.items() if k != name}}, "variants"
-                directory = m.variants[name].directory
-            elif name in m.bases:
-                children = sorted(v.name for v in m.variants.values() if v.base == name)
-                if children:
-                    raise BadRequest(f"base '{name}' still has variants: {', '.join(children)}")
-                update, section = {"bases": {k: v for k, v in m.bases.items() if k != name}}, "bases"
-                directory = name
-            else:
-                raise VariantNotFound(f"store {self.root} has no entry '{name}'")
-            self.manifest = m.model_copy(update=update)
+            self.manifest, section, directory = self._without(self.manifest, name)
             write_manifest(self.root, self.manifest)
             shutil.rmtree(self.root / section / directory, ignore_errors=True)
+
+
+def open_store(location: str | Path, create: bool = False) -> StoreView:
+    """The store at `location`: object storage for a URL (s3://, gs://, az://, file://, memory://; see
+    serve/store/object_store.py), else a local directory (Store)."""
+    from serve.store.objects import is_url
+
+    if is_url(location):
+        from serve.store.object_store import ObjectStore
+
+        return ObjectStore(str(location), create=create)
+    return Store(location, create=create)
 
 
 def named_twice(name: str, count: int) -> BadRequest:

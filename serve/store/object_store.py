@@ -1,0 +1,192 @@
+"""A store on object storage (s3://, gs://, az://, memory://): immutable objects and one manifest per generation.
+
+    manifests/<generation, 20 digits>   the StoreManifest as of that generation
+    objects/<sha256>                    a file's bytes, named by their digest
+
+An entry's files are objects: FileEntry.path is the file's path inside the entry's directory, and its sha256 the
+object's name, so the same bytes (a tokenizer many bases share, an adapter added twice) are one object. A write
+uploads the new files' objects first (a reader never sees an object half-written, and none is named yet), then
+puts manifest generation N + 1 if absent: of two writers racing for it, one wins and the other reads N + 1,
+checks its change again against it and tries N + 2, so neither loses the other's add. A reader refreshes by
+listing the generations after the one it holds. Entries are read through a node's cache (node_cache.py): a
+directory per entry and content, its files fetched once per node and checked against their digests once.
+Objects of a removed or replaced entry stay: a reader on an older generation may still fetch them (their
+deletion after a grace period is not written yet).
+"""
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from pydantic import ValidationError
+from pydantic_core import from_json
+
+from serve.errors import ArtifactError, ConfigError, ManyfoldError, first_error
+from serve.store.manifest import BaseEntry, FileEntry, StoreManifest, VariantEntry
+from serve.store.node_cache import NodeCache
+from serve.store.objects import Objects
+from serve.store.store import StoreView, file_sha256, named_twice
+
+GENERATIONS = "manifests"
+MAX_ATTEMPTS = 64
+"""Generations a write tries before it gives up (each lost race means another writer's change went in)."""
+CACHE_MIB = 20 << 10
+"""A node cache's default budget when MANYFOLD_CACHE_MIB is not set: 20 GiB."""
+
+
+def node_cache() -> NodeCache:
+    """This node's cache: MANYFOLD_CACHE_DIR (default ~/.cache/manyfold/node), MANYFOLD_CACHE_MIB of it."""
+    root = os.environ.get("MANYFOLD_CACHE_DIR") or Path.home() / ".cache" / "manyfold" / "node"
+    try:
+        mib = int(os.environ.get("MANYFOLD_CACHE_MIB", CACHE_MIB))
+    except ValueError:
+        raise ConfigError(f"MANYFOLD_CACHE_MIB: expected a number of MiB, got {os.environ['MANYFOLD_CACHE_MIB']!r}")
+    return NodeCache(root, mib << 20)
+
+
+def generation_key(n: int) -> str:
+    return f"{GENERATIONS}/{n:020d}"
+
+
+class ObjectStore(StoreView):
+    def __init__(self, url: str, create: bool = False, cache: NodeCache | None = None):
+        self.root = url
+        self.objects = Objects(url)
+        self.cache = cache if cache is not None else node_cache()
+        self.generation = 0
+        """The manifest generation held (0: none written yet)."""
+        if create and not self.objects.keys(GENERATIONS):
+            self.objects.put_new(generation_key(1), _dump(StoreManifest()))
+        self.reload()
+
+    # ---- reading
+    def reload(self) -> StoreManifest:
+        keys = self.objects.keys(GENERATIONS)
+        if not keys:
+            raise ArtifactError(f"{self.root}: not a Manyfold store (no {GENERATIONS}/)")
+        self._load(keys[-1])
+        return self.manifest
+
+    def refresh(self) -> bool:
+        """Read the newest generation if it is not the one held; -> whether it changed."""
+        newer = self.objects.keys(GENERATIONS, after=generation_key(self.generation))
+        if not newer:
+            return False
+        self._load(newer[-1])
+        return True
+
+    def _load(self, key: str) -> None:
+        data = self.objects.read(key)
+        try:
+            self.manifest = StoreManifest.model_validate(from_json(data, cache_strings="all"))
+        except ValidationError as e:
+            raise ArtifactError(f"{self.root}/{key}: malformed manifest ({first_error(e)})") from e
+        except ValueError as e:
+            raise ArtifactError(f"{self.root}/{key}: malformed manifest ({e})") from e
+        self.generation = int(key.rsplit("/", 1)[1])
+
+    def base_dir(self, name: str) -> Path:
+        return self._directory(self.base(name))
+
+    def variant_dir(self, name: str) -> Path:
+        return self._directory(self.variant(name))
+
+    def _directory(self, entry: BaseEntry | VariantEntry) -> Path:
+        content = hashlib.sha256("".join(f"{f.path}\0{f.sha256}\0" for f in entry.files).encode()).hexdigest()
+        return self.cache.directory(self.objects, f"{entry.name}-{content[:16]}", entry.files)
+
+    def verify(self, entry: BaseEntry | VariantEntry) -> None:
+        """Every file of the entry fetched from the store and checked against its digest and size."""
+        with tempfile.TemporaryDirectory(dir=self._staging()) as tmp:
+            for f in entry.files:
+                size = self.objects.download(f"objects/{f.sha256}", Path(tmp) / "object", f.sha256)
+                if size != f.bytes:
+                    raise ArtifactError(f"{self.root}: {entry.name}/{f.path}: {size} bytes, manifest says {f.bytes}")
+
+    # ---- writing
+    @contextlib.contextmanager
+    def stage(self) -> Iterator[Path]:
+        tmp = Path(tempfile.mkdtemp(dir=self._staging()))
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _staging(self) -> Path:
+        path = self.cache.root / "staging"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _upload(self, staged: Path) -> list[FileEntry]:
+        """Each staged file as an object (uploaded unless its bytes are there already); -> their entries."""
+        files = []
+        for p in sorted(staged.rglob("*")):
+            if p.is_file():
+                digest = file_sha256(p)
+                if not self.objects.exists(f"objects/{digest}"):
+                    self.objects.put_file(f"objects/{digest}", p)
+                files.append(FileEntry(path=str(p.relative_to(staged)), bytes=p.stat().st_size, sha256=digest))
+        return files
+
+    def _swap(self, change: Callable[[StoreManifest], StoreManifest]) -> None:
+        """Write change(newest manifest) as the next generation, again over a newer one if another writer got
+        there first; change raises (BadRequest, ...) when the newest manifest refuses it."""
+        for _ in range(MAX_ATTEMPTS):
+            self.refresh()
+            new = change(self.manifest)
+            if self.objects.put_new(generation_key(self.generation + 1), _dump(new)):
+                self.manifest, self.generation = new, self.generation + 1
+                return
+        raise ArtifactError(f"{self.root}: {MAX_ATTEMPTS} manifest generations were written by others meanwhile; "
+                            f"try again")
+
+    def commit(self, staged: Path, entry: BaseEntry | VariantEntry, replace: bool = False) -> BaseEntry | VariantEntry:
+        """Upload the staged files, then record the entry (replacing one of the same name, kind and base with
+        replace) in the next manifest generation."""
+        entry = entry.model_copy(update={"files": self._upload(staged)})
+        section = "bases" if entry.kind == "base" else "variants"
+
+        def change(m: StoreManifest) -> StoreManifest:
+            self._replaceable(m, entry, replace)
+            return m.model_copy(update={section: {**getattr(m, section), entry.name: entry}})
+
+        self._swap(change)
+        return entry
+
+    def commit_many(self, staged: list[tuple[Path, VariantEntry]]
+                    ) -> tuple[list[VariantEntry], list[tuple[str, ManyfoldError]]]:
+        """commit() for a batch of new variants in one generation; an entry whose name is taken, or named twice,
+        or whose base is unknown, is refused by name and the rest go in."""
+        counts: dict[str, int] = {}
+        for _, entry in staged:
+            counts[entry.name] = counts.get(entry.name, 0) + 1
+        uploaded = [(e.model_copy(update={"files": self._upload(p)}), counts[e.name]) for p, e in staged]
+        result: tuple[list, list] = ([], [])
+
+        def change(m: StoreManifest) -> StoreManifest:
+            added, refused = [], []
+            for entry, count in uploaded:
+                try:
+                    if count > 1:
+                        raise named_twice(entry.name, count)
+                    self._replaceable(m, entry, replace=False)
+                except ManyfoldError as e:
+                    refused.append((entry.name, e))
+                    continue
+                added.append(entry)
+            result[0][:], result[1][:] = added, refused
+            return m.model_copy(update={"variants": {**m.variants, **{e.name: e for e in added}}})
+
+        self._swap(change)
+        return result
+
+    def remove(self, name: str) -> None:
+        self._swap(lambda m: self._without(m, name)[0])
+
+
+def _dump(manifest: StoreManifest) -> bytes:
+    return manifest.model_dump_json(indent=2).encode() + b"\n"
