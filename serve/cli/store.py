@@ -173,6 +173,18 @@ def cmd_store_remove(args: argparse.Namespace) -> None:
     print(f"removed '{args.name}'")
 
 
+def cmd_store_gc(args: argparse.Namespace) -> None:
+    from serve.store.object_store import ObjectStore, collect
+
+    store = open_store(args)
+    if not isinstance(store, ObjectStore):
+        raise ConfigError(f"store {store.root}: a local store deletes an entry's files when it is removed; gc is "
+                          f"for stores on object storage")
+    freed = collect(store, args.grace_s)
+    print(f"deleted {freed['objects']} objects ({freed['bytes'] / (1 << 20):.1f} MiB) and {freed['generations']} "
+          f"manifest generations older than {args.grace_s:g} s")
+
+
 def cmd_store_verify(args: argparse.Namespace) -> None:
     from serve.variants import variant_kind
 
@@ -218,6 +230,7 @@ def cmd_store_translora(args: argparse.Namespace) -> None:
 COMMANDS = [("list", cmd_store_list, "list bases and variants with their sizes"),
             ("add", cmd_store_add, "add a base model or a variant of any kind"),
             ("remove", cmd_store_remove, "remove a variant (or a base without variants)"),
+            ("gc", cmd_store_gc, "on object storage: delete objects and manifest generations no reader needs"),
             ("verify", cmd_store_verify, "check every file's checksum and decode full variants"),
             ("extract", cmd_store_extract, "write a variant back out as a HF model directory"),
             ("translora", cmd_store_translora, "move every adapter of one base to another (Trans-LoRA; resumable)")]
@@ -232,6 +245,8 @@ def add_store_commands(sub: argparse._SubParsersAction, default_store: str | Non
     st.choices["list"].add_argument("--json", action="store_true")
     _add_add_arguments(st.choices["add"])
     st.choices["remove"].add_argument("name")
+    st.choices["gc"].add_argument("--grace-s", type=float, default=3600.0,
+                                  help="keep what a generation newer than this names, and anything this young")
     st.choices["verify"].add_argument("name", nargs="?")
     st.choices["extract"].add_argument("--name", required=True, help="a variant, or an EMR task: GROUP/TASK")
     st.choices["extract"].add_argument("--out", required=True)

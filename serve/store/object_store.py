@@ -10,8 +10,10 @@ puts manifest generation N + 1 if absent: of two writers racing for it, one wins
 checks its change again against it and tries N + 2, so neither loses the other's add. A reader refreshes by
 listing the generations after the one it holds. Entries are read through a node's cache (node_cache.py): a
 directory per entry and content, its files fetched once per node and checked against their digests once.
-Objects of a removed or replaced entry stay: a reader on an older generation may still fetch them (their
-deletion after a grace period is not written yet).
+Objects of a removed or replaced entry stay until `collect` runs (`manyfold store gc`): it deletes only objects
+that no generation written within the grace period names and that are themselves older than it (an upload
+whose manifest is not written yet is young), then the generations older than it but the newest, so a reader
+holding an older generation can fetch its files for as long as the grace period lasts.
 """
 
 import contextlib
@@ -19,6 +21,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -186,6 +189,37 @@ class ObjectStore(StoreView):
 
     def remove(self, name: str) -> None:
         self._swap(lambda m: self._without(m, name)[0])
+
+
+GRACE_S = 3600.0
+"""How long objects nothing names any more, and generations not the newest, stay before `collect` deletes them:
+far above any reader's refresh interval."""
+
+
+def collect(store: ObjectStore, grace_s: float = GRACE_S, now: float | None = None) -> dict[str, int]:
+    """Delete what no reader can need: objects that no generation newer than grace_s (nor the newest) names and
+    that are older than grace_s, then generations older than grace_s but the newest. -> counts and bytes freed."""
+    now = time.time() if now is None else now
+    generations = store.objects.listing(GENERATIONS)
+    if not generations:
+        return {"objects": 0, "bytes": 0, "generations": 0}
+    newest = generations[-1][0]
+    kept = [key for key, _, modified in generations if key == newest or now - modified < grace_s]
+    named = set()
+    for key in kept:
+        manifest = StoreManifest.model_validate(from_json(store.objects.read(key)))
+        named |= {f.sha256 for e in (*manifest.bases.values(), *manifest.variants.values()) for f in e.files}
+    freed = {"objects": 0, "bytes": 0, "generations": 0}
+    for key, size, modified in store.objects.listing("objects"):
+        if key.rsplit("/", 1)[1] not in named and now - modified >= grace_s:
+            store.objects.delete(key)
+            freed["objects"] += 1
+            freed["bytes"] += size
+    for key, _, _ in generations:
+        if key not in kept:
+            store.objects.delete(key)
+            freed["generations"] += 1
+    return freed
 
 
 def _dump(manifest: StoreManifest) -> bytes:

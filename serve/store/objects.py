@@ -119,6 +119,12 @@ class Objects:
         except (NotFoundError, FileNotFoundError):
             raise ArtifactError(f"{self.location}: object '{key}' is missing") from None
 
+    def listing(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(key, bytes, last modified as a Unix time) of every object under the directory `prefix`, sorted."""
+        out = [(m["path"], int(m["size"]), m["last_modified"].timestamp())
+               for batch in obstore.list(self._store, prefix=prefix) for m in batch]
+        return sorted(out)
+
     def keys(self, prefix: str, after: str | None = None) -> list[str]:
         """Keys under the directory `prefix`, sorted; with `after`, only those that sort after it."""
         out = [m["path"] for batch in obstore.list(self._store, prefix=prefix) for m in batch]

@@ -100,3 +100,23 @@ def test_store_add_to_s3_writes_the_bucket_not_a_local_directory(s3_bucket, cach
     listed = subprocess.run([sys.executable, "-m", "serve.cli", "store", "list", "--store", url, "--json"],
                             capture_output=True, text=True)
     assert listed.returncode == 0 and '"lm"' in listed.stdout, listed.stderr
+
+
+def test_gc_deletes_only_what_no_reader_within_the_grace_period_can_need(tmp_path):
+    import time
+
+    from serve.store.object_store import collect
+
+    store = ObjectStore("memory://", create=True, cache=NodeCache(tmp_path / "node", 1 << 30))
+    lm = write_tiny_causal(tmp_path / "lm")
+    store.add_base("lm", lm)
+    variant_kind("lora").add(store, "gone", "lm", write_lora(lm, tmp_path / "a", seed=1, r=4, targets=["q_proj"]))
+    only_gone = {f.sha256 for f in store.variant("gone").files} - {f.sha256 for f in store.base("lm").files}
+    store.remove("gone")
+    assert collect(store, grace_s=3600)["objects"] == 0  # a reader may still hold the generation that names it
+    freed = collect(store, grace_s=3600, now=time.time() + 7200)  # two hours on
+    assert freed["objects"] == len(only_gone) and freed["generations"] == 3
+    assert store.objects.keys("manifests") == [f"manifests/{store.generation:020d}"]
+    held = {k.rsplit("/", 1)[1] for k in store.objects.keys("objects")}
+    assert held == {f.sha256 for f in store.base("lm").files}  # the base's objects all stay
+    assert (store.base_dir("lm") / "config.json").exists()
