@@ -106,7 +106,7 @@ def replica_gpus(config: ServeConfig, d: DeploymentConfig) -> float:
     node with a free GPU), else none."""
     if d.num_gpus is not None:
         return d.num_gpus
-    return 1.0 if config.device.startswith("cuda") else 0.0
+    return 1.0 if (d.device or config.device).startswith("cuda") else 0.0
 
 
 def idle_bases(config: ServeConfig, bases: list[str]) -> frozenset[str]:

@@ -87,9 +87,12 @@ class DeploymentConfig(StrictModel):
     num_cpus: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
     """CPUs Ray reserves for each replica. "auto": the node's CPUs left by bases that name a number, shared
     among the replicas of the bases that say auto, so that every base is scheduled (serve/app.py cpu_shares)."""
+    device: str | None = None
+    """The device this base's replicas run on, instead of the config's `device` (an encoder on CPU beside language
+    models on CUDA)."""
     num_gpus: Annotated[float, Field(ge=0)] | None = None
-    """GPUs Ray reserves for each replica; None: 1 with `device: cuda` (so a replica lands only where a GPU is),
-    0 otherwise."""
+    """GPUs Ray reserves for each replica; None: 1 on a CUDA device (so a replica lands only where a GPU is), 0
+    otherwise."""
     resources: dict[str, Annotated[float, Field(gt=0)]] = {}
     """Custom Ray resources each replica needs (a node label such as {"a100": 1}: only nodes that offer it)."""
     max_replicas_per_node: Annotated[int, Field(ge=1)] | None = None

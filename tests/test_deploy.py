@@ -35,7 +35,7 @@ def test_each_worker_pod_covers_its_replicas_budgets_and_the_gpu_its_device_budg
     d = config.deployment
     host = config.cache.cpu_mib + PROCESS_MIB  # a CUDA replica's host memory: the warm tier and the process
     device = config.cache.device_mib + config.slots.adapter_mib + config.batch.kv_cache_mib + BASE_MIB
-    assert config.device == "cuda" and d.num_gpus == 1 and d.max_replicas_per_node == 1
+    assert config.device == "cuda" and d.num_gpus is None and d.max_replicas_per_node == 1  # a GPU each, as cuda
     (group,) = [g for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu-workers"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert int(limits["nvidia.com/gpu"]) == int(group["rayStartParams"]["num-gpus"]) == 1
@@ -44,6 +44,15 @@ def test_each_worker_pod_covers_its_replicas_budgets_and_the_gpu_its_device_budg
     assert float(limits["cpu"]) >= d.num_cpus  # Ray's CPUs for the replica exist in the pod
     assert d.autoscaling.max_replicas <= group["maxReplicas"] * d.max_replicas_per_node  # every replica has a node
     assert doc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    encoder = config.deployments["minilm"]
+    (cpus,) = [g for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "cpu-workers"]
+    cpu_limits = cpus["template"]["spec"]["containers"][0]["resources"]["limits"]
+    on_cpu = (config.cache.cpu_mib + config.cache.device_mib + config.slots.adapter_mib  # every budget is host memory
+              + PROCESS_MIB)
+    assert encoder.device == "cpu" and "nvidia.com/gpu" not in cpu_limits
+    assert encoder.max_replicas_per_node * on_cpu <= mib(cpu_limits["memory"])
+    assert encoder.max_replicas_per_node * encoder.num_cpus <= float(cpu_limits["cpu"])
+    assert encoder.autoscaling.max_replicas <= cpus["maxReplicas"] * encoder.max_replicas_per_node
 
 
 def test_probes_read_readiness_and_liveness_and_credentials_come_from_a_secret():

@@ -33,8 +33,11 @@ class EngineReplica:
         torch.set_num_threads(threads)
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")  # bytes, when Ray reserved some
         parsed = parse_config(config)
+        d = parsed.deployments.get(base, parsed.deployment)
+        if d.device is not None:  # this base's own device (serve/config.py DeploymentConfig.device)
+            parsed = parsed.model_copy(update={"device": d.device})
         self.engine = Engine(parsed, bases=[base], memory_target=int(memory) if memory else None)
-        self.stall_timeout_s = parsed.deployments.get(base, parsed.deployment).stall_timeout_s
+        self.stall_timeout_s = d.stall_timeout_s
         self.board = board
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = Reporter(self._report,

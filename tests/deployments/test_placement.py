@@ -19,6 +19,9 @@ def test_a_cuda_base_reserves_a_gpu_and_per_base_settings_reach_ray():
     assert enc["max_replicas_per_node"] == 1
     cpu, threads = replica_options(parse_config({"store": "/s"}), "lm", 1.5)
     assert cpu["ray_actor_options"]["num_gpus"] == 0.0 and threads == 2
+    encoder_on_cpu = parse_config({"store": "/s", "device": "cuda", "deployments": {"enc": {"device": "cpu"}}})
+    assert replica_options(encoder_on_cpu, "enc", 2.0)[0]["ray_actor_options"]["num_gpus"] == 0.0
+    assert replica_options(encoder_on_cpu, "lm", 2.0)[0]["ray_actor_options"]["num_gpus"] == 1.0
 
 
 def test_ray_address_from_the_command_line_reaches_the_config(tmp_path):
