@@ -72,6 +72,16 @@ def _cumulative(dist: dict) -> list[tuple[str, float]]:
     return out
 
 
+def _engine_histograms(snapshots: list[dict]) -> list[HistogramMetricFamily]:
+    out = []
+    for name, doc, key in (("manyfold_batch_size", "Rows per forward pass", "batch_sizes"),
+                           ("manyfold_variant_load_seconds", "Decode time of a cold variant", "load_seconds")):
+        dists = [s[key] for s in snapshots if key in s]
+        if dists:
+            out.append(_histogram(name, doc, _merge(dists)))
+    return out
+
+
 def _by_base(name: str, doc: str, snapshots: list[dict], key: str) -> GaugeMetricFamily:
     """A gauge of each base's figure snapshot[key][base], summed over the replicas."""
     gauge = GaugeMetricFamily(name, doc, labels=["base"])
@@ -165,11 +175,7 @@ class Metrics:
             for part in ("target", "resident", "working", "reserved", "decoded"):
                 plan.add_metric([part], sum(p[part] for p in plans))
             families.append(plan)
-        for name, doc, key in (("manyfold_batch_size", "Rows per forward pass", "batch_sizes"),
-                               ("manyfold_variant_load_seconds", "Decode time of a cold variant", "load_seconds")):
-            dists = [s[key] for s in snapshots if key in s]
-            if dists:
-                families.append(_histogram(name, doc, _merge(dists)))
+        families += _engine_histograms(snapshots)
         resident = GaugeMetricFamily("manyfold_variant_resident", "1 at the tier where a model's weights are: hot "
                                      "(the fast tier), warm (host memory), cold (on disk only)",
                                      labels=["model", "tier"])

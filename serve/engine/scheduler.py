@@ -362,20 +362,11 @@ class Scheduler:
             self._finish(row, gen)
 
     def _tokens(self, row: Row, count: int, now: float) -> None:
-        """A generation row's latencies as its tokens arrive: the first since it was queued, each later one since
-        the one before (a step that brings several spreads its time over them)."""
-        new = count - row.tokens_seen
-        if new <= 0:
-            return
-        latency = self.latencies.setdefault(row.base, Latencies())
-        if row.tokens_seen == 0:
-            latency.first_token.observe(now - row.submitted_at)
-            new -= 1
-        else:
-            gap = (now - row.token_at) / new
-            for _ in range(new):
-                latency.inter_token.observe(gap)
-        row.tokens_seen, row.token_at = count, now
+        """A generation row's latencies as its tokens arrive (Latencies.arrived)."""
+        if count > row.tokens_seen:
+            self.latencies.setdefault(row.base, Latencies()).arrived(row.tokens_seen, count - row.tokens_seen,
+                                                                     now - row.submitted_at, now - row.token_at)
+            row.tokens_seen, row.token_at = count, now
 
     def load(self) -> dict[str, dict]:
         """By base: requests running (in a generation batch) and waiting (every other one not yet answered), and

@@ -43,6 +43,18 @@ class Latencies:
     inter_token: Distribution = field(default_factory=lambda: Distribution(TOKEN_BUCKETS))
     end_to_end: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
 
+    def arrived(self, seen: int, new: int, since_queued: float, since_last: float) -> None:
+        """`new` tokens of a request that had `seen`: the first token is timed from the request's arrival, each
+        later one from the token before (tokens that come together share their wait; any that come with the
+        first, none)."""
+        if seen == 0:
+            self.first_token.observe(since_queued)
+            for _ in range(new - 1):
+                self.inter_token.observe(0.0)
+        else:
+            for _ in range(new):
+                self.inter_token.observe(since_last / new)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
