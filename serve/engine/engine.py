@@ -27,6 +27,7 @@ from serve.engine.rows import Op
 from serve.engine.scheduler import Scheduler
 from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
 from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
+from serve.store.objects import fetched
 from serve.store.store import open_store
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
@@ -217,8 +218,8 @@ class Engine:
         A file of the caller's that is missing or unreadable is the caller's error here (422), not the store's."""
         before = dict(self.store.manifest.variants)  # the add updates self.store's manifest itself
         try:
-            await asyncio.to_thread(variant_kind(kind).add, self.store, name, base, Path(path),
-                                    slots=self.config.slots)
+            with fetched([path]) as (local,):
+                await asyncio.to_thread(variant_kind(kind).add, self.store, name, base, local, slots=self.config.slots)
         except ArtifactError as e:
             raise VariantIncompatible(str(e)) from e
         self.store.reload()
@@ -232,7 +233,12 @@ class Engine:
         from serve.variants.base import add_batch
 
         before = dict(self.store.manifest.variants)
-        outcomes = await asyncio.to_thread(add_batch, self.store, items, self.config.slots)
+        try:
+            with fetched([p for _, _, p, _ in items]) as paths:
+                local = [(n, b, str(p), k) for (n, b, _, k), p in zip(items, paths)]
+                outcomes = await asyncio.to_thread(add_batch, self.store, local, self.config.slots)
+        except ArtifactError as e:
+            raise VariantIncompatible(str(e)) from e
         self.store.reload()
         self._apply_store_change(before)
         infos = {m.name: m for m in self.model_infos()}  # once: info() per item would list every model each time

@@ -10,6 +10,7 @@ from serve.http import schemas as S
 from serve.http.auth import admin
 from serve.http.errors import manyfold_message
 from serve.http.state import State
+from serve.store.objects import is_url
 
 router = APIRouter()
 
@@ -17,8 +18,8 @@ router = APIRouter()
 @router.post("/v1/admin/variants", response_model=S.ModelCard, status_code=201)
 async def add_variant(body: S.AddVariantRequest, request: Request, state: State, _=Depends(admin)):
     request.state.model = body.name
-    if not Path(body.path).is_dir():
-        raise BadRequest(f"path '{body.path}' is not a directory on the server")
+    if not is_url(body.path) and not Path(body.path).is_dir():
+        raise BadRequest(f"path '{body.path}' is not a directory on the server (nor an s3://, gs:// ... URL)")
     return S.ModelCard.of(await state.backend.add_variant(body.name, body.base, body.path, body.kind))
 
 

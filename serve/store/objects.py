@@ -19,6 +19,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import obstore
@@ -130,8 +131,36 @@ class Objects:
         out = [m["path"] for batch in obstore.list(self._store, prefix=prefix) for m in batch]
         return sorted(k for k in out if after is None or k > after)
 
+    def download_tree(self, dest: Path) -> int:
+        """Every object under this location into dest, at its key's path (a directory a caller put in object
+        storage: an adapter, a fine-tune); -> files written. Nothing there is an error naming the location."""
+        keys = [m["path"] for batch in obstore.list(self._store) for m in batch]
+        if not keys:
+            raise ArtifactError(f"{self.location}: nothing there")
+        for key in keys:
+            if ".." in key.split("/"):
+                raise ArtifactError(f"{self.location}: object '{key}' would land outside the directory")
+            self.download(key, dest / key)
+        return len(keys)
+
     def delete(self, key: str) -> None:
         try:
             obstore.delete(self._store, key)
         except (NotFoundError, FileNotFoundError):
             pass
+
+
+@contextmanager
+def fetched(paths: list[str]) -> Iterator[list[Path]]:
+    """Local directories for variant sources: a path on this machine as it is, an object-storage URL (s3://...)
+    downloaded into a temporary directory for the block."""
+    with tempfile.TemporaryDirectory(prefix="manyfold-fetch-") as tmp:
+        out = []
+        for i, p in enumerate(paths):
+            if is_url(p):
+                dest = Path(tmp) / str(i)
+                Objects(p).download_tree(dest)
+                out.append(dest)
+            else:
+                out.append(Path(p))
+        yield out

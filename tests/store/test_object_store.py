@@ -120,3 +120,30 @@ def test_gc_deletes_only_what_no_reader_within_the_grace_period_can_need(tmp_pat
     held = {k.rsplit("/", 1)[1] for k in store.objects.keys("objects")}
     assert held == {f.sha256 for f in store.base("lm").files}  # the base's objects all stay
     assert (store.base_dir("lm") / "config.json").exists()
+
+
+def test_an_admin_add_from_an_s3_directory_is_served_and_an_empty_one_is_one_line(s3_bucket, cache_dir, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from serve.config import key_digest
+    from serve.http.app import build_http_app
+    from serve.store.objects import Objects
+
+    lm = write_tiny_causal(tmp_path / "lm")
+    open_store(f"{s3_bucket}/store", create=True).add_base("lm", lm)
+    adapter = write_lora(lm, tmp_path / "adapter", seed=3, r=4, targets=["q_proj", "v_proj"])
+    upload = Objects(f"{s3_bucket}/uploads/tenant-a")  # where a platform put a tenant's adapter
+    for f in adapter.rglob("*"):
+        if f.is_file():
+            upload.put_file(str(f.relative_to(adapter)), f)
+    config = ServeConfig(store=f"{s3_bucket}/store", admin_key_sha256=[key_digest("sk-admin")])
+    admin = {"Authorization": "Bearer sk-admin"}
+    with TestClient(build_http_app(Engine(config), config)) as c:
+        added = c.post("/v1/admin/variants", headers=admin, json={"name": "tenant-a", "base": "lm", "kind": "lora",
+                                                                  "path": f"{s3_bucket}/uploads/tenant-a"})
+        assert added.status_code == 201, added.text
+        answer = c.post("/v1/completions", json={"model": "tenant-a", "prompt": "the cat", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        empty = c.post("/v1/admin/variants", headers=admin, json={"name": "tenant-b", "base": "lm", "kind": "lora",
+                                                                  "path": f"{s3_bucket}/uploads/nobody"})
+    assert empty.status_code == 422 and "nothing there" in empty.json()["error"]["message"]
