@@ -34,8 +34,6 @@ class CacheStats:
     """Objects found on the node."""
     fetches: int = 0
     """Objects downloaded from the store."""
-    fetched_bytes: int = 0
-    evicted_bytes: int = 0
 
 
 class NodeCache:
@@ -57,7 +55,7 @@ class NodeCache:
                 self.stats.hits += 1
                 return path
             self._make_room(size)
-            self.stats.fetched_bytes += objects.download(f"objects/{sha256}", path, sha256)
+            objects.download(f"objects/{sha256}", path, sha256)
             self.stats.fetches += 1
         return path
 
@@ -119,7 +117,6 @@ class NodeCache:
                     if used + size <= self.budget:
                         return
                     used -= p.stat().st_size
-                    self.stats.evicted_bytes += p.stat().st_size
                     p.unlink()
                 if used + size <= self.budget:
                     return

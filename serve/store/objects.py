@@ -80,9 +80,6 @@ class Objects:
             return False
         return True
 
-    def size(self, key: str) -> int:
-        return int(obstore.head(self._store, key)["size"])
-
     def read(self, key: str) -> bytes:
         try:
             return obstore.get(self._store, key).bytes().to_bytes()
@@ -120,21 +117,21 @@ class Objects:
         except (NotFoundError, FileNotFoundError):
             raise ArtifactError(f"{self.location}: object '{key}' is missing") from None
 
-    def listing(self, prefix: str) -> list[tuple[str, int, float]]:
-        """(key, bytes, last modified as a Unix time) of every object under the directory `prefix`, sorted."""
-        out = [(m["path"], int(m["size"]), m["last_modified"].timestamp())
-               for batch in obstore.list(self._store, prefix=prefix) for m in batch]
-        return sorted(out)
+    def listing(self, prefix: str | None = None) -> list[tuple[str, int, float]]:
+        """(key, bytes, last modified as a Unix time) of every object under the directory `prefix` (None: the
+        whole location), sorted."""
+        return sorted((m["path"], int(m["size"]), m["last_modified"].timestamp())
+                      for batch in obstore.list(self._store, prefix=prefix) for m in batch)
 
-    def keys(self, prefix: str, after: str | None = None) -> list[str]:
-        """Keys under the directory `prefix`, sorted; with `after`, only those that sort after it."""
-        out = [m["path"] for batch in obstore.list(self._store, prefix=prefix) for m in batch]
-        return sorted(k for k in out if after is None or k > after)
+    def keys(self, prefix: str | None = None, after: str | None = None) -> list[str]:
+        """Keys under the directory `prefix` (None: the whole location), sorted; with `after`, only those that
+        sort after it."""
+        return [key for key, _, _ in self.listing(prefix) if after is None or key > after]
 
     def download_tree(self, dest: Path) -> int:
         """Every object under this location into dest, at its key's path (a directory a caller put in object
         storage: an adapter, a fine-tune); -> files written. Nothing there is an error naming the location."""
-        keys = [m["path"] for batch in obstore.list(self._store) for m in batch]
+        keys = self.keys()
         if not keys:
             raise ArtifactError(f"{self.location}: nothing there")
         for key in keys:
