@@ -45,12 +45,14 @@ def _ingress(config: ServeConfig, bases: list[str]):
             from serve.deployments.health import DeploymentHealth, serve_status
             from serve.deployments.router import Router
             from serve.http.app import build_http_app
+            from serve.store.catalog import Catalog
 
             handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
             app = serve.get_replica_context().app_name
             health = DeploymentHealth({b: deployment_name(b) for b in bases}, serve_status(app),
                                       may_idle=idle_bases(config, bases))
-            return build_http_app(Router(config.store, handles, serve.get_deployment_handle(BOARD), health), config,
+            catalog = Catalog(config.store, config.store_refresh_s)
+            return build_http_app(Router(catalog, handles, serve.get_deployment_handle(BOARD), health), config,
                                   self.gate)
 
         async def drain(self, timeout_s: float) -> tuple[str, int]:

@@ -138,6 +138,9 @@ class ServeConfig(StrictModel):
     store: Path | str
     """A local directory, or object storage as a URL (s3://BUCKET/PREFIX, gs://, az://, file://; the endpoint from
     AWS_ENDPOINT_URL, credentials from the AWS variables; serve/store/object_store.py)."""
+    store_refresh_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    """How often each process looks for a change of the store that it did not make itself (serve/store/catalog.py):
+    every replica serves another process's add or remove within this many seconds."""
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     device: str = "cpu"

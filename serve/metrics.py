@@ -90,6 +90,17 @@ def _by_base(name: str, doc: str, snapshots: list[dict], key: str) -> GaugeMetri
     return gauge
 
 
+def _node_cache(snapshots: list[dict]) -> CounterMetricFamily:
+    """hit / (hit + fetch) is the node caches' hit ratio: a replica that starts where its base is cached adds hits
+    alone."""
+    objects = CounterMetricFamily("manyfold_node_cache_objects", "Store objects the replicas looked up in their "
+                                  "node's cache (object storage): hit (on the node already), fetch (downloaded and "
+                                  "checked)", labels=["outcome"])
+    for outcome, key in (("hit", "hits"), ("fetch", "fetches")):
+        objects.add_metric([outcome], sum(s.get("node_cache", {}).get(key, 0) for s in snapshots))
+    return objects
+
+
 def _steps(snapshots: list[dict]) -> CounterMetricFamily:
     steps = CounterMetricFamily("manyfold_generation_steps", "Generation steps by how they ran: graphed (a CUDA graph "
                                 "replayed) or eager, with the reason (cpu, graphs off, prefill, neuzip, or the family "
@@ -166,6 +177,7 @@ class Metrics:
         families.append(_by_base("manyfold_kv_store_bytes", "Bytes of each causal base's KV store, allocated once",
                                  snapshots, "kv_bytes"))
         families.append(_steps(snapshots))
+        families.append(_node_cache(snapshots))
         families += _vllm(snapshots)
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]
         if plans:  # neuzip_decoded_mib: auto

@@ -15,7 +15,9 @@ def forward_rows(engine: Engine, base: str, models: list[str], ids: torch.Tensor
     rt = engine.bases[base]
 
     async def forward():
-        held = [await engine.cache.acquire(m.split(MEMBER_SEP)[0]) if m != base else None for m in models]
+        snapshot = engine.catalog.snapshot
+        held = [await engine.cache.acquire(snapshot.key(m.split(MEMBER_SEP)[0])) if m != base else None
+                for m in models]
         slots = [rt.attach(h.variant.member(m) if h else None) for h, m in zip(held, models)]
         try:
             with torch.no_grad():

@@ -69,7 +69,7 @@ def test_smollm2_top_layer_variant_serves_transformers_identical_tokens(tmp_path
     async def serve_both():
         base = await engine.complete("smollm2", params, messages=messages)
         ft = await engine.complete("smollm2-ft", params, messages=messages)
-        async with engine.cache.use("smollm2-ft") as entry:
+        async with engine.cache.use(engine.catalog.snapshot.key("smollm2-ft")) as entry:
             held = set(entry.weights)
         return base, ft, held
 

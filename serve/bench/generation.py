@@ -70,7 +70,7 @@ def run_generation_bench(store_dir: Path | None, out: Path, rate: float = 4.0, d
     rows = []
     for mode, batch in MODES.items():
         engine = Engine(ServeConfig(store=store_dir, batch={"max_batch_size": batch}), bases=["smollm2"])
-        models = ["smollm2", *(v.name for v in engine.store.manifest.variants.values() if v.base == "smollm2")]
+        models = ["smollm2", *(v.name for v in engine.catalog.snapshot.manifest.variants.values() if v.base == "smollm2")]
 
         async def measure() -> dict:
             for m in models:  # decode the variants and warm every code path before the clock starts

@@ -16,6 +16,7 @@ from serve.engine import faults
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.errors import ManyfoldError
+from serve.store.catalog import key_of
 
 log = logging.getLogger("ray.serve")
 
@@ -60,10 +61,13 @@ class EngineReplica:
 
     @asynccontextmanager
     async def _serving(self) -> AsyncIterator[None]:
-        """Around every request: affinity for its variant first, a residency report after."""
+        """Around every request: affinity for its variant and the revision the router resolved (serve/store/
+        catalog.py: a revision new here is looked for before the request is answered) first, a residency report
+        after."""
         model_id = serve.get_multiplexed_model_id()
         if model_id:
             await self._hold(model_id)
+            await self.engine.catalog.notice(key_of(model_id))
         try:
             yield
         finally:

@@ -1,12 +1,11 @@
 """Router: the ingress's backend. Sends each request to its base's deployment, with the variant as Ray's
 multiplexed model id so that replicas already holding a full variant get its requests. A base that is not
 running (DeploymentHealth) is refused with 503 within a bound; /v1/models and /metrics never wait on a replica
-beyond a bound: models come from the store, residency from the board."""
+beyond a bound: models come from the catalog's snapshot (serve/store/catalog.py), residency from the board."""
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
@@ -15,16 +14,16 @@ from ray.serve.handle import DeploymentHandle
 from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, TextDelta
 from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable, VariantNotFound
-from serve.store.store import open_store
+from serve.store.catalog import Catalog
 
 PEEK_TIMEOUT_S = 2.0
 """How long /v1/models and /metrics wait for the board or a replica's counters before answering without them."""
 
 
 class Router:
-    def __init__(self, store_root: str | Path, handles: dict[str, DeploymentHandle], board: DeploymentHandle,
+    def __init__(self, catalog: Catalog, handles: dict[str, DeploymentHandle], board: DeploymentHandle,
                  health: DeploymentHealth):
-        self.store = open_store(store_root)
+        self.catalog = catalog
         self.handles = handles
         self.board = board
         self.health = health
@@ -32,11 +31,10 @@ class Router:
         self._by_base: dict[str, list[tuple[str, str, str, list[str] | None, str]]] = {}
 
     async def _handle(self, model: str) -> DeploymentHandle:
-        self.store.refresh()
-        base, variant = self.store.resolve(model)
+        snapshot, base, variant = await self.catalog.resolve(model)
         await self.health.require(base, model)
         handle = self.handles[base]
-        return handle.options(multiplexed_model_id=variant) if variant else handle
+        return handle.options(multiplexed_model_id=snapshot.routed(variant)) if variant else handle
 
     @staticmethod
     @contextmanager
@@ -90,7 +88,6 @@ class Router:
     async def models(self) -> list[ModelInfo]:
         """Every model of the store, at once: a variant's residency is the best over all replicas of its base
         (the ResidencyBoard, if it answers in time), and a base that is not running says so."""
-        self.store.refresh()
         states = await self.health.states()
         try:
             held = await asyncio.wait_for(self._call(self.board.residency.remote()), PEEK_TIMEOUT_S)
@@ -101,20 +98,21 @@ class Router:
             state = states.get(base, BaseState(True))
             status = "ready" if state.running else "unavailable"
             out.append(ModelInfo(base, "base", None, "hot" if state.running else "cold", None, status))
-            out += [ModelInfo(model, kind, base, held.get(entry, "cold"), labels, status, form)
-                    for model, kind, entry, labels, form in variants]
+            out += [ModelInfo(model, kind, base, held.get(key, "cold"), labels, status, form)
+                    for model, kind, key, labels, form in variants]
         return out
 
     def _listing(self) -> dict[str, list[tuple[str, str, str, list[str] | None, str]]]:
-        """(model, kind, entry, labels, form) of every variant, by served base: built once per manifest read, not per
+        """(model, kind, entry key, labels, form) of every variant, by served base: built once per snapshot, not per
         request, so that /v1/models and /metrics stay linear in the variants however many bases there are."""
-        if self._listed is not self.store.manifest:
+        snapshot = self.catalog.snapshot
+        if self._listed is not snapshot:
             by_base: dict[str, list] = {base: [] for base in self.handles}
-            for v in self.store.manifest.variants.values():
+            for v in snapshot.manifest.variants.values():
                 if v.base in by_base:
-                    by_base[v.base] += [(model, v.kind, v.name, labels, v.form_of(model))
+                    by_base[v.base] += [(model, v.kind, snapshot.key(v.name), labels, v.form_of(model))
                                         for model, labels in v.models().items()]
-            self._listed, self._by_base = self.store.manifest, by_base
+            self._listed, self._by_base = snapshot, by_base
         return self._by_base
 
     async def readiness(self) -> tuple[bool, dict[str, str]]:
@@ -132,27 +130,31 @@ class Router:
             return []
 
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
-        """Validated and stored by one of the base's replicas (the ingress runs no model code); the others see
-        the new manifest on their next request."""
-        self.store.refresh()
-        self.store.base(base)  # VariantNotFound for an unknown base
-        return await self._call(self.handles[base].add_variant.remote(name, base, path, kind))
+        """Validated and stored by one of the base's replicas (the ingress runs no model code). The router then
+        looks for the change at once: its next request for the variant names the new revision, and a replica that
+        does not hold it yet looks too (Catalog.notice)."""
+        self.catalog.snapshot.base(base)  # VariantNotFound for an unknown base
+        try:
+            return await self._call(self.handles[base].add_variant.remote(name, base, path, kind))
+        finally:
+            await self.catalog.refresh()
 
     async def add_variants(self, items: list[tuple[str, str, str, str]]) -> list[ModelInfo | ManyfoldError]:
         """add_variant for many (name, base, path, kind): each base's items go to one of its replicas in one call
         (stored there with one manifest write per kind); an unknown base, or a replica that fails, fails its own
         items alone. -> per item, in order, its card or the error that kept it out."""
-        self.store.refresh()
         out: list[ModelInfo | ManyfoldError | None] = [None] * len(items)
         groups: dict[str, list[int]] = {}
         for i, (_, base, _, _) in enumerate(items):
             if base in self.handles:
                 groups.setdefault(base, []).append(i)
             else:
-                out[i] = VariantNotFound(f"store {self.store.root} has no base '{base}' served here")
+                out[i] = VariantNotFound(f"store {self.catalog.root} has no base '{base}' served here")
         calls = [self._call(self.handles[b].add_variants.remote([items[i] for i in group]))
                  for b, group in groups.items()]
-        for group, result in zip(groups.values(), await asyncio.gather(*calls, return_exceptions=True)):
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await self.catalog.refresh()
+        for group, result in zip(groups.values(), results):
             if isinstance(result, BaseException) and not isinstance(result, ManyfoldError):
                 raise result
             for j, i in enumerate(group):
@@ -160,6 +162,5 @@ class Router:
         return out  # type: ignore[return-value]  (every item has its outcome by now)
 
     async def remove_variant(self, name: str) -> None:
-        self.store.refresh()
-        self.store.variant(name)
-        await asyncio.to_thread(self.store.remove, name)
+        self.catalog.snapshot.variant(name)  # VariantNotFound for an unknown name
+        await self.catalog.write(lambda store: store.remove(name))

@@ -1,12 +1,12 @@
 """The variant cache: loaded variants of every kind in two byte-budgeted LRU tiers (device, cpu); disk is the store.
 Outside the cache they are residencies that mean the same on any machine: device is hot, cpu is warm, disk is cold.
 
-Each name moves through explicit states: on disk -> loading -> device <-> cpu -> evicted, and a move is one
+Each key moves through explicit states: on disk -> loading -> device <-> cpu -> evicted, and a move is one
 operation at a time, kept in `_busy` while it runs (a load, or a tier copy off the event loop):
 - Exactly one load per cold variant: whoever wants it meanwhile waits for that load, then goes back through
   acquisition (so it never holds an entry that was demoted, dropped or replaced in between).
-- Every entry carries the epoch of its name it was loaded under; dropping or replacing the name starts a new
-  epoch, so a load that finishes for an old one is discarded, never inserted.
+- Entries are keyed by their store entry's key, "<name>@<revision>" (serve/store/manifest.py): one key's contents
+  never change, so a replace in the store is another key, and nothing here tells a replaced entry from the new.
 - An entry is held (in_use) from the moment its load finishes or a lookup finds it, before anything may evict
   it, until its rows release it; pinned entries never leave the device tier.
 - Loading (an FM-Delta decode, an adapter read) runs in a worker thread; tier copies that cost anything (a GPU's
@@ -30,6 +30,7 @@ from serve.engine.buffers import BufferPool
 from serve.engine.stats import SECONDS_BUCKETS, Distribution
 from serve.engine.types import Residency
 from serve.errors import CapacityExceeded
+from serve.store.manifest import REVISION_SEP
 from serve.store.tensors import Alloc
 from serve.variants.base import LoadedVariant
 
@@ -43,12 +44,14 @@ class CachedVariant:
     owned: list[torch.Tensor] = field(default_factory=list)
     """The buffers its decode took from the pool (never a base tensor): recycled when it leaves memory."""
     resident: bool = True
-    epoch: int = 0
-    """Its name's epoch when its load began: an entry of an older epoch is never inserted."""
 
     @property
     def name(self) -> str:
         return self.variant.name
+
+    @property
+    def key(self) -> str:
+        return self.variant.key
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -90,7 +93,6 @@ class VariantCache:
         self._tiers: dict[str, OrderedDict[str, CachedVariant]] = {"device": OrderedDict(), "cpu": OrderedDict()}
         self._busy: dict[str, asyncio.Future] = {}
         """name -> its load or tier move in flight; resolved (its error set, if it failed) when it ends."""
-        self._epochs: dict[str, int] = {}
         self._decode_gate: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self.buffers = BufferPool()
         self._refilling: asyncio.Future | None = None
@@ -165,8 +167,8 @@ class VariantCache:
                 entry = await self._while_busy(name, self._load(name))
             if entry is not None:
                 return entry
-        raise CapacityExceeded(f"variant '{name}' was evicted or replaced {ACQUIRE_ATTEMPTS} times before it could "
-                               f"run; retry later")
+        raise CapacityExceeded(f"variant '{name.partition(REVISION_SEP)[0]}' was evicted {ACQUIRE_ATTEMPTS} times "
+                               f"before it could run; retry later")
 
     def _move_of(self, name: str) -> asyncio.Future | None:
         """The load or move of `name` in flight on this event loop. One begun on a loop that has ended (a test's
@@ -213,9 +215,7 @@ class VariantCache:
         return self._decode_gate[1]
 
     async def _load(self, name: str) -> CachedVariant | None:
-        """-> the entry loaded and promoted, held once for the caller; None if its name was dropped or replaced
-        meanwhile (the load is discarded)."""
-        epoch = self._epochs.get(name, 0)
+        """-> the entry loaded and promoted, held once for the caller."""
         owned: list[torch.Tensor] = []
 
         def alloc(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -229,11 +229,11 @@ class VariantCache:
             except BaseException:
                 self.buffers.put(owned)
                 raise
-        entry = CachedVariant(variant, variant.nbytes, in_use=1, owned=owned, epoch=epoch)
+        entry = CachedVariant(variant, variant.nbytes, in_use=1, owned=owned)
         self.buffers.max_bytes = max(self.buffers.max_bytes, entry.nbytes)
         if entry.nbytes > self.device_bytes:
             self._discard(entry)
-            raise CapacityExceeded(f"variant '{name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
+            raise CapacityExceeded(f"variant '{variant.name}' needs {entry.nbytes >> 20} MiB; the device cache holds "
                                    f"{self.device_bytes >> 20} MiB")
         self.stats.load_seconds.observe(time.perf_counter() - t0)
         return await self._to_device(entry)
@@ -245,21 +245,14 @@ class VariantCache:
 
     async def _to_device(self, entry: CachedVariant) -> CachedVariant | None:
         """A held entry off the tiers -> promoted to the device tier (the copy on the copier when it costs one),
-        or discarded (None) if its name changed meanwhile. If the move raises, the entry is discarded."""
+        If the move raises, the entry is discarded."""
         try:
             if self.copies_off_loop:
                 await asyncio.get_running_loop().run_in_executor(self._copier, entry.variant.to, self.device)
-            if not self._current(entry):  # dropped or replaced while it moved
-                self._discard(entry)
-                return None
             return self._promote(entry)
         except BaseException:
             self._discard(entry)
             raise
-
-    def _current(self, entry: CachedVariant) -> bool:
-        """Whether its name has not been dropped or replaced since its load began."""
-        return self._epochs.get(entry.name, 0) == entry.epoch
 
     def _discard(self, entry: CachedVariant) -> None:
         """A held entry that will not be served (stale, too large, a move that failed): its hold and buffers."""
@@ -288,7 +281,7 @@ class VariantCache:
         entry.variant.to(self.device)
         if self.device.type != "cpu":
             entry.owned = []  # host staging copies: freed, not pooled
-        self._tiers["device"][entry.name] = entry
+        self._tiers["device"][entry.key] = entry
         self._fit()
         return entry
 
@@ -329,7 +322,7 @@ class VariantCache:
             if self._busy.get(name) is done:
                 del self._busy[name]
             entry.in_use -= 1
-            if copy.exception() is None and self._current(entry):
+            if copy.exception() is None:
                 self._tiers["cpu"][name] = entry
             else:
                 self._release(entry)
@@ -346,9 +339,8 @@ class VariantCache:
             entry.owned = []
 
     def drop(self, name: str) -> None:
-        """Forget a variant (removed or replaced in the store); a running batch keeps its own reference, and a
-        load or move in flight for it is discarded when it ends."""
-        self._epochs[name] = self._epochs.get(name, 0) + 1
+        """Free a key's memory now (the store no longer has that revision); a running batch keeps its own
+        reference. A load in flight for it still serves the rows that asked for it."""
         for entries in self._tiers.values():
             if name in entries:
                 self._release(entries.pop(name))

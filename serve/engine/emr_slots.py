@@ -97,8 +97,8 @@ class EmrSlots(Slots):
         self.scale: torch.Tensor | None = None
         """[tasks] fp32: each task's lambda."""
         self.formed = FormedWeights(int(config.emr_formed_mib * (1 << 20)))
-        self._formed_of: LoadedVariant | None = None
-        """The group the held formed weights come from: they outlive its rows (the next batch uses them)."""
+        """They outlive the group's rows (the next batch uses them), and a load of the group after an eviction:
+        the family is one revision of the group (its key), so the weights they are formed from are the same."""
 
     @property
     def nbytes(self) -> int:
@@ -130,19 +130,14 @@ class EmrSlots(Slots):
         if not any(self.refs.values()):
             self._use(None)  # no reference outlives the rows: the cache may free the group
 
-    def forget(self, name: str) -> None:
-        if not any(self.refs.values()):
-            self._use(None)
-            self.formed.clear()  # replaced or removed: no formed weight of it serves again
-            self._formed_of = None
+    def retire(self, key: str) -> None:
+        """Nothing to free slot by slot: the family is one revision of one group, and goes whole (BaseModelRuntime
+        .retire)."""
 
     def _use(self, group: LoadedVariant | None) -> None:
         self.group, self.refs, self.merged, self.scale = group, {}, {}, None
         if group is None:
             return
-        if group is not self._formed_of:  # another load of the group (after an eviction) forms its own again
-            self.formed.clear()
-            self._formed_of = group
         for name, tau in group.tensors.items():
             if name.endswith(MASKS_SUFFIX):
                 continue

@@ -3,9 +3,10 @@ HTTP.
 
 Requests are checked and turned into rows here (prompts tokenised on the event loop with its own tokenizer,
 serve/engine/prompts.py), then queued on the scheduler (serve/engine/scheduler.py), which holds each row's variant
-in the cache and runs the forwards (serve/engine/forwards.py) on one compute thread. A change of the store (an
-admin call, another process) drops the changed variants from the cache and, on the compute thread, from their
-slots.
+in the cache and runs the forwards (serve/engine/forwards.py) on one compute thread. Model ids resolve against
+the catalog's snapshot (serve/store/catalog.py), and a row runs the revision of its entry it resolved to: the
+cache and slots know variants by their entries' keys, so a replace is another variant. A snapshot that no longer
+has a key frees its memory when the engine follows it.
 """
 
 import asyncio
@@ -28,7 +29,8 @@ from serve.engine.scheduler import Scheduler
 from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
 from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
 from serve.store.objects import fetched
-from serve.store.store import open_store
+from serve.store.catalog import Catalog, Snapshot
+from serve.store.manifest import MEMBER_SEP, REVISION_SEP
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
 from serve.variants.base import LoadedVariant
@@ -43,7 +45,9 @@ class Engine:
         """memory_target: bytes the engine may hold in all (a replica's Ray memory); None: the memory_target_mib of
         its bases' deployments. Only `neuzip_decoded_mib: auto` reads it."""
         self.config = config
-        self.store = open_store(config.store)
+        self.catalog = Catalog(config.store, config.store_refresh_s)
+        self._followed = self.catalog.snapshot
+        """The snapshot whose keys the cache and slots hold (older keys have been retired)."""
         self.bases: dict[str, BaseModelRuntime] = {}
         self._only = set(bases) if bases is not None else None
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
@@ -51,7 +55,7 @@ class Engine:
         c = config.cache
         self.cache = VariantCache(self._load_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
                                   tuple(c.pinned), copier=self._compute)
-        for name in self.store.manifest.bases:
+        for name in self._followed.manifest.bases:
             if self._only is None or name in self._only:
                 self._load_base(name)
         self.memory_plan = self._keep_decoded(memory_target) if config.neuzip_decoded_mib == "auto" else None
@@ -59,9 +63,10 @@ class Engine:
 
     # ---- bases and variants
     def _load_base(self, name: str) -> None:
-        self.store.verify(self.store.base(name))  # every file against its manifest sha256
+        files, entry = self.catalog.files, self._followed.base(name)
+        files.verify(entry)  # every file against its manifest sha256 (on object storage: once per node)
         decoded_mib = self.config.neuzip_decoded_mib
-        self.bases[name] = BaseModelRuntime(name, self.store.base_dir(name), self.config.device, self.config.slots,
+        self.bases[name] = BaseModelRuntime(name, files.base_dir(entry), self.config.device, self.config.slots,
                                             0 if decoded_mib == "auto" else decoded_mib << 20, self.config.batch,
                                             self.config.engine)
         self.cache.buffers.reserve(self._reserve_layout(name))
@@ -79,7 +84,7 @@ class Engine:
         device = torch.device(self.config.device)
         rows = self.config.batch.max_batch_size
         working = max((working_bytes(rt, rows) for rt in self.bases.values()), default=0)  # one at a time
-        groups = sum(v.kind == "emr" and v.base in self.bases for v in self.store.manifest.variants.values())
+        groups = sum(v.kind == "emr" and v.base in self.bases for v in self._followed.manifest.variants.values())
         plan = MemoryPlan(target, resident_bytes(device), working, reserved_bytes(self.config, groups))
         left = plan.free
         for rt in self.bases.values():
@@ -92,49 +97,64 @@ class Engine:
     def _reserve_layout(self, base: str) -> list:
         """(shape, dtype) of the buffers a load of the base's largest weight-set variant (by stored bytes)
         writes; nothing when it has none, or when that file is unreadable (its requests will say so)."""
-        variants = [v for v in self.store.manifest.variants.values()
+        variants = [v for v in self._followed.manifest.variants.values()
                     if v.base == base and variant_kind(v.kind).family == "weights"]
         if not variants:
             return []
         largest = max(variants, key=lambda v: sum(f.bytes for f in v.files))  # the most changed, roughly
         try:
-            return variant_kind(largest.kind).reserve_layout(self.store, largest)
+            return variant_kind(largest.kind).reserve_layout(self.catalog.files, largest)
         except ArtifactError as e:
             log.warning("no decode buffers reserved for base '%s': %s", base, e)
             return []
 
-    def _load_variant(self, name: str, alloc: Alloc) -> LoadedVariant:
-        """Runs in a worker thread: a stored variant -> its kind's in-memory form, checked against its slots."""
-        faults.hit("load", [name])
-        entry = self.store.variant(name)
+    def _load_variant(self, key: str, alloc: Alloc) -> LoadedVariant:
+        """Runs in a worker thread: one revision of a stored variant -> its kind's in-memory form, checked against
+        its slots."""
+        entry = self.catalog.snapshot.entry(key)
+        faults.hit("load", [entry.name])
         rt = self.bases[entry.base]
-        variant = variant_kind(entry.kind).load(self.store, entry, rt.view, alloc)
+        variant = variant_kind(entry.kind).load(self.catalog.files, entry, rt.view, alloc)
         rt.check(variant)
         return variant
 
-    def refresh(self) -> None:
-        """Follow the store: another process (the ingress, on an admin call) may have changed it."""
-        before = dict(self.store.manifest.variants)
-        if self.store.refresh():
-            self._apply_store_change(before)
-
-    def resolve(self, model: str) -> tuple[str, str | None]:
-        """model name -> (base, variant or None for the base itself)."""
-        self.refresh()
-        base, variant = self.store.resolve(model)
+    async def resolve(self, model: str) -> tuple[str, str | None, str | None]:
+        """model id -> (base, the model id again or None for the base itself, its entry's key or None)."""
+        snapshot, base, variant = await self.catalog.resolve(model)
+        self._follow()
         if base not in self.bases:
             raise VariantNotFound(f"model '{model}' is not served here (its base '{base}' is another replica's)")
-        return base, variant
+        return base, variant, snapshot.key(variant.split(MEMBER_SEP, 1)[0]) if variant else None
+
+    def _follow(self) -> Snapshot:
+        """Take the catalog's newest snapshot as the engine's: the keys it no longer has leave the cache and (on
+        the compute thread) their slots, and bases new to it are loaded."""
+        now, before = self.catalog.snapshot, self._followed
+        if now is before:
+            return now
+        self._followed = now
+        for name, entry in before.manifest.variants.items():
+            if now.manifest.variants.get(name) != entry:  # removed, or replaced under the same name
+                key = before.key(name)
+                self.cache.drop(key)
+                rt = self.bases.get(entry.base)
+                if rt is not None:
+                    self._compute.submit(rt.retire, key)  # slots are touched on the compute thread only
+        for name in set(now.manifest.bases) - set(self.bases):
+            if self._only is None or name in self._only:
+                self._load_base(name)
+        return now
 
     def model_infos(self) -> list[ModelInfo]:
+        snapshot = self._follow()
         out = [ModelInfo(n, "base", None, "hot", None) for n in self.bases]
-        out += [ModelInfo(model, v.kind, v.base, self.cache.residency(v.name), labels, form=v.form_of(model))
-                for v in self.store.manifest.variants.values() if v.base in self.bases
+        out += [ModelInfo(model, v.kind, v.base, self.cache.residency(snapshot.key(v.name)), labels,
+                          form=v.form_of(model))
+                for v in snapshot.manifest.variants.values() if v.base in self.bases
                 for model, labels in v.models().items()]
         return out
 
     async def models(self) -> list[ModelInfo]:
-        self.refresh()
         return self.model_infos()
 
     def check_progress(self, stall_timeout_s: float) -> None:
@@ -166,15 +186,22 @@ class Engine:
                 "kv_bytes": {name: rt.kv.nbytes for name, rt in self.bases.items() if rt.kv is not None},
                 "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},
-                "load": self._load(), "max_batch_size": self.config.batch.max_batch_size}
+                "load": self._load(), "max_batch_size": self.config.batch.max_batch_size,
+                "node_cache": self._node_cache()}
+
+    def _node_cache(self) -> dict[str, int]:
+        """This replica's lookups in its node's cache of the store's objects (object storage only)."""
+        cache = self.catalog.files.cache
+        return {} if cache is None else {"hits": cache.stats.hits, "fetches": cache.stats.fetches}
 
     def _load(self) -> dict[str, dict]:
         """Scheduler.load by base, its variants narrowed to LoRA and PiSSA adapters (vllm:lora_requests_info)."""
-        variants = self.store.manifest.variants
+        variants = self._followed.manifest.variants
         out = self.scheduler.load()
         for by in out.values():
-            for key in ("running_variants", "waiting_variants"):
-                by[key] = [v for v in by[key] if v in variants and variants[v].kind in ("lora", "pissa")]
+            for field in ("running_variants", "waiting_variants"):
+                names = sorted({key.partition(REVISION_SEP)[0] for key in by[field]})
+                by[field] = [n for n in names if n in variants and variants[n].kind in ("lora", "pissa")]
         return out
 
     def seconds(self) -> dict[str, float]:
@@ -185,45 +212,26 @@ class Engine:
                 out[part] = out.get(part, 0.0) + s
         return out
 
-    def reload_store(self) -> None:
-        """Pick up variants added or removed in the store; cached weights of removed ones are dropped."""
-        before = dict(self.store.manifest.variants)
-        self.store.reload()
-        self._apply_store_change(before)
-
-    def _apply_store_change(self, before: dict) -> None:
-        now = self.store.manifest.variants
-        for name, entry in before.items():
-            if now.get(name) != entry:  # removed, or replaced under the same name
-                self.cache.drop(name)
-                rt = self.bases.get(entry.base)
-                if rt is not None:
-                    self._compute.submit(rt.forget, name)  # slots are touched on the compute thread only
-        for name in set(self.store.manifest.bases) - set(self.bases):
-            if self._only is None or name in self._only:
-                self._load_base(name)
-
     def info(self, name: str) -> ModelInfo:
         """A model, or a group entry (an EMR group: its card, without labels; its tasks are the models)."""
         for m in self.model_infos():
             if m.name == name:
                 return m
-        v = self.store.manifest.variants.get(name)
+        v = self._followed.manifest.variants.get(name)
         if v is not None and v.base in self.bases:
-            return ModelInfo(v.name, v.kind, v.base, self.cache.residency(v.name), None)
+            return ModelInfo(v.name, v.kind, v.base, self.cache.residency(self._followed.key(name)), None)
         raise VariantNotFound(f"model '{name}' does not exist")
 
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
-        """Validate and store a variant of any registered kind, atomically; served at once, without restart.
+        """Validate and store a variant of any registered kind, atomically, through the catalog; served at once,
+        without restart (a replaced one is a new key: its old revision leaves the cache and slots).
         A file of the caller's that is missing or unreadable is the caller's error here (422), not the store's."""
-        before = dict(self.store.manifest.variants)  # the add updates self.store's manifest itself
         try:
             with fetched([path]) as (local,):
-                await asyncio.to_thread(variant_kind(kind).add, self.store, name, base, local, slots=self.config.slots)
+                await self.catalog.write(
+                    lambda store: variant_kind(kind).add(store, name, base, local, slots=self.config.slots))
         except ArtifactError as e:
             raise VariantIncompatible(str(e)) from e
-        self.store.reload()
-        self._apply_store_change(before)  # a replaced group leaves the cache and its slots
         return self.info(name)
 
     async def add_variants(self, items: list[tuple[str, str, str, str]]) -> list[ModelInfo | Exception]:
@@ -232,48 +240,45 @@ class Engine:
         card or the error that kept it out (a caller's file missing or unreadable: 422, as in add_variant)."""
         from serve.variants.base import add_batch
 
-        before = dict(self.store.manifest.variants)
         try:
             with fetched([p for _, _, p, _ in items]) as paths:
                 local = [(n, b, str(p), k) for (n, b, _, k), p in zip(items, paths)]
-                outcomes = await asyncio.to_thread(add_batch, self.store, local, self.config.slots)
+                outcomes = await self.catalog.write(lambda store: add_batch(store, local, self.config.slots))
         except ArtifactError as e:
             raise VariantIncompatible(str(e)) from e
-        self.store.reload()
-        self._apply_store_change(before)
         infos = {m.name: m for m in self.model_infos()}  # once: info() per item would list every model each time
         return [VariantIncompatible(str(o)) if isinstance(o, ArtifactError) else o if isinstance(o, Exception)
                 else infos.get(o.name) or self.info(o.name) for o in outcomes]
 
     async def remove_variant(self, name: str) -> None:
-        self.store.variant(name)  # 404 for an unknown name; bases are not removed over HTTP
-        await asyncio.to_thread(self.store.remove, name)
-        self.reload_store()
+        self._follow().variant(name)  # 404 for an unknown name; bases are not removed over HTTP
+        await self.catalog.write(lambda store: store.remove(name))
+        self._follow()
 
     # ---- requests
     async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
         """Texts longer than the model reads are cut (and counted), or refused when truncate is False."""
-        base, variant = self.resolve(model)
-        labels = self.store.labels(variant) if variant else None
+        base, variant, key = await self.resolve(model)
+        labels = self._followed.labels(variant) if variant else None
         if not labels:
             raise BadRequest(f"model '{model}' is not a classifier")
         if not truncate:
             self.bases[base].prompts.check_inputs_fit(texts)
-        probs, tokens, truncated = await self._submit("classify", base, variant, texts)
+        probs, tokens, truncated = await self._submit("classify", base, variant, key, texts)
         return Classifications(labels, probs, tokens, truncated)
 
     async def embed(self, model: str, texts: list[str], truncate: bool = True) -> Embeddings:
         """One unit vector per text, and the tokens read; long texts as classify() treats them."""
-        base, variant = self.resolve(model)
+        base, variant, key = await self.resolve(model)
         self.bases[base].require(model, encoder=True)
         if not truncate:
             self.bases[base].prompts.check_inputs_fit(texts)
-        return await self._submit("embed", base, variant, texts)
+        return await self._submit("embed", base, variant, key, texts)
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None) -> Generation:
         """A text completion of `prompt`, or a chat completion of `messages` under the base's chat template."""
-        return await self._submit(*self._generation_row(model, params, prompt, messages))
+        return await self._submit(*await self._generation_row(model, params, prompt, messages))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                               messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
@@ -281,7 +286,7 @@ class Engine:
         stop string is held back until it cannot (half characters never reach the text: it is decoded
         incrementally)."""
         updates: asyncio.Queue[tuple[str, int] | None] = asyncio.Queue()  # one per decode step: <= max_tokens + 1
-        row = self.scheduler.submit(*self._generation_row(model, params, prompt, messages), stream=updates)
+        row = self.scheduler.submit(*await self._generation_row(model, params, prompt, messages), stream=updates)
         held = max((len(s) for s in params.stop), default=1) - 1
         sent = sent_tokens = 0
         with_prompt = params.echo or params.logprobs is not None  # the first piece carries the prompt
@@ -299,10 +304,10 @@ class Engine:
         finally:
             row.cancelled = not row.future.done()
 
-    def _generation_row(self, model: str, params: SamplingParams, prompt: str | list[int] | None,
-                        messages: list[dict] | None) -> tuple[Op, str, str | None, tuple]:
+    async def _generation_row(self, model: str, params: SamplingParams, prompt: str | list[int] | None,
+                              messages: list[dict] | None) -> tuple[Op, str, str | None, str | None, tuple]:
         """Without max_tokens a row may run to the end of the context, within the server's max_tokens."""
-        base, variant = self.resolve(model)
+        base, variant, key = await self.resolve(model)
         rt = self.bases[base]
         rt.require(model, encoder=False)
         if messages is not None:
@@ -314,10 +319,10 @@ class Engine:
         rt.prompts.check_fits(ids, params.max_tokens)
         if params.max_tokens is None:
             params = replace(params, max_tokens=min(self.config.limits.max_tokens, rt.max_length - len(ids)))
-        return "generate", base, variant, (ids, params)
+        return "generate", base, variant, key, (ids, params)
 
-    async def _submit(self, op: Op, base: str, variant: str | None, payload):
-        return await self.scheduler.result(self.scheduler.submit(op, base, variant, payload))
+    async def _submit(self, op: Op, base: str, variant: str | None, key: str | None, payload):
+        return await self.scheduler.result(self.scheduler.submit(op, base, variant, key, payload))
 
     @property
     def batch_sizes(self):
@@ -335,6 +340,7 @@ class Engine:
         """Stop taking requests and wait (bounded) for those already queued or running."""
         await self.scheduler.drain(timeout_s)
         self._compute.shutdown(wait=True)
+        self.catalog.close()
 
 
 def _prompt_of(gen: Generation | None, wanted: bool) -> dict:

@@ -38,7 +38,7 @@ class Forwards:
                     results[id(r)] = CapacityExceeded(f"every adapter slot of base '{rt.name}' is in use; retry later")
                 break
             try:
-                faults.hit("encode", [r.variant or r.base for r in chunk])
+                faults.hit("encode", [r.entry for r in chunk])
                 results.update(zip(map(id, chunk), _forward_rows(rt, chunk, slots)))
             except Exception as e:  # the rows of this forward fail; later chunks go on
                 if not isinstance(e, ManyfoldError):

@@ -152,13 +152,13 @@ class BaseModelRuntime:
         if row.family is not None:
             self.families[row.family].detach(row.slot)
 
-    def forget(self, name: str) -> None:
-        """The variant was removed or replaced: no slot serves it again; a group's own family goes once no row
-        uses it."""
+    def retire(self, key: str) -> None:
+        """The store no longer has this revision of an entry: its idle slots are freed, and a group's own family
+        ("emr:<key>") goes once no row uses it."""
         for family in list(self.families.values()):
-            family.forget(name)
-        for key in [k for k, f in self.families.items() if k.partition(":")[2] == name and f.in_use == 0]:
-            del self.families[key]
+            family.retire(key)
+        for name in [n for n, f in self.families.items() if n.partition(":")[2] == key and f.in_use == 0]:
+            del self.families[name]
 
     def slot_refs(self) -> dict[str, int]:
         """Rows holding a slot, per family (zero everywhere once every row has left)."""

@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol
 
 from serve.engine.types import Generation
 from serve.errors import ManyfoldError, RowFailed
+from serve.store.manifest import REVISION_SEP
 
 Op = Literal["classify", "embed", "generate"]
 
@@ -18,7 +19,8 @@ class Row:
     op: Op
     base: str
     variant: str | None
-    """The cache entry it runs (a group's name for a group member); None for the base itself."""
+    """The key of the cache entry it runs ("<name>@<revision>", its group's for a group member); None for the
+    base itself."""
     payload: Any
     future: asyncio.Future
     model: str | None = None
@@ -39,6 +41,11 @@ class Row:
     """Generation: tokens generated as of the last step (the scheduler's latency figures)."""
     token_at: float = 0.0
     """Generation: time.monotonic() of its latest token."""
+
+    @property
+    def entry(self) -> str:
+        """The name of its variant's entry (a group's for a member), or its base's."""
+        return self.variant.partition(REVISION_SEP)[0] if self.variant is not None else self.base
 
     @property
     def label(self) -> str:

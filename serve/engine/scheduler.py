@@ -27,7 +27,6 @@ from serve.config import BatchConfig
 from serve.engine.rows import Forwards, GenerationBatch, Holds, Op, Row, Step, row_error
 from serve.engine.stats import BATCH_BUCKETS, Distribution, Latencies, Seconds
 from serve.errors import ManyfoldError, Overloaded
-from serve.store.manifest import MEMBER_SEP
 
 log = logging.getLogger("manyfold.engine")
 
@@ -72,13 +71,14 @@ class Scheduler:
         return time.monotonic() - self._progress_at if self._open.total() else 0.0
 
     # ---- requests
-    def submit(self, op: Op, base: str, model: str | None, payload: Any, stream: asyncio.Queue | None = None) -> Row:
-        """Queue a row (Overloaded when the queue is full or the server is stopping); await its future."""
+    def submit(self, op: Op, base: str, model: str | None, key: str | None, payload: Any,
+               stream: asyncio.Queue | None = None) -> Row:
+        """Queue a row of `model` (None: the base), whose entry has `key` in the cache (a group's for a member);
+        Overloaded when the queue is full or the server is stopping. Await its future."""
         if not self.accepting:
             raise Overloaded("server is shutting down")
         self._start()
-        entry = model.split(MEMBER_SEP, 1)[0] if model is not None else None  # what the cache holds (a group's name)
-        row = Row(op, base, entry, payload, self._loop.create_future(), model=model, stream=stream,
+        row = Row(op, base, key, payload, self._loop.create_future(), model=model, stream=stream,
                   submitted_at=time.monotonic())
         try:
             self._queue.put_nowait(row)

@@ -58,8 +58,10 @@ class Slots(ABC):
     def detach(self, slot: int) -> None: ...
 
     @abstractmethod
-    def forget(self, name: str) -> None:
-        """The variant was removed or replaced: its slot must not serve the old contents again."""
+    def retire(self, key: str) -> None:
+        """The store no longer has this revision of the entry (removed, or replaced by another key): an idle slot
+        holding it is freed now, not when the least recently used slot is wanted. Memory only: a replaced entry
+        is another key, so no slot serves the old contents for the new."""
 
     def prepare(self, plan: BatchPlan) -> None:
         """Called once per forward before it runs, on the host: write what the forward's modules read from the
@@ -102,23 +104,17 @@ class TableSlots(Slots):
     def in_use(self) -> int:
         return sum(self.refs)
 
-    def slot_of(self, name: str) -> int | None:
-        return self.names.index(name) if name in self.names else None
+    def slot_of(self, key: str) -> int | None:
+        return self.names.index(key) if key in self.names else None
 
     def attach(self, variant: LoadedVariant) -> int | None:
-        slot = self.slot_of(variant.name)
-        if slot is not None and self.variants[slot] is not variant:  # replaced, or loaded anew after an eviction
-            if self.refs[slot] > 0:
-                self.names[slot] = None  # rows still run the old one: it leaves with them
-            else:
-                self._empty(slot)
-            slot = None
+        slot = self.slot_of(variant.key)
         if slot is None:
             if not self._room(variant):
                 return None
             slot = self._free_slot()
             self._write(slot, variant)
-            self.names[slot], self.variants[slot] = variant.name, variant
+            self.names[slot], self.variants[slot] = variant.key, variant
         self.refs[slot] += 1
         self._clock += 1
         self.last_used[slot] = self._clock
@@ -135,8 +131,8 @@ class TableSlots(Slots):
         self.names[slot], self.variants[slot] = None, None
         self._clear(slot)
 
-    def forget(self, name: str) -> None:
-        slot = self.slot_of(name)
+    def retire(self, key: str) -> None:
+        slot = self.slot_of(key)
         if slot is not None:
             self.names[slot] = None
             if self.refs[slot] == 0:

@@ -1,5 +1,6 @@
 """The store's manifest: one versioned JSON file listing bases and variants with their files and digests."""
 
+import hashlib
 import sys
 from pathlib import Path
 from typing import Annotated, Literal
@@ -36,6 +37,8 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+REVISION_SEP = "@"
+"""Between an entry's name and its revision in a key ("support@3f2a..."); no Name contains it."""
 MEMBER_SEP = "/"
 """Between an EMR group's name and its task's in a model id ("support/sentiment"); no Name contains it."""
 
@@ -121,6 +124,18 @@ class VariantEntryBase(StrictModel):
     def directory(self) -> str:
         """Its files' directory under variants/."""
         return self.name
+
+    @property
+    def revision(self) -> str:
+        """A digest of everything the entry says (its files' digests among it): a replace under the same name is
+        another revision, so what is keyed by it (the engine's cache, slots and families) never serves the old
+        contents for the new."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+    @property
+    def key(self) -> str:
+        """"<name>@<revision>": the entry as one revision of it, as caches, slots and routing key it."""
+        return f"{self.name}{REVISION_SEP}{self.revision}"
 
 
 class _Labelled(VariantEntryBase):

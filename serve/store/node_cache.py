@@ -31,7 +31,8 @@ COMPLETE = ".complete"
 @dataclass
 class CacheStats:
     hits: int = 0
-    """Objects found on the node."""
+    """Objects found on the node (an entry's directory found complete, the first time a process asks for it: each
+    of its files)."""
     fetches: int = 0
     """Objects downloaded from the store."""
 
@@ -43,6 +44,8 @@ class NodeCache:
         for sub in ("objects", "entries", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.stats = CacheStats()
+        self._seen: set[str] = set()
+        """Entries this process has found complete (their hits counted once)."""
 
     def object(self, objects: Objects, sha256: str, size: int) -> Path:
         """The object's file on this node, downloaded and checked if it was not here."""
@@ -65,12 +68,13 @@ class NodeCache:
             raise ValueError(f"cache entry name {name!r}: expected one path component")
         final = self.root / "entries" / name
         if self._touch(final / COMPLETE):
-            return final
+            return self._found(name, files, final)
         with self._lock(f"entry-{name}"):
             if self._touch(final / COMPLETE):
-                return final
+                return self._found(name, files, final)
             tmp = Path(tempfile.mkdtemp(dir=self.root / "entries", prefix=f".{name}."))
             try:
+                self._seen.add(name)
                 for f in files:
                     self._link(objects, f, tmp / f.path)
                 (tmp / COMPLETE).touch()
@@ -78,6 +82,13 @@ class NodeCache:
                 os.replace(tmp, final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def _found(self, name: str, files: list[FileEntry], final: Path) -> Path:
+        """An entry's directory found complete: its objects count as hits the first time this process asks."""
+        if name not in self._seen:
+            self._seen.add(name)
+            self.stats.hits += len(files)
         return final
 
     def _link(self, objects: Objects, f: FileEntry, dest: Path) -> None:

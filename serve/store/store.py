@@ -24,6 +24,7 @@ from pathlib import Path
 from serve.errors import ArtifactError, BadRequest, ManyfoldError, VariantNotFound
 from serve.store.manifest import (MANIFEST, MEMBER_SEP, BaseEntry, FileEntry, StoreManifest, VariantEntry,
                                   read_manifest, write_manifest)
+from serve.store.node_cache import NodeCache
 from serve.store.writer import fsync_dir
 
 _LOCK = ".lock"
@@ -38,10 +39,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class StoreView:
-    """What every store does through its manifest alone, wherever its bytes live: resolve model ids, read entries,
-    check a write, add a base. A store in a local directory (Store) and one on object storage
-    (serve/store/object_store.py: ObjectStore) each keep `manifest` current and place files their own way."""
+class ManifestView:
+    """Model ids and entries as one manifest has them: what a store reads and a catalog's snapshot
+    (serve/store/catalog.py) publishes."""
 
     root: str | Path
     """Where the store is, as messages name it."""
@@ -94,6 +94,15 @@ class StoreView:
                  for v in self.manifest.variants.values()]
         return rows
 
+
+class StoreView(ManifestView):
+    """What every store does through its manifest alone, wherever its bytes live: check a write, add a base. A
+    store in a local directory (Store) and one on object storage (serve/store/object_store.py: ObjectStore) each
+    keep `manifest` current and place files their own way."""
+
+    cache: NodeCache | None = None
+    """The node's cache its files are read through (object storage); None: they are read where they lie."""
+
     def _refuse_taken(self, name: str, manifest: StoreManifest | None = None) -> None:
         m = self.manifest if manifest is None else manifest
         if name in m.bases or name in m.variants:
@@ -119,13 +128,17 @@ class StoreView:
                               fingerprint=fingerprint(weights), files=[], neuzip_bits=neuzip_bits)
             return self.commit(staged, entry)
 
-    def base_dir(self, name: str) -> Path:
-        """A local directory holding the base's files."""
+    def base_dir(self, name: str | BaseEntry) -> Path:
+        """A local directory holding the base's files (of the entry given, or the manifest's of that name)."""
         raise NotImplementedError
 
-    def variant_dir(self, name: str) -> Path:
-        """A local directory holding the variant's files."""
+    def variant_dir(self, name: str | VariantEntry) -> Path:
+        """A local directory holding the variant's files: of the entry the manifest has under that name, or of the
+        entry given (one revision of it, as a catalog's snapshot had it)."""
         raise NotImplementedError
+
+    def _entry(self, name: str | VariantEntry) -> VariantEntry:
+        return self.variant(name) if isinstance(name, str) else name
 
     def stage(self) -> contextlib.AbstractContextManager[Path]:
         """A local temp directory for a new entry's files; removed unless committed."""
@@ -205,11 +218,11 @@ class Store(StoreView):
         finally:
             os.close(fd)
 
-    def base_dir(self, name: str) -> Path:
-        return self.root / "bases" / self.base(name).name
+    def base_dir(self, name: str | BaseEntry) -> Path:
+        return self.root / "bases" / (self.base(name) if isinstance(name, str) else name).name
 
-    def variant_dir(self, name: str) -> Path:
-        return self.root / "variants" / self.variant(name).directory
+    def variant_dir(self, name: str | VariantEntry) -> Path:
+        return self.root / "variants" / self._entry(name).directory
 
     def verify(self, entry: BaseEntry | VariantEntry) -> None:
         """Check every file of an entry against its recorded size and sha256."""

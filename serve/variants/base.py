@@ -73,6 +73,12 @@ class LoadedVariant:
     parent: "LoadedVariant | None" = None
     index: int = 0
     """A member's place in its group (an EMR task's index in its bundle)."""
+    key: str = ""
+    """Its store entry's key, "<name>@<revision>" (VariantEntryBase.key): what slots know it by, so that an entry
+    replaced under its name is another variant to them. Empty: its name (a variant built outside a store)."""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.name
 
     @property
     def nbytes(self) -> int:

@@ -49,7 +49,7 @@ class EmrVariant(VariantKind):
 
     def load(self, store: Store, entry: EmrVariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
         store.verify(entry)
-        bundle = read_bundle(store.variant_dir(entry.name), verify=False)  # just checked, as store files
+        bundle = read_bundle(store.variant_dir(entry), verify=False)  # just checked, as store files
         tau, masks = bundle.tensors(TAU_FILE), bundle.tensors(MASKS_FILE)
         tensors = {}
         for b in tau:
@@ -57,7 +57,7 @@ class EmrVariant(VariantKind):
                 raise VariantIncompatible(f"EMR group '{entry.name}': tensor '{b}' is not in base '{base.name}'")
             tensors[b] = tau[b].to(base.tensors[b].dtype)
             tensors[b + MASKS_SUFFIX] = masks[b]
-        group = LoadedVariant(entry.name, self.kind, f"emr:{entry.name}", tensors)
+        group = LoadedVariant(entry.name, self.kind, f"emr:{entry.key}", tensors, key=entry.key)
         heads = bundle.tensors(HEADS_FILE)
         for k, t in enumerate(bundle.manifest.tasks):
             prefix = f"{t.name}/"
@@ -70,7 +70,7 @@ class EmrVariant(VariantKind):
 
     def verify(self, store: Store, entry: EmrVariantEntry) -> None:
         store.verify(entry)
-        read_bundle(store.variant_dir(entry.name))
+        read_bundle(store.variant_dir(entry))
 
     def extract(self, store: Store, name: str, out_dir: Path) -> Path:
         """`name` is "<group>/<task>": that task's reconstructed model; a group name gives its bundle."""

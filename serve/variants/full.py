@@ -137,17 +137,18 @@ class FullVariant(VariantKind):
         load_full_variant(store, entry.name)  # every tensor decoded and checked against its digest
 
     def load(self, store: Store, entry: FullVariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
-        fmd = FmdFile(store.variant_dir(entry.name) / DELTA_FILE)
+        fmd = FmdFile(store.variant_dir(entry) / DELTA_FILE)
         changed = [n for n, r in fmd.records.items() if r.codec != "same"]  # the rest is the base's, shared
         tensors = fmd.decode_all(base.host, names=changed, base_digests=base.digests, alloc=alloc)
         weights, head = split_variant(tensors, base)
-        return LoadedVariant(entry.name, self.kind, self.family, weights, head=head, labels=entry.labels)
+        return LoadedVariant(entry.name, self.kind, self.family, weights, head=head, labels=entry.labels,
+                             key=entry.key)
 
     def extract(self, store: Store, name: str, out_dir: Path) -> Path:
         return extract_full_variant(store, name, out_dir)
 
     def reserve_layout(self, store: Store, entry: FullVariantEntry) -> list[tuple[list[int], torch.dtype]]:
-        return changed_layout(store.variant_dir(entry.name) / DELTA_FILE)
+        return changed_layout(store.variant_dir(entry) / DELTA_FILE)
 
 
 register_variant(FullVariant())

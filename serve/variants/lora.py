@@ -244,11 +244,11 @@ class LoraVariant(VariantKind):
 
     def verify(self, store: Store, entry: LoraVariantEntry) -> None:
         store.verify(entry)
-        parse_adapter(store.variant_dir(entry.name), store.base_shapes(entry.base), entry.base, max_rank=1 << 30)
+        parse_adapter(store.variant_dir(entry), store.base_shapes(entry.base), entry.base, max_rank=1 << 30)
 
     def load(self, store: Store, entry: LoraVariantEntry, base: BaseView, alloc: Alloc) -> LoadedVariant:
         store.verify(entry)
-        path = store.variant_dir(entry.name)
+        path = store.variant_dir(entry)
         shapes = {n: list(t.shape) for n, t in base.tensors.items()}
         modules, head = parse_adapter(path, shapes, base.name, max_rank=1 << 30)
         tensors, scales = {}, {}
@@ -256,7 +256,7 @@ class LoraVariant(VariantKind):
             dtype = base.tensors[f"{module}.weight"].dtype
             tensors[f"{module}.A"], tensors[f"{module}.B"] = a.to(dtype), b.to(dtype)
             scales[module] = scale
-        return LoadedVariant(entry.name, self.kind, self.family, tensors, scales, head, entry.labels)
+        return LoadedVariant(entry.name, self.kind, self.family, tensors, scales, head, entry.labels, key=entry.key)
 
     def extract(self, store: Store, name: str, out_dir: Path) -> Path:
         out_dir = Path(out_dir)

@@ -1,11 +1,12 @@
 """The router's listing and batch adds with stand-in handles (plain Python, no Ray cluster): /v1/models is built
-from the store once per manifest read, and a batch is split by base, each base's items to one replica call."""
+from the catalog's snapshot once per snapshot, and a batch is split by base, each base's items to one replica call."""
 
 import asyncio
 
 from serve.deployments.router import Router
 from serve.engine.types import ModelInfo
 from serve.errors import Unavailable, VariantNotFound
+from serve.store.catalog import Catalog
 from serve.store.manifest import BaseEntry, LoraVariantEntry, StoreManifest, write_manifest
 from serve.store.store import Store
 
@@ -36,11 +37,12 @@ class _Health:
 
 
 class _Board:
-    def __init__(self):
+    def __init__(self, held: dict[str, str] | None = None):
+        self.held = held or {}
         self.residency = _Remote(self._residency)
 
     async def _residency(self):
-        return {"b-1": "hot"}
+        return self.held
 
 
 def _store(root, variants: dict[str, str]) -> Store:
@@ -54,7 +56,8 @@ def _store(root, variants: dict[str, str]) -> Store:
 
 def test_models_are_listed_per_base_and_rebuilt_only_when_the_manifest_changes(tmp_path):
     store = _store(tmp_path, {"a-1": "a", "b-1": "b", "a-2": "a"})
-    router = Router(tmp_path, {"a": _Replica("a"), "b": _Replica("b")}, _Board(), _Health())
+    held = {store.manifest.variants["b-1"].key: "hot"}  # replicas report what they hold by entry key
+    router = Router(Catalog(tmp_path, refresh_s=0), {"a": _Replica("a"), "b": _Replica("b")}, _Board(held), _Health())
     models = asyncio.run(router.models())
     assert [(m.name, m.base, m.residency) for m in models] == [("a", None, "hot"), ("a-1", "a", "cold"),
                                                                ("a-2", "a", "cold"), ("b", None, "hot"),
@@ -63,13 +66,14 @@ def test_models_are_listed_per_base_and_rebuilt_only_when_the_manifest_changes(t
     asyncio.run(router.models())
     assert router._listing() is listing
     write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {}}))  # another process removes them
+    asyncio.run(router.catalog.refresh())  # what the catalog does every store_refresh_s
     assert [m.name for m in asyncio.run(router.models())] == ["a", "b"]
 
 
 def test_a_batch_goes_to_each_base_in_one_call_and_failures_stay_with_their_items(tmp_path):
     _store(tmp_path, {})
     replicas = {"a": _Replica("a"), "b": _Replica("b", fails=Unavailable("base 'b' is not running"))}
-    router = Router(tmp_path, replicas, _Board(), _Health())
+    router = Router(Catalog(tmp_path, refresh_s=0), replicas, _Board(), _Health())
     items = [("x", "a", "/p/x", "lora"), ("y", "b", "/p/y", "lora"), ("z", "nope", "/p/z", "lora"),
              ("w", "a", "/p/w", "pissa")]
     out = asyncio.run(router.add_variants(items))

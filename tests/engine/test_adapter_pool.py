@@ -149,7 +149,7 @@ def test_the_budget_bounds_bytes_idle_adapters_leave_lru_first_and_busy_ones_mak
     for s in (held[2], s3):
         rt.detach(s)
     for name in ("b0", "b2", "b3"):
-        pool.forget(name)
+        pool.retire(name)
     assert pool.nbytes == 0 and pool.buckets == {}  # a bucket with no adapters gives its memory back
 
 

@@ -131,8 +131,11 @@ def test_full_queue_refuses_with_overloaded(serving_store):
 
 
 def test_top_layer_finetune_holds_only_what_it_changed(engine):
+    def key(name):
+        return engine.catalog.snapshot.key(name)
+
     async def load():
-        async with engine.cache.use("tiny-lm-top") as top, engine.cache.use("tiny-lm-all") as full:
+        async with engine.cache.use(key("tiny-lm-top")) as top, engine.cache.use(key("tiny-lm-all")) as full:
             return set(top.weights), top.nbytes, full.nbytes
 
     names, top_bytes, all_bytes = run(load())
@@ -168,19 +171,22 @@ def test_decodes_write_into_reserved_or_evicted_buffers_but_never_in_use_ones(se
     base_ptrs = {t.data_ptr() for t in eng.bases["tiny-lm"].view.tensors.values()}
 
     def ptrs(name):
-        return {t.data_ptr() for t in eng.cache._tiers["device"][name].weights.values()}
+        return {t.data_ptr() for t in eng.cache._tiers["device"][key(name)].weights.values()}
+
+    def key(name):
+        return eng.catalog.snapshot.key(name)
 
     first = ptrs("tiny-lm-all")
     assert first <= reserved  # its first decode wrote into buffers faulted in when the engine started
-    eng.cache.drop("tiny-lm-all")
+    eng.cache.drop(key("tiny-lm-all"))
     assert eng.cache.buffers.free_bytes > 0
     assert run(eng.complete("tiny-lm-all", params, prompt="one two")).token_ids == expected
     assert ptrs("tiny-lm-all") == first and not first & base_ptrs
 
     async def drop_while_running():
-        async with eng.cache.use("tiny-lm-all") as entry:
+        async with eng.cache.use(key("tiny-lm-all")) as entry:
             held = {k: v.clone() for k, v in entry.weights.items()}
-            eng.cache.drop("tiny-lm-all")
+            eng.cache.drop(key("tiny-lm-all"))
             await eng.complete("tiny-lm-top", params, prompt="one two")  # a decode that wants buffers
             return all(same_bits(entry.weights[k], v) for k, v in held.items())
 

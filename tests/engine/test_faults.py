@@ -80,9 +80,9 @@ def engine(store_root, request):
 
 
 async def _request(eng: Engine, model: str):
-    if eng.bases[eng.store.resolve(model)[0]].causal:
+    if eng.bases[eng.catalog.snapshot.resolve(model)[0]].causal:
         return await eng.complete(model, PARAMS, prompt="the cat sat on the mat")
-    if eng.store.resolve(model)[1] is None:
+    if eng.catalog.snapshot.resolve(model)[1] is None:
         return await eng.embed(model, ["a quick brown fox", "jumps"])
     return await eng.classify(model, ["a quick brown fox", "jumps over the lazy dog"])
 
@@ -114,8 +114,8 @@ def reference(engine):
 
 
 def _cold(eng: Engine) -> None:
-    for name in list(eng.store.manifest.variants):
-        eng.cache.drop(name)
+    for entry in list(eng.catalog.snapshot.manifest.variants.values()):
+        eng.cache.drop(entry.key)
 
 
 def _targets(kind: str) -> list[str]:

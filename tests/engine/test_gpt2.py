@@ -105,5 +105,5 @@ def test_a_conv1d_adapter_is_checked_in_its_own_orientation(served, tmp_path):
     config = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": False}))
     with pytest.raises(VariantIncompatible, match=r"'.*h\.0\.attn\.c_attn' maps 48 -> 144; base 'gpt2' has 144 -> 48") as e:
-        variant_kind("lora").add(engine.store, "gpt2-bad", "gpt2", bad)
+        variant_kind("lora").add(engine.catalog.files, "gpt2-bad", "gpt2", bad)
     assert "\n" not in str(e.value)

@@ -103,7 +103,7 @@ def test_an_entry_on_a_warm_node_reads_nothing_from_the_store(tmp_path):
     assert objects.downloads == 3
     restarted = NodeCache(tmp_path / "node", 1 << 20)  # a replica started again on the same node
     assert restarted.directory(objects, "base@1", files) == first
-    assert objects.downloads == 3 and restarted.stats.fetches == 0
+    assert objects.downloads == 3 and restarted.stats.fetches == 0 and restarted.stats.hits == 3
 
 
 def test_the_least_recently_used_go_first_and_the_budget_holds(tmp_path):

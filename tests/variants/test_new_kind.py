@@ -63,8 +63,8 @@ class BiasSlots(Slots):
         if not self.refs[slot]:
             del self.refs[slot], self.variants[slot]
 
-    def forget(self, name: str) -> None:
-        """Slots hold a variant only while its rows run: nothing to forget."""
+    def retire(self, key: str) -> None:
+        """Slots hold a variant only while its rows run: nothing to free."""
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
         return any(name in self.variants[slot].tensors for slot in plan.slot_set(self.family))
