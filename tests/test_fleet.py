@@ -1,0 +1,303 @@
+"""Manyfold as a fleet, on this machine: the store on an S3 server on loopback (moto's server mode), a Ray cluster
+(ray.cluster_utils.Cluster) of a CPU-less head and worker nodes that each have their own MANYFOLD_CACHE_DIR, and
+the app served from the bucket with a base of two replicas, one per node.
+
+Checked as a platform relies on it: both nodes serve adapters from S3, each through its own cache; an admin add
+is served by both nodes at once and a delete is a 404; two admins adding at once lose nothing; a variant being
+replaced is answered as the old or the new, never a mix; a node removed under load leaves no request hanging and
+the base comes back on a new node, filling its cache from the store; a replica restarted where the cache is warm
+reads nothing from the store (the node-cache counters of /metrics, and the cache's files, say so)."""
+
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.config import ServeConfig, key_digest
+from tests.models import write_lora, write_tiny_causal
+from tests.test_server import free_port
+
+ADMIN = "sk-fleet-admin"
+PROMPT = {"prompt": "the cat sat on the", "max_tokens": 24, "temperature": 0, "logprobs": 1}
+
+
+@dataclass
+class Fleet:
+    url: str
+    store: str
+    cluster: object
+    nodes: dict
+    """Worker name -> its Ray node."""
+    caches: dict[str, Path]
+    """Worker name -> its MANYFOLD_CACHE_DIR."""
+    adapters: dict[int, str]
+    """Seed -> an adapter directory on S3 (s3://...), as an admin names it."""
+    root: Path
+
+    def add_worker(self, name: str) -> None:
+        self.caches[name] = self.root / f"cache-{name}"
+        self.nodes[name] = self.cluster.add_node(num_cpus=1, env_vars={"MANYFOLD_CACHE_DIR": str(self.caches[name])})
+
+
+def _upload(local: Path, url: str) -> str:
+    from serve.store.objects import Objects
+
+    objects = Objects(url)
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            objects.put_file(str(p.relative_to(local)), p)
+    return url
+
+
+@pytest.fixture(scope="module")
+def fleet(s3_server, tmp_path_factory):
+    import os
+    import uuid
+
+    import boto3
+
+    import serve.deployments  # noqa: F401  (loopback env before ray)
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from serve.app import build_app
+    from serve.store.object_store import ObjectStore
+    from serve.store.node_cache import NodeCache
+    from serve.variants import variant_kind
+
+    root = tmp_path_factory.mktemp("fleet")
+    bucket = f"manyfold-fleet-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
+    store = f"s3://{bucket}/store"
+    lm = write_tiny_causal(root / "lm")
+    writer = ObjectStore(store, create=True, cache=NodeCache(root / "cache-admin", 1 << 30))
+    writer.add_base("lm", lm)
+    variant_kind("lora").add(writer, "lm-a", "lm", write_lora(lm, root / "lora-1", seed=1, r=4,
+                                                               targets=["q_proj", "v_proj"]))
+    adapters = {seed: _upload(write_lora(lm, root / f"lora-{seed}", seed=seed, r=4, targets=["q_proj", "v_proj"]),
+                              f"s3://{bucket}/uploads/lora-{seed}") for seed in (2, 3, 4, 5)}
+    os.environ["MANYFOLD_CACHE_DIR"] = str(root / "cache-driver")  # the driver reads the manifest to build the app
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
+    fleet = Fleet("", store, cluster, {}, {}, adapters, root)
+    for name in ("w1", "w2"):
+        fleet.add_worker(name)
+    ray.init(address=cluster.address, logging_level="ERROR")
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    config = ServeConfig(store=store, port=port, store_refresh_s=1.0, admin_key_sha256=[key_digest(ADMIN)],
+                         deployment={"num_cpus": 0.25},
+                         deployments={"lm": {"num_cpus": 0.25, "num_replicas": 2, "max_replicas_per_node": 1,
+                                             "max_ongoing_requests": 1}})
+    serve.run(build_app(config), name="manyfold", route_prefix="/")
+    fleet.url = f"http://127.0.0.1:{port}"
+    yield fleet
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+    os.environ.pop("MANYFOLD_CACHE_DIR", None)
+
+
+def _complete(url: str, model: str) -> tuple[int, object]:
+    """-> (status, the greedy answer's tokens and log probabilities, or the error)."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        r = c.post("/v1/completions", json={"model": model, **PROMPT})
+    body = r.json()
+    return r.status_code, body["choices"][0]["logprobs"] if r.status_code == 200 else body["error"]["message"]
+
+
+def _together(url: str, model: str, n: int) -> list[tuple[int, object]]:
+    """n requests for `model` at once: with one request at a time per replica, both replicas take some."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: _complete(url, model), range(n)))
+
+
+def _entries(cache: Path, name: str) -> bool:
+    """Whether a node's cache holds an entry of that name (its directory is named <name>-<content>)."""
+    return any(d.name.rsplit("-", 1)[0] == name for d in (cache / "entries").glob(f"{name}-*"))
+
+
+def _served_by_every_node(fleet: Fleet, model: str, workers: list[str], rounds: int = 8) -> set:
+    """Requests for `model` until every worker's cache holds it (each replica has loaded it), at most `rounds`
+    rounds of 8 at once; every answer must be a 200. -> the distinct answers."""
+    answers = set()
+    for _ in range(rounds):
+        for status, answer in _together(fleet.url, model, 8):
+            assert status == 200, answer
+            answers.add(repr(answer))
+        if all(_entries(fleet.caches[w], model) for w in workers):
+            return answers
+    raise AssertionError(f"'{model}' was not loaded on every node: "
+                         f"{ {w: _entries(fleet.caches[w], model) for w in workers} } "
+                         f"{ {w: sorted(p.name for p in (fleet.caches[w] / 'entries').iterdir()) for w in workers if (fleet.caches[w] / 'entries').exists()} }")
+
+
+def _replicas() -> set[str]:
+    """The actor names of the base's replicas alive now."""
+    import ray
+
+    from serve.app import APP, deployment_name
+
+    prefix = f"SERVE_REPLICA::{APP}#{deployment_name('lm')}#"
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
+def _wait_running(replicas: int, old: set[str], kept: int, also=lambda: True, timeout_s: float = 120.0) -> None:
+    """Until the base's deployment runs `replicas` replicas, `kept` of them from `old` (Serve may count a replica
+    that is lost or killed as running until it notices), and also() holds; bounded: Serve's status read every
+    0.2 s."""
+    from ray import serve
+
+    from serve.app import APP, deployment_name
+
+    tick = threading.Event()
+    for _ in range(int(timeout_s / 0.2)):
+        states = serve.status().applications[APP].deployments[deployment_name("lm")].replica_states
+        alive = _replicas()
+        if states.get("RUNNING", 0) == replicas == sum(states.values()) == len(alive) and len(alive & old) == kept \
+                and also():
+            return
+        tick.wait(0.2)
+    raise AssertionError(f"the base did not come back to {replicas} new running replicas in {timeout_s:g} s: "
+                         f"{states}")
+
+
+def _admin(fleet: Fleet):
+    return httpx.Client(base_url=fleet.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120)
+
+
+def _node_cache_objects(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "manyfold_node_cache_objects")
+    return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+def _objects(cache: Path) -> dict[str, int]:
+    """A node cache's objects, each with its inode: a download writes a new file, so a new inode."""
+    return {p.name: p.stat().st_ino for p in (cache / "objects").iterdir() if not p.name.startswith(".")}
+
+
+def test_both_nodes_serve_adapters_from_s3_each_through_its_own_cache(fleet):
+    answers = _served_by_every_node(fleet, "lm-a", ["w1", "w2"])
+    assert len(answers) == 1  # the same greedy answer from either node
+    assert all(_entries(fleet.caches[w], "lm") for w in ("w1", "w2"))  # each replica read the base on its node
+
+
+def test_an_admin_add_is_served_by_both_nodes_and_a_delete_is_a_404_on_both(fleet):
+    with _admin(fleet) as admin:
+        r = admin.post("/v1/admin/variants", json={"name": "lm-b", "base": "lm", "path": fleet.adapters[2],
+                                                   "kind": "lora"})
+        assert r.status_code == 201, r.text
+        assert len(_served_by_every_node(fleet, "lm-b", ["w1", "w2"])) == 1
+        assert admin.delete("/v1/admin/variants/lm-b").status_code == 200
+    after = _together(fleet.url, "lm-b", 8)
+    assert [s for s, _ in after] == [404] * 8, after
+
+
+def test_two_admins_adding_at_once_lose_nothing(fleet):
+    def add(seed: int) -> int:
+        with _admin(fleet) as admin:
+            return admin.post("/v1/admin/variants", json={"name": f"lm-w{seed}", "base": "lm", "kind": "lora",
+                                                          "path": fleet.adapters[seed]}).status_code
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(add, (3, 4))) == [201, 201]
+    listed = {m["id"] for m in httpx.get(f"{fleet.url}/v1/models", timeout=60).json()["data"]}
+    assert {"lm-w3", "lm-w4"} <= listed
+    for seed in (3, 4):
+        assert {s for s, _ in _together(fleet.url, f"lm-w{seed}", 2)} == {200}
+
+
+def test_a_variant_being_replaced_is_answered_as_the_old_or_the_new_never_a_mix(fleet):
+    """lm-r is removed and added again with other weights, three times, while clients ask for it: every 200
+    answer is exactly what the old adapter or the new one answers alone; between them a 404 may come."""
+    with _admin(fleet) as admin:
+        expected = {}
+        for seed in (3, 5):
+            assert admin.post("/v1/admin/variants", json={"name": "lm-r", "base": "lm", "kind": "lora",
+                                                          "path": fleet.adapters[seed]}).status_code == 201
+            expected[seed] = _complete(fleet.url, "lm-r")[1]
+            assert admin.delete("/v1/admin/variants/lm-r").status_code == 200
+        assert expected[3] != expected[5]
+        stop, seen = threading.Event(), []
+
+        def ask():
+            for _ in range(200):  # bounded; ends when the replacing does
+                if stop.is_set():
+                    return
+                seen.append(_complete(fleet.url, "lm-r"))
+
+        readers = [threading.Thread(target=ask) for _ in range(2)]
+        for t in readers:
+            t.start()
+        try:
+            for seed in (3, 5, 3):
+                assert admin.post("/v1/admin/variants", json={"name": "lm-r", "base": "lm", "kind": "lora",
+                                                              "path": fleet.adapters[seed]}).status_code == 201
+                assert _complete(fleet.url, "lm-r") == (200, expected[seed])
+                assert admin.delete("/v1/admin/variants/lm-r").status_code == 200
+        finally:
+            stop.set()
+            for t in readers:
+                t.join()
+    assert seen and all(s == 404 or answer in expected.values() for s, answer in seen), seen
+    assert {s for s, _ in seen} <= {200, 404}
+
+
+def test_a_node_removed_under_load_hangs_no_request_and_the_base_returns_on_a_new_node(fleet):
+    """The worker that holds no ingress is removed while clients send requests: each gets an answer (a request
+    cut with its replica gets a 503 saying so, never a hang); a new node joins, and the base's second replica
+    starts there, filling that node's cache from the store, and serves."""
+    from ray.util.state import list_actors
+
+    hosts = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")])
+             if "Ingress" in a.class_name or "ResidencyBoard" in a.class_name}
+    node_ids = {w: n.node_id for w, n in fleet.nodes.items()}
+    lost = next(w for w in ("w1", "w2") if node_ids[w] not in hosts)
+    before = _replicas()
+    first, statuses = threading.Event(), []
+
+    def call():
+        for _ in range(6):
+            statuses.append(_complete(fleet.url, "lm-a")[0])  # a hang would raise httpx's timeout here
+            first.set()
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    assert first.wait(120), "the load never got an answer"
+    fleet.cluster.remove_node(fleet.nodes.pop(lost))
+    for t in threads:
+        t.join()
+    assert len(statuses) == 36 and set(statuses) <= {200, 503}, statuses
+    shutil.rmtree(fleet.caches.pop(lost), ignore_errors=True)
+    fleet.add_worker("w3")
+    _wait_running(2, old=before, kept=1, also=lambda: _entries(fleet.caches["w3"], "lm"))  # its base, from S3
+    kept = next(w for w in fleet.caches if w not in ("w3",))
+    _served_by_every_node(fleet, "lm-a", [kept, "w3"])
+
+
+def test_a_replica_restarted_where_the_cache_is_warm_reads_nothing_from_the_store(fleet):
+    """One replica of the base is killed; Serve starts another on the node it left (one replica per node), whose
+    cache holds the base: not one object is downloaded (the caches' files are the same files, and the fetch count
+    of /metrics, summed over live and gone replicas, does not move) while its hits grow."""
+    import ray
+
+    _served_by_every_node(fleet, "lm-a", list(fleet.caches))
+    before = {w: _objects(c) for w, c in fleet.caches.items()}
+    counted = _node_cache_objects(fleet.url)
+    replica = sorted(_replicas())[0]
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    _wait_running(2, old={replica}, kept=0)
+    for _ in range(30):  # the new replica reports its counters to the board when it answers (at least 1/s)
+        assert {status for status, _ in _together(fleet.url, "lm-a", 8)} == {200}
+        now = _node_cache_objects(fleet.url)
+        if now["hit"] > counted["hit"]:
+            break
+    assert now["fetch"] == counted["fetch"] and now["hit"] > counted["hit"], (counted, now)
+    assert {w: _objects(c) for w, c in fleet.caches.items()} == before
