@@ -3,6 +3,7 @@
     python -m loadtests.run [--scenario full|top2|mixed] [--variants N] [--rate R] [--duration 30] [--budget-models 4] [--repeats 3]
     python -m loadtests.run --scenario tenants [--tenants 5,100,1000,2000] [--systems manyfold,peft,multiplex] ...
     python -m loadtests.run --scenario neuzip [--tenants 8] [--duration 45] [--decoded-mib 0|N|auto] ...
+    python -m loadtests.run --scenario fleet [--adapters 8] [--repeats 3]
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
@@ -128,6 +129,10 @@ def main(argv: list[str] | None = None) -> list[dict] | dict:
         from loadtests.tenants import main as tenants_main
 
         return tenants_main(argv)
+    if pre.parse_known_args(argv)[0].scenario == "fleet":  # cold and warm starts from S3: loadtests/fleet.py
+        from loadtests.fleet import main as fleet_main
+
+        return fleet_main(argv)
     if pre.parse_known_args(argv)[0].scenario == "neuzip":  # SmolLM2 plain and as NeuZip: loadtests/neuzip.py
         from loadtests.neuzip import main as neuzip_main
 
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict] | dict:
                    help="variants train every weight (full), only the top two layers and the head (top2), or "
                         "mixed: 3/4 LoRA adapters, 1/4 top2 full fine-tunes; tenants: LoRA tenants of SmolLM2 "
                         "(its own options: --scenario tenants --help); neuzip: SmolLM2 plain against NeuZip "
-                        "(--scenario neuzip --help)")
+                        "(--scenario neuzip --help); fleet: cold and warm starts from S3 (--scenario fleet --help)")
     p.add_argument("--rate", type=float, default=None, help="offered requests per second (default: 8, or "
                    f"{SCENARIOS['mixed'].rate_rps:g} for mixed)")
     p.add_argument("--max-chars", type=int, default=None, help="each input is the start of a test text, at most "
