@@ -8,6 +8,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 NO_GPU = "not measured: no GPU was lent to this run (the Triton kernel is checked under TRITON_INTERPRET=1)"
 
@@ -22,6 +26,14 @@ def machine() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}, CPU only"
+
+
+def sync(device: "torch.device") -> None:
+    """Wait for a CUDA device's queued work (timings read after it); nothing on a CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: bool = False) -> float:

@@ -46,23 +46,7 @@ class BaseModelRuntime:
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(model_dir)
         self.causal = is_causal_lm(config.architectures)
-        cls = AutoModelForCausalLM if self.causal else AutoModel
-        nzp_path = Path(model_dir) / NEUZIP_FILE
-        streams = {}
-        if nzp_path.exists():  # coded weights stay coded; decoders read the stored lossless base
-            nzp = NzpFile(nzp_path)
-            self.model, streams = load_neuzip(cls, model_dir, nzp, self.device)
-            digests = {n: r.source_digest for n, r in nzp.records.items()}
-            host = SafetensorsSource(model_dir)
-        else:
-            self.model = cls.from_pretrained(model_dir, dtype="auto").eval()  # as stored: deltas match
-            host = {n: t.detach() for n, t in self.model.state_dict().items()}
-            digests = {}
-        for n, t in self.model.state_dict().items():
-            if n not in digests and not t.is_meta:
-                digests[n] = tensor_digest(t.cpu())  # on the host, before the move
-        if not streams:
-            self.model.to(self.device)
+        host, digests, streams = self._load_weights(AutoModelForCausalLM if self.causal else AutoModel, model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         """The compute thread's; the event loop has its own in `prompts` (serve/engine/prompts.py)."""
         if self.causal and self.tokenizer.pad_token_id is None:
@@ -99,6 +83,27 @@ class BaseModelRuntime:
             self._ready_to_generate(config, batch, engine)
         eos = self.model.generation_config.eos_token_id if self.causal else None
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    def _load_weights(self, cls, model_dir: str | Path) -> tuple:
+        """self.model on its device; -> (the host's tensors that decoders and deltas read, each tensor's digest,
+        a NeuZip base's coded streams)."""
+        nzp_path = Path(model_dir) / NEUZIP_FILE
+        streams = {}
+        if nzp_path.exists():  # coded weights stay coded; decoders read the stored lossless base
+            nzp = NzpFile(nzp_path)
+            self.model, streams = load_neuzip(cls, model_dir, nzp, self.device)
+            digests = {n: r.source_digest for n, r in nzp.records.items()}
+            host = SafetensorsSource(model_dir)
+        else:
+            self.model = cls.from_pretrained(model_dir, dtype="auto").eval()  # as stored: deltas match
+            host = {n: t.detach() for n, t in self.model.state_dict().items()}
+            digests = {}
+        for n, t in self.model.state_dict().items():
+            if n not in digests and not t.is_meta:
+                digests[n] = tensor_digest(t.cpu())  # on the host, before the move
+        if not streams:
+            self.model.to(self.device)
+        return host, digests, streams
 
     def _ready_to_generate(self, config, batch: BatchConfig, engine: EngineConfig) -> None:
         """The attention that reads the KV store, the store itself, layers fused where they can be
