@@ -22,7 +22,7 @@ from serve.bench.report import descendants
 from serve.demo import AdapterTask, DemoTask, LmTask, build_demo_store
 from tests.test_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one worker starts Ray at a time (make test: -n 2)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_a_base_ray_cannot_place_answers_503_and_the_rest_serve(tmp_path):
     store.add_base("big", write_tiny_causal(tmp_path / "big", seed=1))
     store.add_base("enc", write_tiny_bert(tmp_path / "enc"))
     config = tmp_path / "serve.json"
-    config.write_text(json.dumps({"store": str(store.root), "deployments": {"big": {"num_cpus": 64}},
+    config.write_text(json.dumps({"store": str(store.root), "deployments": {"big": {"num_cpus": 64, "graceful_shutdown_timeout_s": 1}},
                                   "start_timeout_s": 0}))
     with serving("--config", str(config)) as (url, log, _), httpx.Client(base_url=url, timeout=300) as http:
         assert any(line.startswith("warning: big is not running") for line in log), log

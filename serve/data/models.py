@@ -1,5 +1,6 @@
 """Packaged real models: all-MiniLM-L6-v2 (encoder) and SmolLM2-135M-Instruct (causal LM, from GGUF)."""
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -29,6 +30,15 @@ def smollm2_dir() -> Path:
     out = home() / "models" / "smollm2-135m-instruct"
     if (out / "model.safetensors").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".convert.lock", "w") as lock:  # processes asking at once: one converts, the rest wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").is_file():
+            _convert_smollm2(out)
+    return out
+
+
+def _convert_smollm2(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -43,7 +53,6 @@ def smollm2_dir() -> Path:
         del cfg.quantization_config
     plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     plain.load_state_dict(lm.state_dict())
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent))
     try:
         plain.save_pretrained(tmp)
@@ -53,4 +62,3 @@ def smollm2_dir() -> Path:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
