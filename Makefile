@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(VENV)/bin/manyfold demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -n 2 --dist loadgroup
+	$(VENV)/bin/pytest -q
 
 compat: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,compat]' $(QUIET)

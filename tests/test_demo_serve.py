@@ -22,7 +22,7 @@ from serve.bench.report import descendants
 from serve.demo import AdapterTask, DemoTask, LmTask, build_demo_store
 from tests.test_server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one worker starts Ray at a time (make test: -n 2)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

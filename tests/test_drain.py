@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.test_server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one worker starts Ray at a time (make test: -n 2)
+pytestmark = pytest.mark.slow
 STREAMS, TOKENS = 6, 400
 
 

@@ -22,7 +22,7 @@ from serve.config import ServeConfig, key_digest
 from tests.models import write_lora, write_tiny_causal
 from tests.test_server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one worker starts Ray at a time (make test: -n 2)
+pytestmark = pytest.mark.slow
 
 ADMIN = "sk-fleet-admin"
 PROMPT = {"prompt": "the cat sat on the", "max_tokens": 24, "temperature": 0, "logprobs": 1}

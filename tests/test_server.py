@@ -11,7 +11,7 @@ from loadtests.generator import free_port
 from serve.config import ServeConfig, key_digest
 from tests.engine.test_engine import reference_greedy
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one worker starts Ray at a time (make test: -n 2)
+pytestmark = pytest.mark.slow
 KEY = "sk-e2e"
 ADMIN = "sk-e2e-admin"
 
