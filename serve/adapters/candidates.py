@@ -86,7 +86,8 @@ def generate_candidates(model, tok, seeds: list[str], name: str, count: int, see
 
 def synthetic_inputs(target_base: str | Path, judge: Callable[[list[str]], list[bool]] | None, seed_inputs: list[str],
                      name: str, plan: AttemptPlan, seed: int, tick: Callable[[str, int, int], None],
-                     groups: list[list[int]] | None = None) -> Sampling:
+                     groups: list[list[int]] | None = None, out_of_time: Callable[[], bool] = lambda: False
+                     ) -> Sampling:
     """The inputs the target base wrote after the seeds and `judge` (the discriminator's accepts) took (all that
     are fresh without one), batch by batch as generation_schedule plans, with every batch's fates. The target
     writes in bf16: writing candidates is most of a transfer's time on a CPU, and bf16 takes two thirds of fp32's
@@ -98,4 +99,4 @@ def synthetic_inputs(target_base: str | Path, judge: Callable[[list[str]], list[
                                    groups=groups)
 
     return sample_inputs(write, judge or (lambda xs: [True] * len(xs)), plan, set(seed_inputs), seed,
-                         lambda done, total: tick("generate", done, total))
+                         lambda done, total: tick("generate", done, total), out_of_time)

@@ -136,6 +136,8 @@ class Sampling:
     batches: list[BatchRecord] = field(default_factory=list)
     planned_attempts: int = 0
     """The attempts the first round's rate sized the run at (within the cap); later batches revise it."""
+    out_of_time: bool = False
+    """Writing stopped at the transfer's time budget (translora.Budget) before the quota was full."""
 
     @property
     def attempts(self) -> int:
@@ -157,7 +159,8 @@ class Sampling:
         """The report's `generation` figures."""
         return {"min_accepted": self.plan.floor, "max_attempts": self.plan.cap,
                 "planned_attempts": self.planned_attempts, "acceptance_rate": round(self.rate, 4),
-                "temperatures": sorted({b.temperature for b in self.batches}),
+                "temperatures": sorted({b.temperature for b in self.batches}), "out_of_time": self.out_of_time,
+                "distinct_bigrams": round(distinct_ngrams(self.accepted, 2), 4),
                 "batches": [asdict(b) for b in self.batches]}
 
     def to_dict(self) -> dict:
@@ -168,12 +171,18 @@ class Sampling:
     def from_dict(cls, d: dict) -> "Sampling":
         """The Sampling to_dict wrote."""
         return cls(AttemptPlan(**d["plan"]), list(d["accepted"]), [BatchRecord(**b) for b in d["batches"]],
-                   d["planned_attempts"])
+                   d["planned_attempts"], d.get("out_of_time", False))
+
+    def note(self) -> str:
+        """The report's note where fewer inputs than wanted were kept ("" where the quota was filled)."""
+        kept = len(self.accepted)
+        return "" if kept == self.plan.samples else f"only {kept} of {self.plan.samples} inputs accepted"
 
     def shortfall(self) -> str:
         """The one line a transfer fails with when fewer than the floor were accepted: the figures, why it
         stopped, and what to change."""
-        stop = (f"after --max-attempts {self.plan.cap}" if self.attempts >= self.plan.cap else
+        stop = ("when --budget-min ran out" if self.out_of_time else
+                f"after --max-attempts {self.plan.cap}" if self.attempts >= self.plan.cap else
                 f"and at that rate the other {self.plan.cap - self.attempts} of --max-attempts {self.plan.cap} "
                 f"would not reach it")
         return (f"only {len(self.accepted)} of {self.attempts} generated inputs accepted ({self.rate:.1%}), short of "
@@ -181,15 +190,27 @@ class Sampling:
                 f"--discriminator --seeds), raise --max-attempts or lower --min-accepted")
 
 
+def distinct_ngrams(texts: list[str], n: int) -> float:
+    """Distinct word n-grams over all n-grams of `texts` (distinct-n): 1.0 where no n-gram repeats, lower as the
+    inputs echo each other and the seeds' phrases."""
+    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
 def sample_inputs(write: Write, judge: Judge, plan: AttemptPlan, seen: set[str], seed: int,
-                  tick: Callable[[int, int], None] = lambda done, total: None) -> Sampling:
+                  tick: Callable[[int, int], None] = lambda done, total: None,
+                  out_of_time: Callable[[], bool] = lambda: False) -> Sampling:
     """Write candidates batch by batch (plan.next_batch, each at the next temperature) and keep the fresh ones
-    the judge passes, up to plan.samples. Blank candidates and repeats (of `seen`, which grows) never reach the
-    judge. Each batch writes at least one candidate, so the cap bounds the loop."""
+    the judge passes, up to plan.samples, or until out_of_time() says so before a batch. Blank candidates and
+    repeats (of `seen`, which grows) never reach the judge. Each batch writes at least one candidate, so the cap
+    bounds the loop."""
     out = Sampling(plan)
     for b in range(plan.cap):
         n = plan.next_batch(out.passed, out.attempts)
         if n == 0:
+            break
+        if out_of_time():
+            out.out_of_time = True
             break
         t = temperature(b)
         cands = write(n, t, seed + out.attempts)

@@ -27,6 +27,7 @@ INITIAL = "pissa_initial"
 LOG_FILE = "train_log.json"
 Progress = Callable[[int, float], None]
 """Called after each step with (step, loss); without one, a tqdm bar shows the loss."""
+LossOf = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,18 @@ def make_peft_model(base_dir: str | Path, init: str, rank: int, alpha: float | N
         return get_peft_model(model, config), tokenizer
 
 
+def adapter_model(base_dir: str | Path, adapter_dir: str | Path):
+    """(peft model, tokenizer): the base in fp32 with the LoRA adapter at adapter_dir, trainable from where it
+    is (a Trans-LoRA student that starts from the source adapter, where it fits the target)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True), AutoTokenizer.from_pretrained(base_dir)
+
+
 def batches(features: list[dict[str, list[int]]], batch_size: int, seed: int,
             pad_token_id: int) -> Iterator[dict[str, torch.Tensor]]:
     """Endless batches: each epoch is a seeded permutation of the examples, cut into batch_size chunks."""
@@ -85,9 +98,12 @@ def batches(features: list[dict[str, list[int]]], batch_size: int, seed: int,
 
 def train_steps(model, data: Iterator[dict[str, torch.Tensor]], steps: int, lr: float,
                 progress: Progress | None = None, desc: str = "train",
-                should_stop: Callable[[int, bool], bool] | None = None) -> list[dict[str, float]]:
+                should_stop: Callable[[int, bool], bool] | None = None, loss_of: LossOf | None = None
+                ) -> list[dict[str, float]]:
     """AdamW (no weight decay) on the trainable params, cosine schedule after a 10% warmup, grad norm <= 1.
-    should_stop(step, last) is asked after each step: True ends training there (early stopping)."""
+    should_stop(step, last) is asked after each step: True ends training there (early stopping). loss_of(model,
+    batch): the loss to follow (a distillation's, serve/adapters/distill.py); by default the cross-entropy of the
+    labels."""
     from tqdm import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -99,7 +115,8 @@ def train_steps(model, data: Iterator[dict[str, torch.Tensor]], steps: int, lr: 
     with tqdm(total=steps, desc=desc, disable=progress is not None) as bar:
         for step in range(1, steps + 1):
             step_lr = schedule.get_last_lr()[0]
-            loss = model(**next(data)).loss
+            batch = next(data)
+            loss = model(**batch).loss if loss_of is None else loss_of(model, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
@@ -114,6 +131,14 @@ def train_steps(model, data: Iterator[dict[str, torch.Tensor]], steps: int, lr: 
                 break
     model.eval()
     return log
+
+
+def _until(out_of_time: Callable[[], bool], then: Callable[[int, bool], bool] | None) -> Callable[[int, bool], bool]:
+    """should_stop that also ends training once out_of_time() says so, `then` told it is the last step."""
+    def should_stop(step: int, last: bool) -> bool:
+        over = out_of_time()
+        return bool(then is not None and then(step, last or over)) or over
+    return should_stop
 
 
 def save_servable(model, out_dir: Path, initial: Path | None) -> None:
@@ -134,13 +159,18 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
                   init: str = "pissa", rank: int = 16, alpha: float | None = None, steps: int = 100,
                   lr: float = 2e-4, batch_size: int = 4, max_length: int = 128,
                   target_modules: str | list[str] = "all-linear", seed: int = 0,
-                  progress: Progress | None = None, early_stopping: EarlyStopping | None = None) -> TrainResult:
+                  progress: Progress | None = None, early_stopping: EarlyStopping | None = None,
+                  start_from: str | Path | None = None, loss_of: LossOf | None = None,
+                  out_of_time: Callable[[], bool] | None = None) -> TrainResult:
     """Train an adapter on base_dir and write its servable form to out_dir (atomically, a fresh directory).
 
     For a PiSSA init the untrained adapter (A0, B0) is saved in the staging dir, and peft's
     `save_pretrained(path_initial_model_for_weight_conversion=...)` writes the rank-2r LoRA
     ΔW = s [B1 | -B0] [A1 ; A0] on the original base (serve.adapters.convert.convert_pissa does the same).
     With early_stopping, the adapter written is the one at its best validation, and the log holds the curve.
+    start_from: a LoRA adapter directory of this base's shapes to train on from (init and rank are then its own);
+    loss_of: what to minimise (train_steps). out_of_time: asked after each step; True ends training there (the
+    point validated first, where early_stopping is given).
     """
     examples = read_jsonl(data) if isinstance(data, (str, Path)) else data
     if not examples or steps < 1 or batch_size < 1:
@@ -148,9 +178,13 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
                           f"{steps} steps, batch_size {batch_size}")
     with atomic_dir(out_dir) as stage:
         t0 = time.perf_counter()
-        model, tok = make_peft_model(base_dir, init, rank, alpha, target_modules, seed)
+        if start_from is None:
+            model, tok = make_peft_model(base_dir, init, rank, alpha, target_modules, seed)
+        else:
+            model, tok = adapter_model(base_dir, start_from)
+            init, rank, alpha = "adapter", model.peft_config["default"].r, model.peft_config["default"].lora_alpha
         init_seconds = time.perf_counter() - t0
-        initial = stage / INITIAL if init != "lora" else None
+        initial = stage / INITIAL if init not in ("lora", "adapter") else None
         if initial is not None:
             model.save_pretrained(initial)
         features = tokenize_examples(tok, examples, max_length)
@@ -160,8 +194,10 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
         if early_stopping is not None:
             early_stopping.check(model, 0)
             stop = functools.partial(early_stopping.check, model)
+        if out_of_time is not None:
+            stop = _until(out_of_time, stop)
         log = train_steps(model, batches(features, batch_size, seed, pad), steps, lr, progress, f"{init} r={rank}",
-                          stop)
+                          stop, loss_of)
         if early_stopping is not None:
             early_stopping.restore(model)
         train_seconds = time.perf_counter() - t0
@@ -170,7 +206,8 @@ def train_adapter(base_dir: str | Path, data: str | Path | list[TrainExample], o
             shutil.rmtree(initial)
         (stage / "README.md").unlink(missing_ok=True)  # peft's model card: paths and versions, not the adapter
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        summary = {"init": init, "rank": rank, "alpha": rank if alpha is None else alpha, "steps": steps,
+        summary = {"init": init, "start_from": None if start_from is None else str(start_from), "rank": rank,
+                   "alpha": rank if alpha is None else alpha, "steps": steps,
                    "lr": lr, "batch_size": batch_size, "max_length": max_length, "seed": seed,
                    "target_modules": target_modules, "examples": len(examples), "trainable_params": trainable,
                    "init_seconds": init_seconds, "seconds": train_seconds, "log": log}

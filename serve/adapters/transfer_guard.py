@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from serve.adapters.data import PromptExample
+from serve.adapters.distill import same_tokens
 from serve.adapters.load import load_lm
 from serve.adapters.validation import Score, accuracy_margin, labels_of, score
 from serve.errors import ArtifactError, ManyfoldError, VariantIncompatible
@@ -72,18 +73,30 @@ class Comparison:
 
 def unfit_reason(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path) -> str | None:
     """Why the source adapter cannot be applied unchanged to the target base (None where it can): the two
-    tokenizers must number every token alike, and each adapted module must exist in the target with its shape."""
-    from transformers import AutoTokenizer
-
+    tokenizers must number every token alike, the bases have the same depth, and each adapted module must exist
+    in the target with its shape."""
     from serve.store.tensors import SafetensorsSource
     from serve.variants.lora import parse_adapter
 
-    if AutoTokenizer.from_pretrained(source_base).get_vocab() != AutoTokenizer.from_pretrained(target_base).get_vocab():
-        return "the two bases' tokenizers differ"
+    differ = same_tokens(source_base, target_base) or other_depth(source_base, target_base)
+    if differ is not None:
+        return differ
     try:
         parse_adapter(Path(adapter_dir), SafetensorsSource(target_base).shapes(), "target", max_rank=1 << 30)
     except (VariantIncompatible, ArtifactError) as e:
         return str(e)
+    return None
+
+
+def other_depth(source_base: str | Path, target_base: str | Path) -> str | None:
+    """Why an adapter's layers, matched by name, would not line up in the target (None where they do): a base of
+    another depth numbers its layers otherwise (a layer inserted shifts every name after it), so that an adapter
+    loaded by name lands on other layers even where every shape fits."""
+    from transformers import AutoConfig
+
+    depths = [getattr(AutoConfig.from_pretrained(b), "num_hidden_layers", None) for b in (source_base, target_base)]
+    if depths[0] != depths[1]:
+        return f"the source base has {depths[0]} layers and the target {depths[1]}: its layers do not line up"
     return None
 
 

@@ -25,8 +25,14 @@ Choices the paper leaves open:
 - The discriminator: rank 8 on every linear layer, DISC_STEPS steps on equal numbers of real and generated
   inputs, prompt "<x>\\nIs the above text from the <name> data set?"; a candidate is kept iff the next-token
   logit of " yes" beats " no".
-- The teacher decodes greedily, up to 1.5x the longest seed output's tokens; the student is a PiSSA adapter
-  (by default) of the source adapter's rank.
+- The teacher decodes greedily, up to 1.5x the longest seed output's tokens. Where the two bases number tokens
+  alike, the student also learns the teacher's next-token distribution at every completion position
+  (distill.py: a KL term at a temperature), not only the tokens it sampled.
+- The student starts from the source adapter where it fits the target (same tokenizer, same depth, every adapted
+  module's shape: transfer_guard.unfit_reason), else it is a fresh PiSSA adapter (by default) of the source
+  adapter's rank.
+- The synthetic set is as large as the adapter's real training set (train_log.json), capped by `samples`, and a
+  transfer keeps to a time budget (budget.py).
 """
 
 import json
@@ -39,12 +45,14 @@ from typing import Literal
 
 import torch
 
+from serve.adapters.budget import TRAINING, WRITING, Budget
 from serve.adapters.candidates import generate, generate_candidates, synthetic_inputs
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
+from serve.adapters.distill import Distillation, Teacher, same_tokens
 from serve.adapters.generation_schedule import AttemptPlan, Sampling, label_groups
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
-from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
+from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged, unfit_reason
 from serve.adapters.validation import (VALIDATION, EarlyStopping, labels_of, read_validation, score, split_examples,
                                        student_schedule, write_validation)
 from serve.errors import ArtifactError, ConfigError
@@ -175,8 +183,17 @@ def train_discriminator(base_dir: str | Path, adapter_dir: str | Path, examples:
 
 def trained_rank(adapter_dir: str | Path) -> int | None:
     """The rank an adapter was trained at, from the train_log.json `adapter train` writes beside it."""
+    return _trained(adapter_dir, "rank")
+
+
+def trained_examples(adapter_dir: str | Path) -> int | None:
+    """How many real examples the adapter was trained on (train_log.json): a transfer wants as many inputs."""
+    return _trained(adapter_dir, "examples")
+
+
+def _trained(adapter_dir: str | Path, key: str) -> int | None:
     try:
-        return int(json.loads((Path(adapter_dir) / LOG_FILE).read_text())["rank"])
+        return int(json.loads((Path(adapter_dir) / LOG_FILE).read_text())[key])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -214,6 +231,13 @@ class TransferReport:
     generation: dict = field(default_factory=dict)
     """generation_schedule.Sampling.summary: min_accepted, max_attempts, planned_attempts (sized by the first
     round's acceptance rate), acceptance_rate, the temperatures used, and each batch's temperature and fates."""
+    distilled: str = "sequence"
+    """What the student learnt from the teacher: "distribution" (its next-token distributions beside the sampled
+    completions, serve/adapters/distill.py) or "sequence" (the completions alone), with why."""
+    started_from: str = ""
+    """"the source adapter" (it fits the target), or the init the student started from and why."""
+    budget: dict = field(default_factory=dict)
+    """budget.Budget.summary: the minutes allowed and spent, and the parts the budget cut short."""
     compared: dict = field(default_factory=dict)
     """transfer_guard.Comparison: validation losses (and accuracies, where the completions are labels) on the target
     of the student, the target alone and the source adapter unchanged (None where it does not fit; `unfit` says
@@ -229,6 +253,8 @@ def validation_set(adapter_dir: str | Path, seeds: list[TrainExample]) -> tuple[
             for e in (examples if examples is not None else seeds)], source
 
 
+FROM_SOURCE = "the source adapter"
+"""TransferReport.started_from where the student started from the source adapter (a plain LoRA of its rank)."""
 TEACHER_LENGTH = 1.5
 """The teacher writes up to this many times the longest seed output (in tokens, about two a word), or stops at
 its end-of-text token, which the adapter learnt at the end of every completion."""
@@ -248,7 +274,8 @@ def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inpu
 
 
 def synthesize(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, plan: AttemptPlan,
-               use_filter: bool = True, seed: int = 0, progress: Progress | None = None) -> Sampling:
+               use_filter: bool = True, seed: int = 0, progress: Progress | None = None,
+               out_of_time: Callable[[], bool] = lambda: False) -> Sampling:
     """The synthetic inputs a transfer trains on: written by the target base after the adapter's seeds and kept
     by its discriminator (every fresh one without the filter), as `plan` sizes the run; where the seeds' outputs
     are labels, each prompt shows one label's seeds (generation_schedule.label_groups)."""
@@ -256,7 +283,7 @@ def synthesize(source_base: str | Path, adapter_dir: str | Path, target_base: st
     judge = Discriminator(source_base, disc_dir, task.name).accepts if use_filter else None
     groups = label_groups([example_output(e) for e in seeds])
     return synthetic_inputs(target_base, judge, [example_input(e) for e in seeds], task.name, plan, seed,
-                            progress or (lambda *_: None), groups)
+                            progress or (lambda *_: None), groups, out_of_time)
 
 
 def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,
@@ -264,57 +291,98 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
              rank: int | None = None, steps: int | None = None, lr: float | None = None, seed: int = 0,
              keep_unchanged_if_better: bool = False, progress: Progress | None = None,
              min_accepted: int | None = None, teacher_length: float = TEACHER_LENGTH, early_stop: bool = True,
-             guard: bool = True, inputs: Sampling | None = None) -> TransferReport:
+             guard: bool = True, inputs: Sampling | None = None,
+             distillation: Distillation | None = Distillation(), start_from_source: bool = True,
+             budget_min: float | None = None) -> TransferReport:
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
-    validation set (transfer_guard; else TransferFailed and nothing is written). Fewer than min_accepted inputs
-    kept (generation_schedule.AttemptPlan's defaults) is TransferFailed too, with the figures. rank: the new
-    adapter's; by default the source adapter's as trained. steps, lr: by default scaled to the accepted inputs
-    (validation.student_schedule); the student stops early on its validation score (validation.Score) and keeps
-    its best point. inputs: what `synthesize` wrote for this adapter and target with this filter and seed (the
-    caller's to match; only the plan is checked), so that a benchmark's configurations that differ only after it
-    share it; None: written here."""
-    plan = AttemptPlan.build(samples, max_attempts, min_accepted)
+    validation set (transfer_guard; else TransferFailed, as with fewer than min_accepted inputs kept, and nothing
+    is written). rank: by default the source adapter's as trained; steps, lr: by default scaled to the inputs
+    kept (validation.student_schedule), the student keeping its best validation point. inputs: what `synthesize`
+    wrote for this adapter, target, filter and seed (only the plan is checked), shared by a benchmark's
+    configurations; None: written here. distillation: the teacher's next-token distributions learnt too where
+    the bases number tokens alike (None: its completions alone). start_from_source: the student starts from the
+    source adapter where it fits the target (its rank and init then). samples: at most this many inputs, as many
+    as the adapter's real training examples where train_log.json says. budget_min: budget.Budget's bound."""
+    budget = Budget(budget_min)
+    plan = AttemptPlan.build(min(samples, trained_examples(adapter_dir) or samples), max_attempts, min_accepted)
     task, seeds, _ = read_assets(adapter_dir)
     held, held_from = validation_set(adapter_dir, seeds)
-    rank = rank or task.rank or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
     tick = progress or (lambda *_: None)
-    times: dict[str, float] = {}
     t0 = time.perf_counter()
-    if inputs is not None and inputs.plan != plan:
-        raise ValueError(f"the inputs given were written for {inputs.plan}, this transfer plans {plan}")
-    sampling = inputs if inputs is not None else synthesize(source_base, adapter_dir, target_base, plan, use_filter,
-                                                             seed, tick)
-    times["generate_and_filter"] = time.perf_counter() - t0
-    accepted = sampling.accepted
-    if len(accepted) < plan.floor:
-        raise TransferFailed(sampling.shortfall())
+    sampling = _inputs(source_base, adapter_dir, target_base, plan, use_filter, seed, tick, inputs,
+                       budget.until(WRITING, "writing"))
+    times = {"generate_and_filter": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    data = teach(source_base, adapter_dir, task, accepted, seed, tick, teacher_length)
+    data = teach(source_base, adapter_dir, task, sampling.accepted, seed, tick, teacher_length)
     times["teacher"] = time.perf_counter() - t0
     steps, lr = student_schedule(len(data), steps, lr)
+    start, rank, started_from = _student_start(source_base, adapter_dir, target_base, task, init, rank,
+                                               start_from_source)
+    teacher, distilled = _teacher(source_base, adapter_dir, target_base, distillation)
     with atomic_dir(out_dir) as stage:
         t0 = time.perf_counter()
         early = _early_stopping(target_base, held)
         result = train_adapter(target_base, data, stage, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
                                progress=lambda step, loss: tick("train", step, steps),
-                               early_stopping=early if early_stop else None)
+                               early_stopping=early if early_stop else None, start_from=start,
+                               loss_of=None if teacher is None else teacher.loss,
+                               out_of_time=budget.until(TRAINING, "training"))
+        del teacher
         times["train"] = time.perf_counter() - t0
         comparison = compare(source_base, adapter_dir, target_base, stage, held)
         outcome = choose(comparison, keep_unchanged_if_better) if guard else "unguarded"
         if outcome == "unchanged":
             keep_unchanged(adapter_dir, stage)
-        note = "" if len(accepted) == samples else f"only {len(accepted)} of {samples} inputs accepted"
         report = TransferReport(
-            str(source_base), str(target_base), task.name, samples, sampling.attempts, len(accepted),
+            str(source_base), str(target_base), task.name, plan.samples, sampling.attempts, len(sampling.accepted),
             sampling.count("rejected"), sampling.count("dropped"), sampling.count("surplus"), use_filter, rank,
-            result.losses, times, note, steps=steps, lr=lr, outcome=outcome, generation=sampling.summary(),
+            result.losses, times, sampling.note(), steps=steps, lr=lr, outcome=outcome, generation=sampling.summary(),
             validation={"examples": len(held), "from": held_from, "best_step": early.best_step, "curve": early.curve},
-            compared=asdict(comparison))
+            distilled=distilled, started_from=started_from, budget=budget.summary(), compared=asdict(comparison))
         shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, stage / TRANSLORA_DIR,
                         ignore=shutil.ignore_patterns(DISC_DIR))
         (stage / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _inputs(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, plan: AttemptPlan,
+            use_filter: bool, seed: int, tick: Progress, inputs: Sampling | None,
+            out_of_time: Callable[[], bool]) -> Sampling:
+    """The inputs a student is taught on: `inputs` where given (written for this plan), else written now;
+    TransferFailed, with the figures, where fewer than the plan's floor were kept."""
+    if inputs is not None and inputs.plan != plan:
+        raise ValueError(f"the inputs given were written for {inputs.plan}, this transfer plans {plan}")
+    sampling = inputs or synthesize(source_base, adapter_dir, target_base, plan, use_filter, seed, tick, out_of_time)
+    if len(sampling.accepted) < plan.floor:
+        raise TransferFailed(sampling.shortfall())
+    return sampling
+
+
+def _student_start(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, task: TaskInfo,
+                   init: str, rank: int | None, from_source: bool) -> tuple[Path | None, int, str]:
+    """(the adapter the student starts from, or None for a fresh `init`; its rank, by default the source adapter's
+    as trained; what the report says of it)."""
+    stored = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
+    if not from_source:
+        return None, rank or task.rank or stored, init
+    unfit = unfit_reason(source_base, adapter_dir, target_base)
+    if unfit is None:
+        return Path(adapter_dir), stored, FROM_SOURCE
+    return None, rank or task.rank or stored, f"{init} (the source adapter does not fit the target: {unfit})"
+
+
+def _teacher(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path,
+             distillation: Distillation | None) -> tuple[Teacher | None, str]:
+    """(the teacher whose distributions the student learns, or None; what the report says of it)."""
+    if distillation is None:
+        return None, "sequence (the completions alone, as asked)"
+    differ = same_tokens(source_base, target_base)
+    if differ is not None:
+        return None, f"sequence (the completions alone: {differ})"
+    d = distillation
+    return (Teacher(source_base, adapter_dir, d),
+            f"distribution (KL at temperature {d.temperature:g}, weight {d.weight:g}, beside the completions)")
 
 
 def _early_stopping(target_base: str | Path, held: list[PromptExample]) -> EarlyStopping:

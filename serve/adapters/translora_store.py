@@ -72,7 +72,7 @@ def _move(store, name: str, new: str, from_base: str, to_base: str, options: dic
         if report.outcome == "unchanged":
             register(store, new, to_base, Path(tmp) / "adapter", store.variant(name).kind, "unchanged")
         else:
-            kind = "lora" if options.get("init") == "lora" else "pissa"
+            kind = "lora" if options.get("init") == "lora" or report.started_from == translora.FROM_SOURCE else "pissa"
             register(store, new, to_base, Path(tmp) / "adapter", kind, "student")
     if report.outcome == "unchanged":
         figures = f"validation: {Comparison(**report.compared).figures()}"

@@ -60,10 +60,8 @@ def cmd_translora(args: argparse.Namespace) -> None:
     try:
         with progress("translora") as tick:
             report = transfer(args.source_base, args.adapter, args.target_base, Path(args.out),
-                              samples=args.samples, max_attempts=args.max_attempts,
-                              min_accepted=args.min_accepted, use_filter=not args.no_filter,
-                              init=args.init, steps=args.steps, lr=args.lr, seed=args.seed,
-                              keep_unchanged_if_better=args.keep_unchanged_if_better, progress=lambda *a: tick(a))
+                              use_filter=not args.no_filter, init=args.init, progress=lambda *a: tick(a),
+                              **transfer_options(args))
     except TransferFailed as e:
         raise TransferFailed(f"{args.adapter}: failed: {e}; nothing written to {args.out}") from e
     _print_transfer(report, Path(args.out))
@@ -116,13 +114,27 @@ def add_translora_command(sub: argparse._SubParsersAction) -> None:
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """How many synthetic inputs a transfer wants, writes and needs; shared by `translora` and `store translora`."""
-    p.add_argument("--samples", type=int, default=64, help="synthetic inputs to keep")
+    p.add_argument("--samples", type=int, default=256,
+                   help="synthetic inputs to keep at most: a transfer wants as many as the adapter's real training "
+                        "examples (its train_log.json), up to this")
     p.add_argument("--max-attempts", type=int, default=None,
                    help="inputs generated at most (default: 16x --samples); fewer are written when the acceptance "
                         "rate measured on the first batches fills --samples sooner")
     p.add_argument("--min-accepted", type=int, default=None,
                    help="the fewest accepted inputs a student is trained on (default: a quarter of --samples); a "
                         "transfer that cannot reach it fails with one line and writes nothing")
+
+
+def transfer_options(args: argparse.Namespace) -> dict:
+    """translora.transfer's options from add_sampling_arguments' and add_student_arguments' flags."""
+    from serve.adapters.distill import Distillation
+
+    return {"samples": args.samples, "max_attempts": args.max_attempts, "min_accepted": args.min_accepted,
+            "steps": args.steps, "lr": args.lr, "seed": args.seed,
+            "keep_unchanged_if_better": args.keep_unchanged_if_better, "start_from_source": not args.from_init,
+            "budget_min": args.budget_min,
+            "distillation": None if args.no_distill else
+            Distillation() if args.kd_temperature is None else Distillation(temperature=args.kd_temperature)}
 
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,6 +146,18 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help="the student's lr (default: 5e-4 x accepted / 64, at most 5e-4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-min", type=float, default=30.0,
+                   help="minutes a transfer may take: inputs are written for half of it at most and the student "
+                        "stops at 85%% of it (keeping its best validated point); the report says what it cut")
+    p.add_argument("--no-distill", action="store_true",
+                   help="the student learns the teacher's sampled completions alone (by default, where the two "
+                        "bases number tokens alike, also its next-token distributions)")
+    p.add_argument("--kd-temperature", type=float, default=None,
+                   help="the temperature both distributions are softened by in the distillation's KL term "
+                        "(default: distill.KD_TEMPERATURE, 2)")
+    p.add_argument("--from-init", action="store_true",
+                   help="the student starts from its init even where the source adapter fits the target (by "
+                        "default it starts from the source adapter there)")
     p.add_argument("--keep-unchanged-if-better", action="store_true",
                    help="where the source adapter applied unchanged to the target (same tokenizer and shapes) does "
                         "better on validation than the student, keep that instead (marked as not transferred)")

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from serve.cli.adapters import add_sampling_arguments, add_student_arguments
+from serve.cli.adapters import add_sampling_arguments, add_student_arguments, transfer_options
 from serve.cli.args import add_command, open_store
 from serve.cli.codecs import LANE_HELP, neuzip_lane, neuzip_summary
 from serve.cli.console import human_bytes, progress
@@ -215,10 +215,7 @@ def cmd_store_translora(args: argparse.Namespace) -> None:
 
     AttemptPlan.build(args.samples, args.max_attempts, args.min_accepted)  # a bad flag: one line, not one per adapter
     failed = 0
-    for outcome, line in transfer_store(open_store(args), args.from_base, args.to_base, samples=args.samples,
-                                        max_attempts=args.max_attempts, min_accepted=args.min_accepted,
-                                        steps=args.steps, lr=args.lr, seed=args.seed,
-                                        keep_unchanged_if_better=args.keep_unchanged_if_better):
+    for outcome, line in transfer_store(open_store(args), args.from_base, args.to_base, **transfer_options(args)):
         print(line, flush=True)
         failed += outcome == "failed"
     if failed:

@@ -72,9 +72,14 @@ def an_oracle_teacher(source_base, adapter_dir, task, inputs, seed, tick, length
     return [PromptExample(prompt=x, completion=copied(x)) for x in inputs if x.split()]
 
 
+GUARD_ONLY = ("--from-init", "--no-distill")
+"""The student as these tests set it up (from its init, on the completions): the guard is what they test
+(test_distill.py tests the start and the distillation)."""
+
+
 def store_translora(store: Store, *extra: str) -> int:
     return main(["store", "translora", "--store", str(store.root), "--from", "old", "--to", "new", "--samples", "8",
-                 "--max-attempts", "16", *extra])
+                 "--max-attempts", "16", *GUARD_ONLY, *extra])
 
 
 def test_a_student_that_beats_the_target_alone_is_registered_as_a_student(store, capsys, monkeypatch):
@@ -119,7 +124,8 @@ def test_translora_refuses_a_student_no_better_than_the_target_alone_naming_the_
         bases, source_adapter, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [True] * len(xs))
     code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(source_adapter), "--target-base",
-                 str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "4", "--steps", "2", "--lr", "0"])
+                 str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "4", "--steps", "2", "--lr", "0",
+                 *GUARD_ONLY])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1
     assert err.startswith(f"manyfold: error: {source_adapter}: failed: no better than the target alone (student ")
@@ -130,7 +136,7 @@ def test_the_student_kept_is_its_best_point_on_the_validation_curve(bases, sourc
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [True] * len(xs))
     monkeypatch.setattr(translora, "teach", an_oracle_teacher)
     report = translora.transfer(bases[0], source_adapter, bases[1], tmp_path / "moved", samples=8,
-                                max_attempts=16, steps=30, lr=1e-2)
+                                max_attempts=16, steps=30, lr=1e-2, distillation=None, start_from_source=False)
     curve = report.validation["curve"]
     assert report.validation["examples"] == 21 and [p["step"] for p in curve][:3] == [0, 5, 10]
     best = min(curve, key=lambda p: p["loss"])
@@ -144,7 +150,7 @@ def test_translora_says_how_many_inputs_passed_the_filter(bases, source_adapter,
     monkeypatch.setattr(translora, "teach", an_oracle_teacher)
     code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(source_adapter), "--target-base",
                  str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "8", "--max-attempts", "32",
-                 "--steps", "30", "--lr", "1e-2"])
+                 "--steps", "30", "--lr", "1e-2", *GUARD_ONLY])
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "moved" / translora.REPORT_FILE).read_text())
     line = (f"{report['accepted']} of {report['attempts']} generated inputs accepted "

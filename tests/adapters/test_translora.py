@@ -148,7 +148,7 @@ def test_a_transfer_short_of_the_floor_fails_in_one_line_with_its_figures(bases,
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--min-accepted", "0"], "min_accepted must be between 1 and samples (64); got 0"),
+    (["--min-accepted", "0"], "min_accepted must be between 1 and samples (24); got 0"),  # its training examples
     (["--samples", "8", "--max-attempts", "1"], "max_attempts (1) must be >= min_accepted (2)")])
 def test_a_floor_or_cap_that_cannot_work_is_refused_in_one_line(bases, source_adapter, tmp_path, capsys, flags,
                                                                  message):

@@ -1,0 +1,41 @@
+"""A Trans-LoRA transfer's time budget (`--budget-min`): the target writes inputs for at most WRITING of it, the
+student trains until TRAINING of it has passed (keeping its best validated point), and the rest is left to the
+teacher and the guard's comparison. A platform moving every tenant's adapter plans by such a bound; the report
+says what the budget cut."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from serve.errors import ConfigError
+
+WRITING = 0.5
+"""The share of the budget after which no more candidate inputs are written."""
+TRAINING = 0.85
+"""The share of the budget after which the student stops training."""
+
+
+@dataclass
+class Budget:
+    minutes: float | None
+    """None: no bound."""
+    started: float = field(default_factory=time.monotonic)
+    cut: list[str] = field(default_factory=list)
+    """The parts the budget ended early ("writing", "training"), in order."""
+
+    def __post_init__(self):
+        if self.minutes is not None and not self.minutes > 0:
+            raise ConfigError(f"a transfer's budget must be > 0 minutes; got {self.minutes}")
+
+    def until(self, share: float, part: str) -> Callable[[], bool]:
+        """Whether `share` of the budget has passed, asked as `part` goes on; the first yes is recorded as a cut."""
+        def out_of_time() -> bool:
+            over = self.minutes is not None and time.monotonic() - self.started >= share * self.minutes * 60
+            if over and part not in self.cut:
+                self.cut.append(part)
+            return over
+        return out_of_time
+
+    def summary(self) -> dict:
+        return {"minutes": self.minutes, "spent_minutes": round((time.monotonic() - self.started) / 60, 2),
+                "cut": list(self.cut)}
