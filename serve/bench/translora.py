@@ -1,17 +1,19 @@
-"""`manyfold bench translora`: Trans-LoRA on three real tasks and two target bases, over seeds, and PiSSA against
-LoRA at the same budget.
+"""`manyfold bench translora`: Trans-LoRA on three real tasks and three target bases, over seeds, and PiSSA
+against LoRA at the same budget.
 
-Source base: SmolLM2-135M-Instruct. Targets (translora_targets.py): the same model after NeuZip k=0, and a new
-version continued-trained on fortunes. Tasks from the packaged data: SMS spam (" yes" / " no": held-out
+Source base: SmolLM2-135M-Instruct. Targets (translora_targets.py): the same model after NeuZip k=0, a new
+version continued-trained on fortunes, and a deeper model (SmolLM2 grown to 33 layers, then trained on
+fortunes), where the source adapter's layers, matched by name, no longer line up. Tasks from the packaged data: SMS spam (" yes" / " no": held-out
 accuracy, answer by the larger next-token logit), BBC headlines from an article's opening, and tweets continued
 from their first words (held-out loss of the completion tokens, lower is better). For each task and seed: the
 source adapter (PiSSA, trained with a discriminator, on the task's examples less the validation set
 `adapter train --discriminator` holds out) on the source base; then per target: the target base alone (one run:
 no seed in it), the source adapter applied unchanged, the Trans-LoRA adapter (its guard reads that validation
 set), the same without the discriminator's filter, and an upper bound trained on the target with the same real
-data. The transfers train their students as `manyfold translora` does by default (steps and rate scaled to the
-inputs accepted, early stopping on the validation set: serve/adapters/validation.py); every other adapter trains
-STEPS steps at LR. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
+data. The transfers run as `manyfold translora` does by default (as many inputs as the real training set, the
+teacher's distributions distilled, the student from the source adapter where it fits, steps and rate scaled to
+the inputs accepted, early stopping on the validation set); every other adapter trains STEPS steps at LR. The
+headline per task is the gap recovered: (target alone - transferred) / (target alone - upper bound), per seed. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
 learning rate and seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds
 (translora_table.py).
 Every adapter, transfer and evaluation is kept under the work dir, so a rerun resumes where one stopped (a work
@@ -34,7 +36,7 @@ from serve.adapters.translora import (SEEDS, YES, TransferFailed, answer_tokens,
 from serve.adapters.validation import completion_loss, split_examples
 from serve.bench.report import finish, machine
 from serve.bench.translora_table import ALONE, MOVED, ROWS, UNFILTERED, mean_curve, init_verdicts, plot, primary, \
-    print_report, summarize, task_verdicts
+    print_report, summarize, task_verdicts, gaps_recovered
 from serve.bench.translora_targets import TARGETS, target_base, target_info
 from serve.errors import ConfigError
 from serve.store.writer import atomic_write
@@ -42,7 +44,10 @@ from serve.store.writer import atomic_write
 TASKS = ("spam", "headlines", "tweets")
 TRAIN, HELDOUT = 128, 100
 RANK, STEPS, LR = 8, 48, 5e-4
-SAMPLES = 48
+SAMPLES = TRAIN
+"""Synthetic inputs a transfer may keep: as many as the adapter's real training examples (translora.transfer)."""
+FILED_SAMPLES = 48
+"""What transfers kept before issue 36 (the ablation's "as filed")."""
 INITS = ("pissa", "pissa_niter_4", "lora")
 EVALS_FILE = "evaluations.json"
 
@@ -119,7 +124,7 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
         moved[row] = work / f"{name}-{task}-s{seed}-{'filtered' if use_filter else 'unfiltered'}"
         failed = moved[row].with_name(moved[row].name + ".failed")
         if not moved[row].exists() and not failed.exists():
-            _log(f"{name}, {task}, seed {seed}: {row}, {SAMPLES} synthetic inputs")
+            _log(f"{name}, {task}, seed {seed}: {row}, up to {SAMPLES} synthetic inputs")
             try:
                 transfer(source, src, base, moved[row], samples=SAMPLES, use_filter=use_filter, rank=RANK,
                          seed=seed)
@@ -157,7 +162,7 @@ def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sou
             "reports": {row: [r and {**{k: r[k] for k in ("accepted", "attempts", "seconds", "outcome", "steps", "lr")},
                                      "best_step": r["validation"].get("best_step")} for r in rs]
                         for row, rs in reports.items()},
-            "failures": failures, "verdicts": task_verdicts(task, rows)}
+            "failures": failures, "verdicts": task_verdicts(task, rows), "gaps": gaps_recovered(task, runs)}
 
 
 def transfer_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: int,

@@ -18,14 +18,20 @@ from pathlib import Path
 
 from serve.adapters.tasks import heldout_examples, task_examples
 from serve.adapters.generation_schedule import AttemptPlan, Sampling
-from serve.adapters.translora import TransferFailed, synthesize, transfer
-from serve.bench.translora import HELDOUT, RANK, SAMPLES, TRAIN, Evaluations, _log, source_adapter
+from serve.adapters.distill import KD_TEMPERATURE, Distillation
+from serve.adapters.translora import TransferFailed, synthesize, trained_examples, transfer
+from serve.bench.translora import FILED_SAMPLES, HELDOUT, RANK, SAMPLES, TRAIN, Evaluations, _log, source_adapter
 from serve.bench.translora_table import primary
 from serve.store.writer import atomic_write
 
 AS_FILED = {"init": "pissa", "lr": 5e-4, "steps": 100, "early_stop": False, "teacher_length": 1.5,
-            "use_filter": True}
-"""The transfer the issue measured (bench-results/translora-first-layout.json, before issue 22)."""
+            "use_filter": True, "kd_temperature": None, "start_from_source": False, "samples": FILED_SAMPLES}
+"""The transfer issue 22 measured (bench-results/translora-first-layout.json): on the completions alone, from a
+fresh init, 48 inputs."""
+ISSUE_36 = {"lr": None, "steps": None, "early_stop": True, "kd_temperature": KD_TEMPERATURE,
+            "start_from_source": True, "samples": SAMPLES}
+"""Issue 36's defaults: the teacher's distributions learnt too, the student from the source adapter where it fits,
+as many inputs as the adapter's real training examples."""
 CHANGES: dict[str, dict] = {
     "as filed": {},
     "lr 2e-5 (PiSSA paper)": {"lr": 2e-5},
@@ -38,6 +44,12 @@ CHANGES: dict[str, dict] = {
     "current defaults": {"lr": None, "steps": None, "early_stop": True},
     "lr 1e-4, early stopping": {"lr": 1e-4, "early_stop": True},
     "lr 2e-5, early stopping, 300 steps": {"lr": 2e-5, "early_stop": True, "steps": 300},
+    "issue 36 defaults": ISSUE_36,
+    "issue 36, no distillation": {**ISSUE_36, "kd_temperature": None},
+    "issue 36, from its init": {**ISSUE_36, "start_from_source": False},
+    "issue 36, 48 inputs": {**ISSUE_36, "samples": FILED_SAMPLES},
+    "issue 36, KD temperature 1": {**ISSUE_36, "kd_temperature": 1.0},
+    "issue 36, KD temperature 4": {**ISSUE_36, "kd_temperature": 4.0},
 }
 """Each configuration: what it changes from AS_FILED. The last two combine the changes the first headlines run
 showed mattered (a lower rate, early stopping), as candidates for new defaults."""
@@ -53,21 +65,21 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
     task on one target and seed; each transfer kept in work (a failed one as NAME.failed)."""
     name, base = target
     held = heldout_examples(task, HELDOUT)
-    plan = AttemptPlan.build(SAMPLES)
-    inputs: dict[bool, Sampling] = {}
-    """By filter: the synthetic inputs every configuration with that filter trains on, written once (and kept in
-    work, so that a configuration added later trains on them too)."""
+    inputs: dict[tuple[bool, int], Sampling] = {}
+    """By filter and inputs wanted: the synthetic inputs every configuration with those trains on, written once
+    (and kept in work, so that a configuration added later trains on them too)."""
 
-    def shared(use_filter: bool) -> Sampling:
-        kept = work / "ablation" / f"{name}-{task}-s{seed}-inputs-{'filtered' if use_filter else 'unfiltered'}.json"
-        if use_filter not in inputs:
+    def shared(use_filter: bool, samples: int) -> Sampling:
+        plan = AttemptPlan.build(min(samples, trained_examples(src) or samples))
+        kept = work / "ablation" / (f"{name}-{task}-s{seed}-inputs-{'filtered' if use_filter else 'unfiltered'}"
+                                    f"{'' if plan.samples == FILED_SAMPLES else f'-{plan.samples}'}.json")
+        if (use_filter, plan.samples) not in inputs:
             loaded = Sampling.from_dict(json.loads(kept.read_text())) if kept.is_file() else None
-            if loaded is not None and loaded.plan == plan:
-                inputs[use_filter] = loaded
-            else:  # none kept, or kept for another plan (SAMPLES changed): written again
-                inputs[use_filter] = synthesize(source, src, base, plan, use_filter, seed)
-                atomic_write(kept, [(json.dumps(inputs[use_filter].to_dict()) + "\n").encode()])
-        return inputs[use_filter]
+            if loaded is None or loaded.plan != plan:  # none kept, or kept for another plan: written again
+                loaded = synthesize(source, src, base, plan, use_filter, seed)
+                atomic_write(kept, [(json.dumps(loaded.to_dict()) + "\n").encode()])
+            inputs[use_filter, plan.samples] = loaded
+        return inputs[use_filter, plan.samples]
 
     out = {}
     for config, change in CHANGES.items():
@@ -76,9 +88,11 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
         if not moved.exists() and not failed.exists():
             _log(f"ablation {name}, {task}, seed {seed}: {config}")
             choices = {**AS_FILED, **change}
+            kd = choices.pop("kd_temperature")
             try:
-                transfer(source, src, base, moved, samples=SAMPLES, rank=RANK, seed=seed, guard=False,
-                         inputs=shared(choices["use_filter"]), **choices)
+                transfer(source, src, base, moved, rank=RANK, seed=seed, guard=False,
+                         inputs=shared(choices["use_filter"], choices["samples"]),
+                         distillation=None if kd is None else Distillation(temperature=kd), **choices)
             except TransferFailed as e:  # too few inputs accepted: nothing to train
                 atomic_write(failed, [(str(e) + "\n").encode()])
         if failed.exists():

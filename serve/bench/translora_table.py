@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROWS = ("source adapter on the source base", "target base alone", "source adapter unchanged on the target",
         "Trans-LoRA", "Trans-LoRA, no filter", "upper bound: trained on the target with the real data")
-ALONE, UNCHANGED, MOVED, UNFILTERED = ROWS[1], ROWS[2], ROWS[3], ROWS[4]
+ALONE, UNCHANGED, MOVED, UNFILTERED, UPPER = ROWS[1], ROWS[2], ROWS[3], ROWS[4], ROWS[5]
 Run = dict[str, float] | None
 """One seed's held-out metrics of a row; None where that seed made no adapter."""
 
@@ -44,6 +44,35 @@ def versus(a: dict, b: dict, metric: str, sign: int) -> str:
     gap = sign * (a[metric]["mean"] - b[metric]["mean"])
     margin = max(spread(a, metric), spread(b, metric))
     return "beats" if gap > margin else "falls short of" if gap < -margin else "matches"
+
+
+def gaps_recovered(task: str, runs: dict[str, list[Run]]) -> dict[str, dict]:
+    """The headline: per row that moves the adapter (Trans-LoRA, without the filter, the source adapter
+    unchanged), the share of the gap between the target alone and the upper bound (trained on the target with the
+    real data) that it closes on the task's metric, seed by seed (the seed's own upper bound), summarized; 1.0 is
+    as good as training on the target with the real data, 0 no better than the target alone."""
+    metric, _ = primary(task)
+    alone = runs[ALONE][0][metric]
+    out = {}
+    for row in (MOVED, UNFILTERED, UNCHANGED):
+        if row in runs and UPPER in runs:
+            out[row] = summarize([None if r is None or u is None or u[metric] == alone else
+                                  {"gap": (r[metric] - alone) / (u[metric] - alone)}
+                                  for r, u in zip(runs[row], runs[UPPER])])
+    return out
+
+
+def gap_line(task: str, gaps: dict[str, dict]) -> str:
+    """"task: gap recovered: Trans-LoRA 76% (70..81%), ...", each row's mean (min..max) over seeds."""
+    def pct(s: dict) -> str:
+        if "gap" not in s:
+            return "no adapter"
+        g = s["gap"]
+        missing = f" [{s['seeds'] - s['missing']}/{s['seeds']}]" if s["missing"] else ""
+        return f"{g['mean']:.0%} ({g['min']:.0%}..{g['max']:.0%}){missing}"
+
+    names = {MOVED: "Trans-LoRA", UNFILTERED: "no filter", UNCHANGED: "the source adapter unchanged"}
+    return f"{task}: gap recovered: " + ", ".join(f"{names[row]} {pct(s)}" for row, s in gaps.items())
 
 
 AGAINST = {ALONE: "the target base alone", UNCHANGED: "the source adapter applied unchanged",
@@ -101,6 +130,8 @@ def print_transfer(target: str, info: dict, tasks: dict) -> None:
         for name, whys in t["failures"].items():
             for seed, why in whys.items():
                 print(f"{task}, {name}, seed {seed}: no adapter: {why}")
+        if "gaps" in t:
+            print(gap_line(task, t["gaps"]))
         for line in statement(task, t["verdicts"], t["rows"]):
             print(line)
 
@@ -109,7 +140,8 @@ def student(report: dict) -> str:
     """How a seed's student trained, where its report says: " (N steps at LR, best at step B)"."""
     if "steps" not in report:
         return ""
-    return f" ({report['steps']} steps at {report['lr']:.1e}, best at step {report['best_step']})"
+    minutes = f", {sum(report['seconds'].values()) / 60:.1f} min" if "seconds" in report else ""
+    return f" ({report['steps']} steps at {report['lr']:.1e}, best at step {report['best_step']}{minutes})"
 
 
 def window_means(losses: list[float], width: int = 8) -> list[float]:

@@ -32,16 +32,27 @@ from serve.demo import LmTask, finetune_lm_top_layers
 from serve.errors import ConfigError
 from serve.store.writer import atomic_dir
 
-TARGETS = ("neuzip-k0", "new-version")
+TARGETS = ("neuzip-k0", "new-version", "deeper")
 TARGET_FILE = "target.json"
 NEW_VERSION = LmTask("smollm2-fortunes-v2", "fortunes", steps=300, top_layers=10, batch_size=8, max_len=64,
                      lr=2e-4)
 """The top 10 of 30 decoder layers and the final norm, 300 steps of 8 quotes (at most 64 tokens), AdamW at 2e-4."""
+DEEPER = LmTask("smollm2-deeper", "fortunes", steps=240, top_layers=24, batch_size=8, max_len=64, lr=2e-4)
+"""SmolLM2 grown to 33 layers (INSERT_AFTER), then its top 24 layers (the three new ones among them) and final
+norm trained on fortunes: 240 steps of 8 quotes (at most 64 tokens), AdamW at 2e-4."""
+INSERT_AFTER = (9, 15, 21)
+"""Source layers after which a new layer is inserted (counted in the source): each new layer a copy of the one
+before it whose output projections (o_proj, down_proj) are zero, so that the grown model computes exactly what
+SmolLM2 does until it is trained, and every layer name from 10 on is shifted (an old adapter's layers.12 lands
+on what was layers.11)."""
 PPL_TEXTS = 100
 """Held-out texts per corpus for a perplexity (each cut to 128 tokens)."""
 DESCRIPTIONS = {"neuzip-k0": "SmolLM2-135M-Instruct after NeuZip k=0",
                 "new-version": f"SmolLM2-135M-Instruct continued-trained on fortunes ({NEW_VERSION.steps} steps, "
-                               f"top {NEW_VERSION.top_layers} layers, lr {NEW_VERSION.lr})"}
+                               f"top {NEW_VERSION.top_layers} layers, lr {NEW_VERSION.lr})",
+                "deeper": f"SmolLM2-135M-Instruct grown to 33 layers (one inserted after layers "
+                          f"{', '.join(map(str, INSERT_AFTER))}, zero output projections), then its top "
+                          f"{DEEPER.top_layers} layers trained on fortunes ({DEEPER.steps} steps, lr {DEEPER.lr})"}
 
 
 def heldout_texts(corpus: str, n: int = PPL_TEXTS) -> list[str]:
@@ -89,24 +100,66 @@ def neuzip_k0_base(work: Path) -> Path:
 
 
 def new_version_base(work: Path, log: Callable[[str], None] = print) -> Path:
-    """SmolLM2 continued-trained by NEW_VERSION on the fortunes' train split, with its tokenizer and TARGET_FILE
-    (the recipe, the seconds and the held-out perplexities before and after), written atomically; kept while its
-    recorded recipe is NEW_VERSION's."""
+    """SmolLM2 continued-trained by NEW_VERSION on the fortunes' train split."""
+    from serve.data.models import smollm2_dir
+
+    return _trained_base(smollm2_dir(), work / NEW_VERSION.variant, NEW_VERSION, "new-version", log)
+
+
+def deeper_base(work: Path, log: Callable[[str], None] = print) -> Path:
+    """SmolLM2 grown by INSERT_AFTER, then trained by DEEPER on the fortunes' train split."""
+    from serve.data.models import smollm2_dir
+
+    grown = work / "smollm2-grown"
+    if not (grown / "config.json").is_file():
+        with atomic_dir(grown, replace=True) as stage:
+            grow(smollm2_dir(), stage, INSERT_AFTER)
+    return _trained_base(grown, work / DEEPER.variant, DEEPER, "deeper", log)
+
+
+def grow(base_dir: Path, out_dir: Path, insert_after: tuple[int, ...]) -> None:
+    """Write base_dir's model with a new decoder layer after each of `insert_after`'s layers: a copy of that layer
+    whose output projections are zero, so that its residual adds nothing and the model computes what it did."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        layers.append(layer)
+        if i in insert_after:
+            new = copy.deepcopy(layer)
+            torch.nn.init.zeros_(new.self_attn.o_proj.weight)
+            torch.nn.init.zeros_(new.mlp.down_proj.weight)
+            layers.append(new)
+    for j, layer in enumerate(layers):
+        layer.self_attn.layer_idx = j
+    model.model.layers = torch.nn.ModuleList(layers)
+    model.config.num_hidden_layers = len(layers)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[0]] * len(layers)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out_dir)
+
+
+def _trained_base(start: Path, out: Path, recipe: LmTask, name: str, log: Callable[[str], None]) -> Path:
+    """`start` trained by `recipe` (its top layers, next token, on the fortunes' train split), with its tokenizer
+    and TARGET_FILE (the recipe, the seconds and the held-out perplexities of SmolLM2 and of the result), written
+    atomically; kept while its recorded recipe is `recipe`."""
     from serve.data.datasets import fortunes
     from serve.data.models import smollm2_dir
 
-    out = work / NEW_VERSION.variant
-    if (out / TARGET_FILE).is_file() and json.loads((out / TARGET_FILE).read_text())["recipe"] == asdict(NEW_VERSION):
+    if (out / TARGET_FILE).is_file() and json.loads((out / TARGET_FILE).read_text())["recipe"] == asdict(recipe):
         return out  # built by this recipe; another recipe's build is replaced
-    source = smollm2_dir()
-    log(f"building {out.name}: {DESCRIPTIONS['new-version']}")
-    before = perplexities(source)
+    log(f"building {out.name}: {DESCRIPTIONS[name]}")
+    before = perplexities(smollm2_dir())
     with atomic_dir(out, replace=True) as stage:
         t0 = time.perf_counter()
-        last = finetune_lm_top_layers(source, fortunes("train"), stage, NEW_VERSION, log=log)
+        last = finetune_lm_top_layers(start, fortunes("train"), stage, recipe, log=log)
         seconds = time.perf_counter() - t0
         after = perplexities(stage)
-        info = {"recipe": asdict(NEW_VERSION), "corpus": "fortunes (train split)", "last_loss": last,
+        info = {"recipe": asdict(recipe), "corpus": "fortunes (train split)", "last_loss": last,
                 "train_seconds": seconds, "perplexity": {"before": before, "after": after}}
         (stage / TARGET_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out
@@ -118,6 +171,8 @@ def target_base(name: str, work: Path, log: Callable[[str], None] = print) -> Pa
         return neuzip_k0_base(work)
     if name == "new-version":
         return new_version_base(work, log)
+    if name == "deeper":
+        return deeper_base(work, log)
     raise ConfigError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
 
 
@@ -131,7 +186,7 @@ def target_info(name: str, base: Path) -> dict:
 def print_perplexities(info: dict) -> None:
     """The new version's held-out perplexity per corpus, before and after its continued training."""
     ppl = info["perplexity"]
-    print(f"{'held-out perplexity':<22}{'source':>10}{'new version':>14}{'shift':>9}")
+    print(f"{'held-out perplexity':<22}{'source':>10}{'target':>14}{'shift':>9}")
     for corpus, before in ppl["before"].items():
         after = ppl["after"][corpus]
         print(f"{corpus:<22}{before:>10.2f}{after:>14.2f}{(after / before - 1) * 100:>+8.1f}%")

@@ -61,7 +61,7 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
     assert json.loads(out.read_text())["seeds"] == 2
     printed = capsys.readouterr().out
     assert "tweets (loss): Trans-LoRA is not judged against the target base alone" in printed
-    assert "tweets, Trans-LoRA: inputs kept of generated, per seed: 40/90 (100 steps at 3.1e-04, best at step 45), -" \
+    assert "tweets, Trans-LoRA: inputs kept of generated, per seed: 40/90 (100 steps at 3.1e-04, best at step 45, 0.0 min), -" \
         in printed  # each seed's student: how it trained, or none
     first = dict(stubs)
     bench.run_translora_bench(out, work, seeds=2, tasks=("spam", "tweets"), targets=("neuzip-k0", "new-version"))
@@ -77,8 +77,10 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
         written.append(use_filter)
         return Sampling(plan, [f"an input, filtered={use_filter}"])
 
-    def transfer(source, src, base, out, samples, rank, seed, guard, inputs, **choices):
+    def transfer(source, src, base, out, rank, seed, guard, inputs, distillation, **choices):
         assert inputs.accepted == [f"an input, filtered={choices['use_filter']}"]
+        assert inputs.plan.samples == choices["samples"]  # the stub's source adapter has no train_log.json
+        choices["kd_temperature"] = None if distillation is None else distillation.temperature
         seen.append((Path(out).name, guard, choices))
         Path(out).mkdir(parents=True)
         (Path(out) / "translora_report.json").write_text(json.dumps(
@@ -93,17 +95,16 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
     runs = report["ablation"]["new-version"]["headlines"]["seeds"][0]
     assert list(runs) == list(ablation.CHANGES) and not any(guard for _, guard, _ in seen)
     given = {name: choices for name, _, choices in seen}
-    for config, change in ablation.CHANGES.items():  # each differs from the transfer as filed in its change only
-        choices = given[f"new-version-headlines-s0-{ablation.slug(config)}"]
-        assert {k: v for k, v in choices.items() if ablation.AS_FILED[k] != v} == change, config
+    for config, change in ablation.CHANGES.items():  # each is the transfer as filed with its change, no more
+        assert given[f"new-version-headlines-s0-{ablation.slug(config)}"] == {**ablation.AS_FILED, **change}, config
     assert runs["early stopping"]["best_step"] == 8 and runs["as filed"]["best_step"] is None
-    assert sorted(written) == [False, True]  # the inputs are written once per filter, shared by the rest
+    assert sorted(written) == [False, True, True]  # once per filter and size (48, or as many as the real set)
     assert "ablation, headlines on new-version" in capsys.readouterr().out
     bench.run_translora_bench(*args, **kw)
     assert len(seen) == len(ablation.CHANGES)  # a rerun moves nothing again
     shutil.rmtree(tmp_path / "work" / "ablation" / "new-version-headlines-s0-as-filed")
     bench.run_translora_bench(*args, **kw)  # a configuration run again (or added) trains on the inputs kept
-    assert len(seen) == len(ablation.CHANGES) + 1 and sorted(written) == [False, True]
+    assert len(seen) == len(ablation.CHANGES) + 1 and sorted(written) == [False, True, True]
 
 
 def test_without_the_unfiltered_transfer_its_row_and_verdict_are_left_out(stubs, tmp_path, capsys):

@@ -3,8 +3,9 @@
 import pytest
 
 from serve.bench.translora import choose
-from serve.bench.translora_table import (ALONE, MOVED, ROWS, UNCHANGED, UNFILTERED, cell, init_verdicts, mean_curve,
-                                         print_transfer, summarize, task_verdicts, versus)
+from serve.bench.translora_table import (ALONE, MOVED, ROWS, UNCHANGED, UNFILTERED, UPPER, cell, gap_line,
+                                         gaps_recovered, init_verdicts, mean_curve, print_transfer, summarize,
+                                         task_verdicts, versus)
 from serve.errors import ConfigError
 
 
@@ -83,3 +84,16 @@ def test_choose_takes_a_known_subset_and_refuses_others_in_one_line():
         choose("spam,poems", ("spam", "tweets"), "tasks")
     with pytest.raises(ConfigError, match="nothing given"):
         choose(",", ("spam",), "tasks")
+
+
+def test_the_gap_recovered_is_each_seeds_share_of_the_way_from_the_target_alone_to_its_upper_bound():
+    runs = {ALONE: [{"loss": 6.0}], UPPER: [{"loss": 3.0}, {"loss": 2.0}],
+            MOVED: [{"loss": 4.5}, {"loss": 2.0}], UNCHANGED: [{"loss": 3.0}, None]}
+    gaps = gaps_recovered("headlines", runs)
+    assert gaps[MOVED]["gap"] == {"mean": 0.75, "min": 0.5, "max": 1.0}  # 1.5 of 3, then 4 of 4
+    assert gaps[UNCHANGED]["missing"] == 1 and gaps[UNCHANGED]["gap"]["mean"] == 1.0
+    spam = gaps_recovered("spam", {ALONE: [{"accuracy": 0.5}], UPPER: [{"accuracy": 0.9}],
+                                   MOVED: [{"accuracy": 0.8}]})
+    assert spam[MOVED]["gap"]["mean"] == pytest.approx(0.75)  # accuracy: higher is better, the same share
+    assert gap_line("headlines", gaps) == ("headlines: gap recovered: Trans-LoRA 75% (50%..100%), the source "
+                                           "adapter unchanged 100% (100%..100%) [1/2]")

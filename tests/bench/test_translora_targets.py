@@ -1,15 +1,18 @@
-"""The bench's new-version target: built once by its recipe, rebuilt when the recipe changes, its perplexity
-shift printed; training and perplexities stubbed."""
+"""The bench's trained targets: built once by their recipe, rebuilt when the recipe changes, their perplexity
+shift printed (training and perplexities stubbed); the deeper target's growth computes what its source does."""
 
 import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 import serve.bench.translora_targets as targets
 import serve.data.models
 from serve.errors import ConfigError
+from tests.models import write_tiny_causal
 
 
 @pytest.fixture
@@ -41,7 +44,34 @@ def test_the_new_version_is_built_once_per_recipe(builds, tmp_path, monkeypatch,
 
 
 def test_unknown_names_are_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="^unknown target 'v3'; known: neuzip-k0, new-version$"):
+    with pytest.raises(ConfigError, match="^unknown target 'v3'; known: neuzip-k0, new-version, deeper$"):
         targets.target_base("v3", tmp_path)
     with pytest.raises(ConfigError, match="^unknown corpus 'poems'; known: fortunes, news, tweets$"):
         targets.heldout_texts("poems")
+
+
+def test_a_grown_base_computes_what_its_source_does_and_its_later_layers_move_by_name(tmp_path):
+    source = write_tiny_causal(tmp_path / "source", layers=3)
+    targets.grow(source, tmp_path / "grown", insert_after=(0, 1))
+    old = AutoModelForCausalLM.from_pretrained(source).eval()
+    new = AutoModelForCausalLM.from_pretrained(tmp_path / "grown").eval()
+    assert new.config.num_hidden_layers == 5
+    ids = torch.tensor([[1, 5, 9, 4, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(new(input_ids=ids).logits, old(input_ids=ids).logits)
+    moved = old.state_dict()["model.layers.2.mlp.up_proj.weight"]
+    assert torch.equal(new.state_dict()["model.layers.4.mlp.up_proj.weight"], moved)  # layer 2 is now layer 4
+    assert not torch.equal(new.state_dict()["model.layers.2.mlp.up_proj.weight"], moved)
+
+
+def test_the_deeper_target_grows_once_and_trains_the_grown_model(builds, tmp_path, monkeypatch):
+    grown_by = []
+
+    def grow(base, out, after):
+        grown_by.append(after)
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(targets, "grow", grow)
+    base = targets.deeper_base(tmp_path / "work", log=lambda m: None)
+    assert targets.deeper_base(tmp_path / "work", log=lambda m: None) == base
+    assert grown_by == [targets.INSERT_AFTER] and builds == [targets.DEEPER]
