@@ -71,14 +71,16 @@ class Comparison:
         return f"{one('student', 'student')}, {one('target_alone', 'target alone')}{unchanged}{margin}"
 
 
-def unfit_reason(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path) -> str | None:
+def unfit_reason(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path,
+                 depth: bool = True) -> str | None:
     """Why the source adapter cannot be applied unchanged to the target base (None where it can): the two
     tokenizers must number every token alike, the bases have the same depth, and each adapted module must exist
-    in the target with its shape."""
+    in the target with its shape (depth False: the shapes and tokens alone, for an adapter already projected onto
+    the target's layers)."""
     from serve.store.tensors import SafetensorsSource
     from serve.variants.lora import parse_adapter
 
-    differ = same_tokens(source_base, target_base) or other_depth(source_base, target_base)
+    differ = same_tokens(source_base, target_base) or (other_depth(source_base, target_base) if depth else None)
     if differ is not None:
         return differ
     try:

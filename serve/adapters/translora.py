@@ -28,9 +28,9 @@ Choices the paper leaves open:
 - The teacher decodes greedily, up to 1.5x the longest seed output's tokens. Where the two bases number tokens
   alike, the student also learns the teacher's next-token distribution at every completion position
   (distill.py: a KL term at a temperature), not only the tokens it sampled.
-- The student starts from the source adapter where it fits the target (same tokenizer, same depth, every adapted
-  module's shape: transfer_guard.unfit_reason), else it is a fresh PiSSA adapter (by default) of the source
-  adapter's rank.
+- The student starts from the source adapter where it fits the target, from its projection onto the target's
+  layers where only the depth differs and that does better than the target alone (student_start.py), else it is
+  a fresh PiSSA adapter (by default) of the source adapter's rank.
 - The synthetic set is as large as the adapter's real training set (train_log.json), capped by `samples`, and a
   transfer keeps to a time budget (budget.py).
 """
@@ -52,7 +52,8 @@ from serve.adapters.distill import Distillation, Teacher, same_tokens
 from serve.adapters.generation_schedule import AttemptPlan, Sampling, label_groups
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
-from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged, unfit_reason
+from serve.adapters.student_start import student_start
+from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
 from serve.adapters.validation import (VALIDATION, EarlyStopping, labels_of, read_validation, score, split_examples,
                                        student_schedule, write_validation)
 from serve.errors import ArtifactError, ConfigError
@@ -253,8 +254,6 @@ def validation_set(adapter_dir: str | Path, seeds: list[TrainExample]) -> tuple[
             for e in (examples if examples is not None else seeds)], source
 
 
-FROM_SOURCE = "the source adapter"
-"""TransferReport.started_from where the student started from the source adapter (a plain LoRA of its rank)."""
 TEACHER_LENGTH = 1.5
 """The teacher writes up to this many times the longest seed output (in tokens, about two a word), or stops at
 its end-of-text token, which the adapter learnt at the end of every completion."""
@@ -317,10 +316,10 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     data = teach(source_base, adapter_dir, task, sampling.accepted, seed, tick, teacher_length)
     times["teacher"] = time.perf_counter() - t0
     steps, lr = student_schedule(len(data), steps, lr)
-    start, rank, started_from = _student_start(source_base, adapter_dir, target_base, task, init, rank,
-                                               start_from_source)
     teacher, distilled = _teacher(source_base, adapter_dir, target_base, distillation)
-    with atomic_dir(out_dir) as stage:
+    rank = rank or task.rank or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
+    with atomic_dir(out_dir) as stage, student_start(source_base, adapter_dir, target_base, init, rank,
+                                                     start_from_source, held) as (start, rank, started_from):
         t0 = time.perf_counter()
         early = _early_stopping(target_base, held)
         result = train_adapter(target_base, data, stage, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
@@ -357,19 +356,6 @@ def _inputs(source_base: str | Path, adapter_dir: str | Path, target_base: str |
     if len(sampling.accepted) < plan.floor:
         raise TransferFailed(sampling.shortfall())
     return sampling
-
-
-def _student_start(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, task: TaskInfo,
-                   init: str, rank: int | None, from_source: bool) -> tuple[Path | None, int, str]:
-    """(the adapter the student starts from, or None for a fresh `init`; its rank, by default the source adapter's
-    as trained; what the report says of it)."""
-    stored = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
-    if not from_source:
-        return None, rank or task.rank or stored, init
-    unfit = unfit_reason(source_base, adapter_dir, target_base)
-    if unfit is None:
-        return Path(adapter_dir), stored, FROM_SOURCE
-    return None, rank or task.rank or stored, f"{init} (the source adapter does not fit the target: {unfit})"
 
 
 def _teacher(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path,

@@ -1,11 +1,13 @@
 """`store translora`: move every LoRA / PiSSA adapter of one store base to another with Trans-LoRA, registering
 each result as its own adapter (flagged as a transferred student, or as the source adapter kept unchanged)."""
 
+import json
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from serve.adapters import translora
+from serve.adapters.train import LOG_FILE
 from serve.adapters.transfer_guard import Comparison, summary
 from serve.errors import ArtifactError, ManyfoldError
 
@@ -72,7 +74,8 @@ def _move(store, name: str, new: str, from_base: str, to_base: str, options: dic
         if report.outcome == "unchanged":
             register(store, new, to_base, Path(tmp) / "adapter", store.variant(name).kind, "unchanged")
         else:
-            kind = "lora" if options.get("init") == "lora" or report.started_from == translora.FROM_SOURCE else "pissa"
+            init = json.loads((Path(tmp) / "adapter" / LOG_FILE).read_text())["init"]
+            kind = "lora" if init in ("lora", "adapter") else "pissa"  # a student started from an adapter: a LoRA
             register(store, new, to_base, Path(tmp) / "adapter", kind, "student")
     if report.outcome == "unchanged":
         figures = f"validation: {Comparison(**report.compared).figures()}"

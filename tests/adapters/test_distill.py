@@ -10,6 +10,7 @@ from serve.adapters import translora
 from serve.adapters.data import IGNORE, collate, tokenize_examples
 from serve.adapters.distill import Distillation, Teacher, kd_loss
 from serve.adapters.load import load_lm
+from serve.adapters.student_start import FROM_SOURCE
 from serve.adapters.train import train_adapter
 from serve.errors import ConfigError
 from serve.variants.lora import ADAPTER_WEIGHTS
@@ -74,7 +75,7 @@ def test_a_transfer_to_the_same_tokens_and_shapes_distils_and_starts_from_the_so
     source = load_file(source_adapter / ADAPTER_WEIGHTS)
     report = translora.transfer(bases[0], source_adapter, bases[1], tmp_path / "moved", samples=4, max_attempts=48,
                                 steps=1, lr=1e-9, use_filter=False)
-    assert report.distilled.startswith("distribution") and report.started_from == translora.FROM_SOURCE
+    assert report.distilled.startswith("distribution") and report.started_from == FROM_SOURCE
     student = load_file(tmp_path / "moved" / ADAPTER_WEIGHTS)
     assert report.rank == 8 and student.keys() == source.keys()  # the converted PiSSA source: rank 2r
     assert all(torch.allclose(student[k], source[k], atol=1e-6) for k in source)  # one step at 1e-9 from it

@@ -1,0 +1,53 @@
+"""Where a student starts on a target of another depth (serve/adapters/student_start.py): the source adapter
+projected onto the target's layers, found by their weights, computes on a grown base exactly what it computed on
+its own; a transfer starts from it where it beats the target alone."""
+
+import pytest
+import torch
+
+from serve.adapters import translora
+from serve.adapters.load import load_lm
+from serve.adapters.student_start import layer_map, project_adapter
+from serve.adapters.train import train_adapter
+from serve.adapters.transfer_guard import unfit_reason
+from serve.bench.translora_targets import grow
+from tests.adapters.test_translora import toy_task
+from tests.models import write_tiny_causal
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory):
+    """(a 3-layer source, its adapter, the source grown to 5 layers: one inserted after layers 0 and 2)."""
+    tmp = tmp_path_factory.mktemp("grown")
+    source = write_tiny_causal(tmp / "source", layers=3)
+    adapter = tmp / "adapter"
+    train_adapter(source, toy_task(), adapter, init="lora", rank=4, steps=30, lr=1e-2, progress=lambda *_: None)
+    translora.train_discriminator(source, adapter, toy_task(), "toy", steps=2)
+    grow(source, tmp / "target", insert_after=(0, 2))
+    return source, adapter, tmp / "target"
+
+
+def test_the_layers_are_matched_by_their_weights_and_the_projection_computes_what_the_adapter_did(grown, tmp_path):
+    source, adapter, target = grown
+    assert unfit_reason(source, adapter, target) == ("the source base has 3 layers and the target 5: its layers do "
+                                                     "not line up")
+    mapping = layer_map(source, target)
+    assert mapping == {0: 0, 1: 2, 2: 3}  # the copies (1 and 4) have zero output projections: less alike
+    projected = project_adapter(adapter, mapping, tmp_path / "projected")
+    ids = torch.tensor([[1, 5, 9, 4, 7, 3]])
+    with torch.no_grad():
+        want = load_lm(source, adapter)[0](input_ids=ids).logits
+        by_name = load_lm(target, adapter)[0](input_ids=ids).logits
+        got = load_lm(target, projected)[0](input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(by_name, want, atol=1e-3)  # loaded by name, layers 1 and 2 land on others
+
+
+def test_a_transfer_to_a_deeper_base_starts_from_the_projection_where_it_beats_the_target_alone(
+        grown, tmp_path, monkeypatch):
+    source, adapter, target = grown
+    monkeypatch.setattr(translora, "choose", lambda comparison, keep_unchanged: "student")  # the guard: elsewhere
+    report = translora.transfer(source, adapter, target, tmp_path / "moved", samples=4, max_attempts=48, steps=1,
+                                lr=1e-9, use_filter=False)
+    assert report.started_from == "the source adapter projected onto the target's layers (2 moved)"
+    assert report.distilled.startswith("distribution")  # the same tokenizer: another depth does not matter there
