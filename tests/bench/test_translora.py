@@ -25,7 +25,7 @@ def stubs(monkeypatch, tmp_path):
         log = {"log": [{"loss": 3.0 - step / steps} for step in range(steps)], "seconds": 1.0, "init_seconds": 0.1}
         (Path(out) / "train_log.json").write_text(json.dumps(log))
 
-    def transfer(source, src, base, out, samples, use_filter, rank, seed):  # the student's schedule: transfer's own
+    def transfer(source, src, base, out, samples, use_filter, rank, seed, budget_min):  # the schedule: transfer's
         calls["transfer"] += 1
         if use_filter and seed == 1:
             raise TransferFailed("x: failed: no better than the target alone (student 3.10, target alone 3.00)")
