@@ -30,7 +30,7 @@ from serve.engine.types import Classifications, Embeddings, Generation, ModelInf
 from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
 from serve.store.objects import fetched
 from serve.store.catalog import Catalog, Snapshot
-from serve.store.manifest import MEMBER_SEP, REVISION_SEP
+from serve.store.manifest import REVISION_SEP
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
 from serve.variants.base import LoadedVariant
@@ -124,7 +124,7 @@ class Engine:
         self._follow()
         if base not in self.bases:
             raise VariantNotFound(f"model '{model}' is not served here (its base '{base}' is another replica's)")
-        return base, variant, snapshot.key(variant.split(MEMBER_SEP, 1)[0]) if variant else None
+        return base, variant, snapshot.model_key(variant) if variant else None
 
     def _follow(self) -> Snapshot:
         """Take the catalog's newest snapshot as the engine's: the keys it no longer has leave the cache and (on

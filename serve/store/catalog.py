@@ -53,6 +53,10 @@ class Snapshot(ManifestView):
             key = self._keys[name] = self.variant(name).key
         return key
 
+    def model_key(self, model: str) -> str:
+        """The key of the entry a variant's model id names (an EMR task's id names its group first)."""
+        return self.key(model.split(MEMBER_SEP, 1)[0])
+
     def holds(self, key: str) -> bool:
         name = key.partition(REVISION_SEP)[0]
         return name in self.manifest.variants and self.key(name) == key
@@ -61,7 +65,7 @@ class Snapshot(ManifestView):
         """The id Ray's multiplexed routing knows a request for variant `model` by: the model id at its entry's
         revision ("support/topic@<revision>"), so that a replaced variant is routed as another model and a
         replica can tell which revision the router resolved (key_of)."""
-        return f"{model}{REVISION_SEP}{self.key(model.split(MEMBER_SEP, 1)[0]).partition(REVISION_SEP)[2]}"
+        return f"{model}{REVISION_SEP}{self.model_key(model).partition(REVISION_SEP)[2]}"
 
     def entry(self, key: str) -> VariantEntry:
         """The entry of that revision; VariantNotFound once the store has replaced or removed it."""
