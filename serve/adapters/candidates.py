@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from serve.adapters.generation_schedule import BATCH, TEMPERATURES, AttemptPlan, Sampling, sample_inputs, shown_seeds
-from serve.adapters.load import load_lm
+from serve.adapters.load import load_lm, writing_dtype
 
 SEP = "###"
 
@@ -90,9 +90,9 @@ def synthetic_inputs(target_base: str | Path, judge: Callable[[list[str]], list[
                      ) -> Sampling:
     """The inputs the target base wrote after the seeds and `judge` (the discriminator's accepts) took (all that
     are fresh without one), batch by batch as generation_schedule plans, with every batch's fates. The target
-    writes in bf16: writing candidates is most of a transfer's time on a CPU, and bf16 takes two thirds of fp32's
-    time there."""
-    target, tok = load_lm(target_base, dtype=torch.bfloat16)
+    writes in bf16 where the CPU has it natively (load.writing_dtype): writing candidates is most of a transfer's
+    time on a CPU."""
+    target, tok = load_lm(target_base, dtype=writing_dtype())
 
     def write(n: int, temperature: float, at: int) -> list[str]:
         return generate_candidates(target, tok, seed_inputs, name, n, at, temperatures=(temperature,),

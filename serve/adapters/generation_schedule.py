@@ -16,10 +16,11 @@ from serve.errors import ConfigError
 
 TEMPERATURES = (0.7, 1.0, 1.3)
 """Sampling temperatures, one per batch in turn: the low one stays near the seeds, the high one strays further."""
-BATCH = 16
+BATCH = 32
 """Candidates written per batch: one `generate` call at one temperature. On a CPU a call's decode steps cost
-little more for 16 rows than for 8 (SmolLM2 writing spam candidates in bf16 on 2 cores: 0.61 s a candidate in
-batches of 16 or 32, 0.89 in batches of 8; in fp32, as before, 1.36 in batches of 8)."""
+little more for more rows (SmolLM2 writing spam candidates in bf16 on the Intel VM's 2 cores: 0.61 s a candidate
+in batches of 16 or 32, 0.89 in batches of 8; headline candidates in fp32 on the AMD VM's: 1.59 s in batches of
+32, 2.06 in batches of 16)."""
 FIRST_ROUND = BATCH * len(TEMPERATURES)
 """Candidates written before the run is sized by their acceptance rate: one batch at each temperature."""
 MIN_SHOWN = 3

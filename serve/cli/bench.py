@@ -96,13 +96,13 @@ def cmd_bench_soak(args: argparse.Namespace) -> None:
 
 def _add_translora(bench: argparse._SubParsersAction) -> None:
     bt = add_command(bench, "translora", cmd_bench_translora,
-                     "Trans-LoRA on three real tasks and two target bases over seeds; PiSSA against LoRA")
+                     "Trans-LoRA on three real tasks and three target bases over seeds; PiSSA against LoRA")
     bt.add_argument("--out", help="default: bench-results/translora.json, or translora-ablation.json")
     bt.add_argument("--work", help="where adapters, evaluations and the target bases are kept (default: "
                                    "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
     bt.add_argument("--seeds", type=int, default=3, help="runs per configuration (seeds 0..N-1)")
     bt.add_argument("--tasks", help="a subset of spam,headlines,tweets, joined by commas (default: all)")
-    bt.add_argument("--targets", help="a subset of neuzip-k0,new-version, joined by commas (default: both)")
+    bt.add_argument("--targets", help="a subset of neuzip-k0,new-version,deeper, joined by commas (default: all)")
     bt.add_argument("--no-inits", action="store_true", help="skip PiSSA against LoRA")
     bt.add_argument("--no-unfiltered", action="store_true", help="skip the transfer without the discriminator's "
                     "filter (a third of the time; --ablation measures the filter)")
