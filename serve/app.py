@@ -200,7 +200,7 @@ def wait_for_bases(app: str, bases: dict[str, str], may_idle: frozenset[str], ti
         if (status and ready and all(status[n][0] for n in others)) or time.monotonic() >= deadline or stop.is_set():
             break
         stop.wait(0.5)
-    return [f"warning: {base} is not running after {timeout_s:.0f} s; its models answer 503 ({w})"
+    return [f"warning: {base} is not running; its models answer 503 until it runs ({w})"
             for base, w in words.items() if not w.startswith(("running", "idle"))]
 
 
