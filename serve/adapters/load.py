@@ -6,9 +6,9 @@ import torch
 
 
 def writing_dtype() -> torch.dtype:
-    """bf16 where this CPU multiplies it natively (AVX512-BF16 or AMX), else fp32. SmolLM2 writing headline
-    candidates in batches of 16: on the Intel Xeon VM (AMX) bf16 took two thirds of fp32's time; on the AMD EPYC
-    VM (AVX2 only, bf16 emulated) 6.28 s a candidate against 2.06 s in fp32."""
+    """bf16 where this CPU multiplies it natively (AVX512-BF16 or AMX), else fp32. SmolLM2 writing candidates on
+    2 cores: on the Intel Xeon VM, bf16 took about two thirds of fp32's time (spam); on the AMD EPYC VM (AVX2
+    only: bf16 is emulated), 6.28 s a headline candidate in batches of 16 against 2.06 s in fp32."""
     native = [getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return torch.bfloat16 if any(native) else torch.float32
 
