@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from serve.adapters.budget import MINUTES
 from serve.adapters.data import PromptExample, TrainExample
 from serve.adapters.load import load_lm
 from serve.adapters.tasks import heldout_examples, task_examples
@@ -46,8 +47,6 @@ TRAIN, HELDOUT = 128, 100
 RANK, STEPS, LR = 8, 48, 5e-4
 SAMPLES = TRAIN
 """Synthetic inputs a transfer may keep: as many as the adapter's real training examples (translora.transfer)."""
-BUDGET_MIN = 30.0
-"""Each transfer's time budget, as `manyfold translora --budget-min` has it by default."""
 FILED_SAMPLES = 48
 """What transfers kept before issue 36 (the ablation's "as filed")."""
 INITS = ("pissa", "pissa_niter_4", "lora")
@@ -129,7 +128,7 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
             _log(f"{name}, {task}, seed {seed}: {row}, up to {SAMPLES} synthetic inputs")
             try:
                 transfer(source, src, base, moved[row], samples=SAMPLES, use_filter=use_filter, rank=RANK,
-                         seed=seed, budget_min=BUDGET_MIN)
+                         seed=seed, budget_min=MINUTES)
             except TransferFailed as e:
                 atomic_write(failed, [(str(e) + "\n").encode()])  # a rerun does not try again
         if failed.exists():

@@ -4,6 +4,7 @@ another base."""
 import argparse
 from pathlib import Path
 
+from serve.adapters.budget import MINUTES
 from serve.cli.args import add_command, base_dir
 from serve.cli.console import progress
 
@@ -146,7 +147,7 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help="the student's lr (default: 5e-4 x accepted / 64, at most 5e-4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-min", type=float, default=30.0,
+    p.add_argument("--budget-min", type=float, default=MINUTES,
                    help="minutes a transfer may take: inputs are written for half of it at most and the student "
                         "stops at 85%% of it (keeping its best validated point); the report says what it cut")
     p.add_argument("--no-distill", action="store_true",
