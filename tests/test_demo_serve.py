@@ -116,8 +116,9 @@ def test_serve_joins_a_running_cluster_serves_what_it_can_place_and_leaves_the_c
             assert any(line.startswith("warning: big is not running") for line in log), log
             ready = http.get("/readyz")
             assert ready.status_code == 200, ready.text  # the bases Ray can place run
-            cards = {c["id"]: c["status"] for c in http.get("/v1/models").json()["data"]}
-            for card in [c for c in http.get("/v1/models").json()["data"] if c["id"] != "big"]:
+            listed = http.get("/v1/models").json()["data"]
+            cards = {c["id"]: c["status"] for c in listed}
+            for card in [c for c in listed if c["id"] != "big"]:
                 card["encoder"] = card["id"] == "enc"
                 assert request_for(http, card).status_code == 200
             refused = request_for(http, {"id": "big", "labels": None})
