@@ -211,9 +211,10 @@ def choose(given: str | None, known: tuple[str, ...], what: str) -> tuple[str, .
 
 def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tasks: tuple[str, ...] = TASKS,
                         targets: tuple[str, ...] = TARGETS, inits: bool = True, ablation: bool = False,
-                        unfiltered: bool = True) -> dict:
+                        unfiltered: bool = True, configs: tuple[str, ...] | None = None) -> dict:
     """The whole bench (or the subset of tasks and targets given): tables on stdout, JSON at out, PNG beside.
-    ablation: the ablation instead (serve/bench/translora_ablation.py). unfiltered: False leaves out the
+    ablation: the ablation instead (serve/bench/translora_ablation.py), of configs (their slugs; all where None).
+    unfiltered: False leaves out the
     transfer without the discriminator's filter (a third of the bench's time; the ablation measures the filter)."""
     from serve.data.cache import home
     from serve.data.models import smollm2_dir
@@ -227,10 +228,11 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
     bases = {name: target_base(name, work, _log) for name in targets}
     evals = Evaluations(work / EVALS_FILE)
     if ablation:
-        from serve.bench.translora_ablation import ablation_table, print_ablation
+        from serve.bench.translora_ablation import CONFIGS, ablation_table, print_ablation
 
+        table = ablation_table(work, source, bases, tasks, seeds, evals, configs or CONFIGS)
         report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seeds, "rank": RANK,
-                  "samples": SAMPLES, "ablation": ablation_table(work, source, bases, tasks, seeds, evals)}
+                  "samples": SAMPLES, "ablation": table}
         report["seconds"] = time.perf_counter() - t0
         return finish(report, out, lambda r: print_ablation(r["ablation"]))
     report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seeds, "rank": RANK,

@@ -63,12 +63,14 @@ def cmd_bench_forms(args: argparse.Namespace) -> None:
 
 def cmd_bench_translora(args: argparse.Namespace) -> None:
     from serve.bench.translora import TASKS, choose, run_translora_bench
+    from serve.bench.translora_ablation import CONFIGS
     from serve.bench.translora_targets import TARGETS
 
     out = args.out or f"bench-results/translora{'-ablation' if args.ablation else ''}.json"
     run_translora_bench(Path(out), Path(args.work) if args.work else None, args.seeds,
                         choose(args.tasks, TASKS, "tasks"), choose(args.targets, TARGETS, "targets"),
-                        inits=not args.no_inits, ablation=args.ablation, unfiltered=not args.no_unfiltered)
+                        inits=not args.no_inits, ablation=args.ablation, unfiltered=not args.no_unfiltered,
+                        configs=choose(args.configs, CONFIGS, "configs"))
 
 
 def cmd_bench_neuzip(args: argparse.Namespace) -> None:
@@ -108,6 +110,8 @@ def _add_translora(bench: argparse._SubParsersAction) -> None:
                     "filter (a third of the time; --ablation measures the filter)")
     bt.add_argument("--ablation", action="store_true", help="instead, the ablation: the transfer as issue 22 "
                     "measured it, then one choice changed at a time (serve/bench/translora_ablation.py)")
+    bt.add_argument("--configs", help="with --ablation, a subset of its configurations by slug, joined by commas "
+                    "(default: all), e.g. issue-36-defaults,issue-36-no-distillation")
 
 
 def _add_neuzip(bench: argparse._SubParsersAction) -> None:
