@@ -42,7 +42,7 @@ def _ingress(config: ServeConfig, bases: list[str]):
             self.gate = DrainGate()
 
         def __serve_build_asgi_app__(self):
-            from serve.deployments.health import DeploymentHealth, serve_status
+            from serve.deployments.health import DeploymentHealth, ray_nodes, serve_status
             from serve.deployments.router import Router
             from serve.http.app import build_http_app
             from serve.store.catalog import Catalog
@@ -50,7 +50,7 @@ def _ingress(config: ServeConfig, bases: list[str]):
             handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
             app = serve.get_replica_context().app_name
             health = DeploymentHealth({b: deployment_name(b) for b in bases}, serve_status(app),
-                                      may_idle=idle_bases(config, bases))
+                                      may_idle=idle_bases(config, bases), nodes=ray_nodes)
             catalog = Catalog(config.store, config.store_refresh_s)
             return build_http_app(Router(catalog, handles, serve.get_deployment_handle(BOARD), health), config,
                                   self.gate)
@@ -189,13 +189,14 @@ def wait_for_bases(app: str, bases: dict[str, str], may_idle: frozenset[str], ti
     running, whose models answer 503 naming why. bases: base -> its deployment's name."""
     import time
 
-    from serve.deployments.health import base_state, readiness, serve_status
+    from serve.deployments.health import base_state, ray_nodes, readiness, serve_status
 
     read, deadline = serve_status(app), time.monotonic() + timeout_s
     while True:
         status = read()
         others = [name for name in status if name not in bases.values()]  # the ingress and the board
-        states = {b: base_state(b, *status[name]) if name in status else None for b, name in bases.items()}
+        states = {b: base_state(b, *status[name], ray_nodes) if name in status else None
+                  for b, name in bases.items()}
         ready, words = readiness(states, may_idle)
         if (status and ready and all(status[n][0] for n in others)) or time.monotonic() >= deadline or stop.is_set():
             break

@@ -4,10 +4,12 @@ never a request that waits for ever, and /v1/models can say which bases are not 
 when `manyfold serve` says it is serving) is every base that can run running: a base Ray cannot place, or one
 allowed to scale to zero (min_replicas 0, started by its first request), does not hold it back.
 
-Plain asyncio over a `read` function (serve_status reads Ray Serve's; tests give their own).
+Plain asyncio over a `read` function (serve_status reads Ray Serve's; tests give their own), and a `nodes`
+function (ray_nodes reads Ray's) that tells a base Ray cannot place from one waiting for resources others hold.
 """
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -20,6 +22,8 @@ log = logging.getLogger("ray.serve")
 
 Read = Callable[[], dict[str, tuple[int, str]]]
 """-> deployment name: (replicas running, the controller's message about it)."""
+Nodes = Callable[[], list[dict[str, float]]]
+"""-> each live node's total resources."""
 
 
 @dataclass(frozen=True)
@@ -61,15 +65,22 @@ def serve_status(app: str) -> Read:
     return read
 
 
+def ray_nodes() -> list[dict[str, float]]:
+    import ray
+
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
 class DeploymentHealth:
     def __init__(self, deployments: dict[str, str], read: Read, refresh_s: float = 2.0, wait_s: float = 10.0,
-                 read_timeout_s: float = 5.0, may_idle: frozenset[str] = frozenset()):
+                 read_timeout_s: float = 5.0, may_idle: frozenset[str] = frozenset(), nodes: Nodes | None = None):
         """deployments: base -> its deployment's name. A base not running is waited for up to wait_s (a replica
         restarting comes back) before its requests are refused; one in may_idle (min_replicas 0) is not: its
-        request goes on, and Serve starts a replica for it."""
+        request goes on, and Serve starts a replica for it. nodes: see base_state."""
         self.deployments = deployments
         self.may_idle = may_idle
         self._read = read
+        self._nodes = nodes
         self.refresh_s = refresh_s
         self.wait_s = wait_s
         self.read_timeout_s = read_timeout_s
@@ -88,13 +99,15 @@ class DeploymentHealth:
 
     async def _refresh(self) -> None:
         try:
-            raw = await asyncio.wait_for(asyncio.to_thread(self._read), self.read_timeout_s)
+            self._states = await asyncio.wait_for(asyncio.to_thread(self._read_states), self.read_timeout_s)
         except Exception as e:  # noqa: BLE001  (the controller may be busy or restarting)
             log.warning("deployment status unavailable: %s", (str(e).splitlines() or [type(e).__name__])[0])
-            self._read_at = time.monotonic()
-            return
-        self._states = {base: base_state(base, *raw[name]) for base, name in self.deployments.items() if name in raw}
         self._read_at = time.monotonic()
+
+    def _read_states(self) -> dict[str, BaseState]:
+        raw = self._read()
+        return {base: base_state(base, *raw[name], self._nodes) for base, name in self.deployments.items()
+                if name in raw}
 
     async def readiness(self) -> tuple[bool, dict[str, str]]:
         """readiness() of every base as last read (a base the controller never reported is still starting)."""
@@ -117,14 +130,31 @@ class DeploymentHealth:
 _UNPLACEABLE = re.compile(r"Resources required for each replica: (\{.*?\}), total resources available: (\{.*?\})")
 
 
-def base_state(base: str, running: int, message: str) -> BaseState:
-    """A base's state from its deployment's running replicas and the controller's message about it."""
+def base_state(base: str, running: int, message: str, nodes: Nodes | None = None) -> BaseState:
+    """A base's state from its deployment's running replicas and the controller's message about it. Serve says a
+    replica waited over 30 s to be placed both where no node could ever hold it and where the resources are
+    held by other replicas still starting: with nodes, a replica that some node's total resources cover is
+    starting, not unplaceable (nodes is read only then)."""
     if running > 0:
         return BaseState(True)
     why = f"base '{base}' has no running replica"
     placed = _UNPLACEABLE.search(message)
+    if placed and _fits(placed[1], nodes):
+        return BaseState(False, f"{why}: waiting for resources other replicas hold (each replica needs "
+                                f"{placed[1]}; {placed[2]} available now)")
     if placed:  # Ray's own words, after 30 s of trying
         return BaseState(False, f"{why}: Ray cannot place it (each replica needs {placed[1]}; the cluster has "
                                 f"{placed[2]} available)", placeable=False)
     first = message.split(". ")[0].strip().rstrip(".")
     return BaseState(False, why + (f" ({first})" if first else ""))
+
+
+def _fits(required: str, nodes: Nodes | None) -> bool:
+    """Whether one live node's total resources cover a replica's (as Serve's message writes them, in JSON; a list
+    of placement-group bundles is left to Ray's words)."""
+    try:
+        need = json.loads(required)
+    except ValueError:
+        return False
+    return nodes is not None and isinstance(need, dict) and any(
+        all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes())

@@ -99,3 +99,28 @@ def test_a_request_for_a_base_scaled_to_zero_goes_on_to_start_it():
                                    may_idle=frozenset({"idle"}))
     with pytest.raises(Unavailable, match="Ray cannot place it"):
         asyncio.run(unplaceable.require("idle", "idle-lora"))
+
+
+def test_a_replica_waiting_for_resources_others_hold_is_starting_not_unplaceable():
+    """Serve's 30-second message is the same where no node could hold a replica and where the replicas starting
+    before it hold the CPUs: only the first lets readiness pass without it."""
+    asked = []
+
+    def nodes(totals):
+        def read():
+            asked.append(totals)
+            return [{"CPU": c, "memory": 1e9} for c in totals]
+        return read
+
+    def state(totals):
+        health = DeploymentHealth({"nz": "base-nz"}, lambda: {"base-nz": (0, PENDING)}, refresh_s=0.0,
+                                  nodes=nodes(totals))
+        return asyncio.run(health.readiness())
+
+    ready, words = state((2.0, 64.0))  # the second node can hold it once its CPUs are free
+    assert not ready and words["nz"].startswith("starting: base 'nz' has no running replica: waiting for resources")
+    ready, words = state((2.0, 32.0))  # no node ever could
+    assert ready and words["nz"].startswith("unplaceable: base 'nz' has no running replica: Ray cannot place it")
+    running = DeploymentHealth({"nz": "base-nz"}, lambda: {"base-nz": (1, "")}, refresh_s=0.0, nodes=nodes((1.0,)))
+    asyncio.run(running.readiness())
+    assert asked == [(2.0, 64.0), (2.0, 32.0)]  # read only when Serve says a replica waits to be placed
