@@ -1,5 +1,8 @@
 """Loading a causal LM (with a PEFT adapter if given) for Trans-LoRA: generating, teaching and validating."""
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,7 +27,22 @@ def load_lm(base_dir: str | Path, adapter_dir: str | Path | None = None, dtype: 
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
     if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_dir)
+        model = with_adapter(model, adapter_dir)
     return model.eval(), tok
+
+
+@contextmanager
+def peft_quietly() -> Iterator[None]:
+    """PEFT reads transformers' deprecated `is_gradient_checkpointing` each time it wraps a model: a FutureWarning
+    per load that no user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+        yield
+
+
+def with_adapter(model, adapter_dir: str | Path, trainable: bool = False):
+    """`model` with the PEFT adapter at adapter_dir."""
+    from peft import PeftModel
+
+    with peft_quietly():
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=trainable)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from serve.adapters.data import TrainExample, collate, read_jsonl, tokenize_examples
+from serve.adapters.load import peft_quietly, with_adapter
 from serve.adapters.validation import EarlyStopping
 from serve.errors import ConfigError
 from serve.store.writer import atomic_dir
@@ -68,21 +69,17 @@ def make_peft_model(base_dir: str | Path, init: str, rank: int, alpha: float | N
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(seed)  # Kaiming A of a LoRA init, the random projections of pissa_niter_K
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # peft -> transformers
+    with peft_quietly():
         return get_peft_model(model, config), tokenizer
 
 
 def adapter_model(base_dir: str | Path, adapter_dir: str | Path):
     """(peft model, tokenizer): the base in fp32 with the LoRA adapter at adapter_dir, trainable from where it
     is (a Trans-LoRA student that starts from the source adapter, where it fits the target)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True), AutoTokenizer.from_pretrained(base_dir)
+    return with_adapter(model, adapter_dir, trainable=True), AutoTokenizer.from_pretrained(base_dir)
 
 
 def batches(features: list[dict[str, list[int]]], batch_size: int, seed: int,

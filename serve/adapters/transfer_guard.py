@@ -11,7 +11,7 @@ from typing import Literal
 
 from serve.adapters.data import PromptExample
 from serve.adapters.distill import same_tokens
-from serve.adapters.load import load_lm
+from serve.adapters.load import load_lm, with_adapter
 from serve.adapters.validation import Score, accuracy_margin, labels_of, score
 from serve.errors import ArtifactError, ManyfoldError, VariantIncompatible
 from serve.variants.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LABELS_CONFIG
@@ -111,9 +111,7 @@ def compare(source_base: str | Path, adapter_dir: str | Path, target_base: str |
     unfit = unfit_reason(source_base, adapter_dir, target_base)
     unchanged = None
     if unfit is None:
-        from peft import PeftModel
-
-        unchanged = score(PeftModel.from_pretrained(target, adapter_dir).eval(), tok, held, labels)
+        unchanged = score(with_adapter(target, adapter_dir).eval(), tok, held, labels)
     del target
     student, tok = load_lm(target_base, student_dir)
     return Comparison.of(score(student, tok, held, labels), target_alone, unchanged, unfit)
