@@ -181,7 +181,8 @@ def print_inits(r: dict) -> None:
 def print_report(r: dict) -> None:
     print(f"\nTrans-LoRA on {r['machine']}: source {r['source']}; adapters rank {r['rank']}, {r['steps']} steps, "
           f"lr {r['lr']} (students: transfer's defaults, early stopping on the validation set); "
-          f"{r['train_examples']} real training examples per task, {r['samples']} synthetic inputs per transfer; "
+          f"{r['train_examples']} real training examples per task, up to {r['samples']} synthetic inputs per transfer "
+          f"(as many as its source adapter trained on); "
           f"seeds {', '.join(map(str, range(r['seeds'])))}")
     for target, tasks in r["transfer"].items():
         print_transfer(target, r["targets"][target], tasks)
