@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 from serve.cli.args import add_command
+from serve.errors import ConfigError
 
 
 def _store_dir(args: argparse.Namespace) -> Path | None:
@@ -66,6 +67,8 @@ def cmd_bench_translora(args: argparse.Namespace) -> None:
     from serve.bench.translora_ablation import CONFIGS
     from serve.bench.translora_targets import TARGETS
 
+    if args.configs and not args.ablation:
+        raise ConfigError("--configs picks configurations of the ablation: add --ablation")
     out = args.out or f"bench-results/translora{'-ablation' if args.ablation else ''}.json"
     run_translora_bench(Path(out), Path(args.work) if args.work else None, args.seeds,
                         choose(args.tasks, TASKS, "tasks"), choose(args.targets, TARGETS, "targets"),

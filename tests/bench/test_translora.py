@@ -118,3 +118,16 @@ def test_without_the_unfiltered_transfer_its_row_and_verdict_are_left_out(stubs,
     assert list(headlines["verdicts"]) == [ALONE, UNCHANGED]
     printed = capsys.readouterr().out
     assert MOVED in printed and "no filter" not in printed and "without the discriminator's filter" not in printed
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--configs", "issue-36-defaults"], "--configs picks configurations of the ablation: add --ablation"),
+    (["--ablation", "--configs", "issue-36"], "--configs: issue-36 not among as-filed, "),
+])
+def test_configs_outside_the_ablation_or_unknown_is_one_line_before_any_work(argv, why, stubs, tmp_path, capsys):
+    from serve.cli import main
+
+    code = main(["bench", "translora", "--work", str(tmp_path / "work"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"manyfold: error: {why}") and err.count("\n") == 1
+    assert not (tmp_path / "work").exists() and stubs == {"train": 0, "transfer": 0, "evaluate": 0}
