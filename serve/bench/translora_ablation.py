@@ -118,7 +118,7 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
 
 
 def ablation_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: int,
-                   evals: Evaluations, configs: tuple[str, ...] = CONFIGS) -> dict:
+                   evals: Evaluations, configs: tuple[str, ...]) -> dict:
     """{target: {task: {"seeds": {seed: ablation_runs}, "target alone": its held-out figures}}}."""
     out: dict = {}
     for task in tasks:

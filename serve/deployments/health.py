@@ -152,9 +152,10 @@ def base_state(base: str, running: int, message: str, nodes: Nodes | None = None
 def _fits(required: str, nodes: Nodes | None) -> bool:
     """Whether one live node's total resources cover a replica's (as Serve's message writes them, in JSON; a list
     of placement-group bundles is left to Ray's words)."""
+    if nodes is None:
+        return False
     try:
         need = json.loads(required)
     except ValueError:
         return False
-    return nodes is not None and isinstance(need, dict) and any(
-        all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes())
+    return isinstance(need, dict) and any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes())
