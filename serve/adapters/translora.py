@@ -297,12 +297,13 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
     validation set (transfer_guard; else TransferFailed, as with fewer than min_accepted inputs kept, and nothing
     is written). rank: by default the source adapter's as trained; steps, lr: by default scaled to the inputs
-    kept (validation.student_schedule), the student keeping its best validation point. inputs: what `synthesize`
-    wrote for this adapter, target, filter and seed (only the plan is checked), shared by a benchmark's
-    configurations; None: written here. distillation: the teacher's next-token distributions learnt too where
-    the bases number tokens alike (None: its completions alone). start_from_source: the student starts from the
-    source adapter where it fits the target (its rank and init then). samples: at most this many inputs, as many
-    as the adapter's real training examples where train_log.json says. budget_min: budget.Budget's bound."""
+    kept (validation.student_schedule; the rate lower for a student that starts from a fitted adapter), the
+    student keeping its best validation point. inputs: what `synthesize` wrote for this adapter, target, filter
+    and seed (only the plan is checked), shared by a benchmark's configurations; None: written here.
+    distillation: the teacher's next-token distributions learnt too where the bases number tokens alike (None: its
+    completions alone). start_from_source: the student starts from the source adapter where it fits the target
+    (its rank and init then). samples: at most this many inputs, as many as the adapter's real training examples
+    where train_log.json says. budget_min: budget.Budget's bound."""
     budget = Budget(budget_min)
     plan = AttemptPlan.build(min(samples, trained_examples(adapter_dir) or samples), max_attempts, min_accepted)
     task, seeds, _ = read_assets(adapter_dir)
@@ -315,11 +316,11 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     t0 = time.perf_counter()
     data = teach(source_base, adapter_dir, task, sampling.accepted, seed, tick, teacher_length)
     times["teacher"] = time.perf_counter() - t0
-    steps, lr = student_schedule(len(data), steps, lr)
     teacher, distilled = _teacher(source_base, adapter_dir, target_base, distillation)
     rank = rank or task.rank or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
     with atomic_dir(out_dir) as stage, student_start(source_base, adapter_dir, target_base, init, rank,
                                                      start_from_source, held) as (start, rank, started_from):
+        steps, lr = student_schedule(len(data), steps, lr, fitted=start is not None)
         t0 = time.perf_counter()
         early = _early_stopping(target_base, held)
         result = train_adapter(target_base, data, stage, init=init, rank=rank, steps=steps, lr=lr, seed=seed,

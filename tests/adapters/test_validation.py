@@ -44,6 +44,12 @@ def test_a_student_schedule_scales_with_what_was_accepted_unless_given():
     assert student_schedule(6, 7, 1e-3) == (7, 1e-3)
 
 
+def test_a_student_that_starts_from_a_fitted_adapter_gets_the_lower_rate_scaled_alike():
+    assert student_schedule(64, None, None, fitted=True) == (160, 1e-4)
+    assert student_schedule(32, None, None, fitted=True) == (80, 1e-4 / 2)
+    assert student_schedule(64, None, 3e-4, fitted=True) == (160, 3e-4)  # as given
+
+
 def test_where_the_completions_are_labels_accuracy_orders_first_then_loss():
     scores = iter([Score(6.6, 0.50), Score(0.4, 0.50), Score(0.9, 0.75), Score(0.5, 0.75), Score(0.3, 0.70)])
     early = EarlyStopping(lambda m: next(scores), every=1, patience=10)

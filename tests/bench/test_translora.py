@@ -106,8 +106,8 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
     bench.run_translora_bench(*args, **kw)  # a configuration run again (or added) trains on the inputs kept
     assert len(seen) == len(ablation.CHANGES) + 1 and sorted(written) == [False, True, True]
     seen.clear()
-    bench.run_translora_bench(tmp_path / "b.json", tmp_path / "work2", configs=("issue-36-lr-1e-4",), **kw)
-    assert [name for name, _, _ in seen] == ["new-version-headlines-s0-issue-36-lr-1e-4"]  # --configs: those alone
+    bench.run_translora_bench(tmp_path / "b.json", tmp_path / "work2", configs=("issue-36-lr-5e-4",), **kw)
+    assert [name for name, _, _ in seen] == ["new-version-headlines-s0-issue-36-lr-5e-4"]  # --configs: those alone
 
 
 def test_without_the_unfiltered_transfer_its_row_and_verdict_are_left_out(stubs, tmp_path, capsys):
