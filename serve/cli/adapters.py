@@ -146,7 +146,7 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
                         "and keeps its best point")
     p.add_argument("--lr", type=float, default=None,
                    help="the student's lr (default: 1e-4 for a student that starts from the source adapter or its "
-                        "projection, 5e-4 for a fresh one, each x accepted / 64 up to 64)")
+                        "projection, 5e-4 for a fresh one; either x accepted / 64 where fewer than 64 are accepted)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-min", type=float, default=MINUTES,
                    help="minutes a transfer may take: inputs are written for half of it at most and the student "
