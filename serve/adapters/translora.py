@@ -9,7 +9,7 @@ many candidates, at what temperatures; at most `max_attempts`, and a transfer wi
 kept fails), the source base with its adapter (the teacher) completes them, and a new adapter is trained on the
 target base on those texts: sequence-level distillation, so the two bases may differ in
 architecture and tokenizer. It stops early on the validation set, and transfer_guard.py keeps it only if it beats
-the target base alone there.
+the target base alone there, and, where the source adapter fits the target, that too.
 
 Choices the paper leaves open:
 - A task's input is a prompt-completion example's prompt; for a plain-text task, the text's first
@@ -53,7 +53,7 @@ from serve.adapters.generation_schedule import AttemptPlan, Sampling, label_grou
 from serve.adapters.load import load_lm
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.student_start import student_start
-from serve.adapters.transfer_guard import TransferFailed, choose, compare, keep_unchanged
+from serve.adapters.transfer_guard import TransferFailed, choose, compare, copy_unchanged
 from serve.adapters.validation import (VALIDATION, EarlyStopping, labels_of, read_validation, score, split_examples,
                                        student_schedule, write_validation)
 from serve.errors import ArtifactError, ConfigError
@@ -224,8 +224,8 @@ class TransferReport:
     """The student's planned steps (validation.student_schedule, or as given); early stopping may end it sooner."""
     lr: float = 0.0
     outcome: str = "student"
-    """What out_dir holds: "student" (trained on the target) or "unchanged" (the source adapter as it was, kept by
-    --keep-unchanged-if-better because it did better on validation; not transferred); "unguarded": the student,
+    """What out_dir holds: "student" (trained on the target) or "unchanged" (the source adapter as it was, kept
+    because the student did not beat it on validation; not transferred); "unguarded": the student,
     written without the guard's comparison deciding (benchmarks only)."""
     validation: dict = field(default_factory=dict)
     """examples, from (the kept validation set, or the seeds for older assets), best_step, curve [{step, loss}]."""
@@ -288,7 +288,7 @@ def synthesize(source_base: str | Path, adapter_dir: str | Path, target_base: st
 def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path,
              samples: int = 64, max_attempts: int | None = None, use_filter: bool = True, init: str = "pissa",
              rank: int | None = None, steps: int | None = None, lr: float | None = None, seed: int = 0,
-             keep_unchanged_if_better: bool = False, progress: Progress | None = None,
+             keep_unchanged: bool = True, progress: Progress | None = None,
              min_accepted: int | None = None, teacher_length: float = TEACHER_LENGTH, early_stop: bool = True,
              guard: bool = True, inputs: Sampling | None = None,
              distillation: Distillation | None = Distillation(), start_from_source: bool = True,
@@ -296,7 +296,8 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
     validation set (transfer_guard; else TransferFailed, as with fewer than min_accepted inputs kept, and nothing
-    is written). rank: by default the source adapter's as trained; steps, lr: by default scaled to the inputs
+    is written). keep_unchanged: where the source adapter applied unchanged fits the target and beats the target
+    alone, it is written instead of a student that does not beat it (transfer_guard.choose). rank: by default the source adapter's as trained; steps, lr: by default scaled to the inputs
     kept (validation.student_schedule; the rate lower for a student that starts from a fitted adapter), the
     student keeping its best validation point. inputs: what `synthesize` wrote for this adapter, target, filter
     and seed (only the plan is checked), shared by a benchmark's configurations; None: written here.
@@ -331,9 +332,9 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
         del teacher
         times["train"] = time.perf_counter() - t0
         comparison = compare(source_base, adapter_dir, target_base, stage, held)
-        outcome = choose(comparison, keep_unchanged_if_better) if guard else "unguarded"
+        outcome = choose(comparison, keep_unchanged) if guard else "unguarded"
         if outcome == "unchanged":
-            keep_unchanged(adapter_dir, stage)
+            copy_unchanged(adapter_dir, stage)
         report = TransferReport(
             str(source_base), str(target_base), task.name, plan.samples, sampling.attempts, len(sampling.accepted),
             sampling.count("rejected"), sampling.count("dropped"), sampling.count("surplus"), use_filter, rank,

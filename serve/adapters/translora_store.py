@@ -30,7 +30,7 @@ def register(store, name: str, base: str, path: Path, kind: str, how: str) -> No
 
 def transfer_store(store, from_base: str, to_base: str, **options) -> Iterator[tuple[str, str]]:
     """Move every LoRA / PiSSA adapter of `from_base` to `to_base`: (outcome, one line of news) for each, the
-    outcome "moved", "kept" (the source adapter unchanged, --keep-unchanged-if-better), "done" (before),
+    outcome "moved", "kept" (the source adapter unchanged: the student did not beat it), "done" (before),
     "skipped" (no discriminator beside it) or "failed" (the line says why, a student no better than the target
     alone included; nothing is registered for it, the others still move). Each result is registered atomically
     as its own adapter, named by transferred_name; one already there is not redone, so an interrupted run

@@ -9,8 +9,11 @@ from their first words (held-out loss of the completion tokens, lower is better)
 source adapter (PiSSA, trained with a discriminator, on the task's examples less the validation set
 `adapter train --discriminator` holds out) on the source base; then per target: the target base alone (one run:
 no seed in it), the source adapter applied unchanged, the Trans-LoRA adapter (its guard reads that validation
-set), the same without the discriminator's filter, and an upper bound trained on the target with the same real
-data. The transfers run as `manyfold translora` does by default (as many inputs as the real training set, the
+set), its student (what the transfer trained, whichever the guard kept), the same without the discriminator's
+filter, and an upper bound trained on the target with the same real data. The transfers run as `manyfold
+translora` does by default; the student is always written (guard=False) and the guard's choice
+(transfer_guard.choose, on the figures in its report) made here, so that the student has its figure even where the
+source adapter unchanged is kept (as many inputs as the real training set, the
 teacher's distributions distilled, the student from the source adapter where it fits, steps and rate scaled to
 the inputs accepted, early stopping on the validation set); every other adapter trains STEPS steps at LR. The
 headline per task is the gap recovered: (target alone - transferred) / (target alone - upper bound), per seed. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from serve.adapters import transfer_guard
 from serve.adapters.budget import MINUTES
 from serve.adapters.data import PromptExample, TrainExample
 from serve.adapters.load import load_lm
@@ -36,8 +40,8 @@ from serve.adapters.translora import (SEEDS, YES, TransferFailed, answer_tokens,
                                       train_discriminator, transfer)
 from serve.adapters.validation import completion_loss, split_examples
 from serve.bench.report import finish, machine
-from serve.bench.translora_table import ALONE, MOVED, ROWS, UNFILTERED, mean_curve, init_verdicts, plot, primary, \
-    print_report, summarize, task_verdicts, gaps_recovered
+from serve.bench.translora_table import ALONE, MOVED, ROWS, STUDENT, UNCHANGED, UNFILTERED, UPPER, mean_curve, \
+    init_verdicts, plot, primary, print_report, summarize, task_verdicts, gaps_recovered
 from serve.bench.translora_targets import TARGETS, target_base, target_info
 from serve.errors import ConfigError
 from serve.store.writer import atomic_write
@@ -118,7 +122,7 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
     seeds, _, rest = split_examples(train, SEEDS)
     real = work / f"{name}-{task}-s{seed}-real"
     _train(base, seeds + rest, real, "pissa", seed)
-    reports, failures, moved = {}, {}, {}
+    reports, failures, moved, kept = {}, {}, {}, {}
     for row, use_filter in ((MOVED, True), (UNFILTERED, False)):
         if row not in rows:
             continue
@@ -128,15 +132,22 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
             _log(f"{name}, {task}, seed {seed}: {row}, up to {SAMPLES} synthetic inputs")
             try:
                 transfer(source, src, base, moved[row], samples=SAMPLES, use_filter=use_filter, rank=RANK,
-                         seed=seed, budget_min=MINUTES)
+                         seed=seed, budget_min=MINUTES, guard=False)
             except TransferFailed as e:
                 atomic_write(failed, [(str(e) + "\n").encode()])  # a rerun does not try again
         if failed.exists():
             failures[row] = failed.read_text().strip()
-        else:
-            reports[row] = json.loads((moved[row] / "translora_report.json").read_text())
-    adapters = dict(zip(ROWS, ((source, src), None, (base, src), (base, moved[MOVED]),
-                               (base, moved.get(UNFILTERED)), (base, real))))
+            continue
+        reports[row] = json.loads((moved[row] / "translora_report.json").read_text())
+        try:
+            outcome = transfer_guard.choose(transfer_guard.Comparison(**reports[row]["compared"]), True)
+            reports[row]["kept"] = outcome
+            kept[row] = (base, src if outcome == "unchanged" else moved[row])
+        except TransferFailed as e:
+            failures[row] = str(e)
+    student = (base, moved[MOVED]) if MOVED in reports else None
+    adapters = {ROWS[0]: (source, src), ALONE: None, UNCHANGED: (base, src), MOVED: kept.get(MOVED),
+                STUDENT: student, UNFILTERED: kept.get(UNFILTERED), UPPER: (base, real)}
     return {row: None if row in failures else adapters[row] for row in rows}, reports, failures
 
 
@@ -160,7 +171,8 @@ def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sou
     runs[ALONE] = [evals(task, target[1], None, held)]  # no seed in it: one run
     rows = {row: summarize(r) for row, r in runs.items()}
     return {"metric": primary(task)[0], "heldout": len(held), "runs": runs, "rows": rows,
-            "reports": {row: [r and {**{k: r[k] for k in ("accepted", "attempts", "seconds", "outcome", "steps", "lr")},
+            "reports": {row: [r and {**{k: r[k] for k in ("accepted", "attempts", "seconds", "kept", "steps", "lr")
+                                        if k in r},
                                      "best_step": r["validation"].get("best_step")} for r in rs]
                         for row, rs in reports.items()},
             "failures": failures, "verdicts": task_verdicts(task, rows), "gaps": gaps_recovered(task, runs)}

@@ -10,8 +10,11 @@ import statistics
 from pathlib import Path
 
 ROWS = ("source adapter on the source base", "target base alone", "source adapter unchanged on the target",
-        "Trans-LoRA", "Trans-LoRA, no filter", "upper bound: trained on the target with the real data")
-ALONE, UNCHANGED, MOVED, UNFILTERED, UPPER = ROWS[1], ROWS[2], ROWS[3], ROWS[4], ROWS[5]
+        "Trans-LoRA", "Trans-LoRA's student, whichever the guard kept", "Trans-LoRA, no filter",
+        "upper bound: trained on the target with the real data")
+ALONE, UNCHANGED, MOVED, STUDENT, UNFILTERED, UPPER = ROWS[1:]
+"""MOVED is what the transfer registers (the student, or the source adapter unchanged where the guard keeps it);
+STUDENT the student it trained, kept or not."""
 Run = dict[str, float] | None
 """One seed's held-out metrics of a row; None where that seed made no adapter."""
 
@@ -54,7 +57,7 @@ def gaps_recovered(task: str, runs: dict[str, list[Run]]) -> dict[str, dict]:
     metric, _ = primary(task)
     alone = runs[ALONE][0][metric]
     out = {}
-    for row in (MOVED, UNFILTERED, UNCHANGED):
+    for row in (MOVED, STUDENT, UNFILTERED, UNCHANGED):
         if row in runs and UPPER in runs:
             out[row] = summarize([None if r is None or u is None or u[metric] == alone else
                                   {"gap": (r[metric] - alone) / (u[metric] - alone)}
@@ -71,7 +74,8 @@ def gap_line(task: str, gaps: dict[str, dict]) -> str:
         missing = f" [{s['seeds'] - s['missing']}/{s['seeds']}]" if s["missing"] else ""
         return f"{g['mean']:.0%} ({g['min']:.0%}..{g['max']:.0%}){missing}"
 
-    names = {MOVED: "Trans-LoRA", UNFILTERED: "no filter", UNCHANGED: "the source adapter unchanged"}
+    names = {MOVED: "Trans-LoRA", STUDENT: "its student", UNFILTERED: "no filter",
+             UNCHANGED: "the source adapter unchanged"}
     return f"{task}: gap recovered: " + ", ".join(f"{names[row]} {pct(s)}" for row, s in gaps.items())
 
 
@@ -137,11 +141,12 @@ def print_transfer(target: str, info: dict, tasks: dict) -> None:
 
 
 def student(report: dict) -> str:
-    """How a seed's student trained, where its report says: " (N steps at LR, best at step B)"."""
+    """How a seed's student trained, where its report says: " (N steps at LR, best at step B, M min, kept: K)"."""
     if "steps" not in report:
         return ""
     minutes = f", {sum(report['seconds'].values()) / 60:.1f} min" if "seconds" in report else ""
-    return f" ({report['steps']} steps at {report['lr']:.1e}, best at step {report['best_step']}{minutes})"
+    kept = f", kept: {report['kept']}" if "kept" in report else ""
+    return f" ({report['steps']} steps at {report['lr']:.1e}, best at step {report['best_step']}{minutes}{kept})"
 
 
 def window_means(losses: list[float], width: int = 8) -> list[float]:

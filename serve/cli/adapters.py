@@ -46,7 +46,7 @@ def cmd_adapter_convert(args: argparse.Namespace) -> None:
 def _print_transfer(report, out: Path) -> None:
     from serve.adapters.transfer_guard import summary
 
-    kept = ("the source adapter unchanged (not transferred: it did better on validation)"
+    kept = ("the source adapter unchanged (not transferred: the student did not beat it on validation)"
             if report.outcome == "unchanged" else f"a student, best at step {report.validation['best_step']}")
     filtered = f" ({report.generation['acceptance_rate']:.1%} passed the filter)" if report.filtered else " (no filter)"
     print(f"{out}: {kept}; {report.accepted} of {report.attempts} generated inputs accepted{filtered}; "
@@ -132,7 +132,7 @@ def transfer_options(args: argparse.Namespace) -> dict:
 
     return {"samples": args.samples, "max_attempts": args.max_attempts, "min_accepted": args.min_accepted,
             "steps": args.steps, "lr": args.lr, "seed": args.seed,
-            "keep_unchanged_if_better": args.keep_unchanged_if_better, "start_from_source": not args.from_init,
+            "keep_unchanged": not args.always_student, "start_from_source": not args.from_init,
             "budget_min": args.budget_min,
             "distillation": None if args.no_distill else
             Distillation() if args.kd_temperature is None else Distillation(temperature=args.kd_temperature)}
@@ -160,6 +160,7 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-init", action="store_true",
                    help="the student starts from its init even where the source adapter fits the target (by "
                         "default it starts from the source adapter there)")
-    p.add_argument("--keep-unchanged-if-better", action="store_true",
-                   help="where the source adapter applied unchanged to the target (same tokenizer and shapes) does "
-                        "better on validation than the student, keep that instead (marked as not transferred)")
+    p.add_argument("--always-student", action="store_true",
+                   help="keep the student wherever it beats the target alone (by default, where the source adapter "
+                        "applied unchanged fits the target and beats the target alone, it is kept, marked as not "
+                        "transferred, unless the student beats it on validation)")

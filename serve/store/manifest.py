@@ -165,7 +165,7 @@ class _AdapterEntry(_Labelled):
     """Base module names it corrects (a JSON list in the file)."""
     translora: Literal["student", "unchanged"] | None = None
     """Set by `store translora`: "student" for an adapter Trans-LoRA trained on this base; "unchanged" for the
-    source adapter kept as it was (not transferred: it beat the student on validation, --keep-unchanged-if-better).
+    source adapter kept as it was (not transferred: the student did not beat it on validation).
     None for an adapter added directly (and in manifests written before the field existed)."""
 
     @field_validator("target_modules", mode="before")

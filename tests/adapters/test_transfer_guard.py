@@ -1,6 +1,7 @@
 """The guard on every Trans-LoRA transfer, both ways, through the commands a user runs: a student that beats the
 target alone on the validation set is registered; one that does not is refused by name and nothing is
-registered; --keep-unchanged-if-better registers the source adapter unchanged when it does better.
+registered; where the source adapter applied unchanged fits and the student does not beat it, the source adapter
+is registered unchanged (--always-student: the student wherever it beats the target alone).
 
 The source is a tiny Llama with a LoRA that learnt a copying task; the target a perturbed copy of it (same
 tokenizer and shapes, so the unchanged adapter fits). A student that learnt nothing is made with lr 0; one that
@@ -84,7 +85,7 @@ def store_translora(store: Store, *extra: str) -> int:
 
 def test_a_student_that_beats_the_target_alone_is_registered_as_a_student(store, capsys, monkeypatch):
     monkeypatch.setattr(translora, "teach", an_oracle_teacher)
-    code = store_translora(store, "--steps", "30", "--lr", "1e-2")
+    code = store_translora(store, "--steps", "30", "--lr", "1e-2", "--always-student")
     out = capsys.readouterr().out
     assert code == 0 and re.match(r"toy: moved to 'toy.new' \(\d of 16 inputs accepted; ", out)  # blanks dropped
     student, target_alone, _ = map(float, re.search(FIGURES, out).groups())
@@ -95,20 +96,20 @@ def test_a_student_that_beats_the_target_alone_is_registered_as_a_student(store,
 
 
 def test_a_student_no_better_than_the_target_alone_is_refused_by_name_and_not_registered(store, capsys):
-    code = store_translora(store, "--steps", "2", "--lr", "0")  # a student that learns nothing
+    code = store_translora(store, "--steps", "2", "--lr", "0", "--always-student")  # a student that learns nothing
     captured = capsys.readouterr()
     line = captured.out.strip()
     assert code == 1 and line.startswith("toy: failed: no better than the target alone (student ")
     student, target_alone, unchanged = map(float, re.search(FIGURES, line).groups())
     assert student == target_alone and unchanged < target_alone
-    assert line.endswith("the source adapter unchanged does better: --keep-unchanged-if-better keeps it")
+    assert line.endswith("the source adapter unchanged does better: without --always-student it is kept")
     assert captured.err.startswith("manyfold: error: 1 adapter could not move") and captured.err.count("\n") == 1
     store.reload()
     assert "toy.new" not in store.manifest.variants
 
 
-def test_keep_unchanged_if_better_registers_the_source_adapter_marked_not_transferred(store, capsys):
-    code = store_translora(store, "--steps", "2", "--lr", "0", "--keep-unchanged-if-better")
+def test_a_source_adapter_the_student_does_not_beat_is_registered_unchanged_marked_not_transferred(store, capsys):
+    code = store_translora(store, "--steps", "2", "--lr", "0")
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("toy: kept unchanged as 'toy.new', not transferred (validation: student ")
     store.reload()
@@ -125,7 +126,7 @@ def test_translora_refuses_a_student_no_better_than_the_target_alone_naming_the_
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [True] * len(xs))
     code = main(["translora", "--source-base", str(bases[0]), "--adapter", str(source_adapter), "--target-base",
                  str(bases[1]), "--out", str(tmp_path / "moved"), "--samples", "4", "--steps", "2", "--lr", "0",
-                 *GUARD_ONLY])
+                 "--always-student", *GUARD_ONLY])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1
     assert err.startswith(f"manyfold: error: {source_adapter}: failed: no better than the target alone (student ")

@@ -80,6 +80,18 @@ def test_a_student_that_learnt_the_labels_form_but_not_the_task_is_refused():
     assert accuracy_margin(32) == pytest.approx(0.177, abs=1e-3) and accuracy_margin(100) == 0.1
 
 
+def test_the_source_adapter_stays_unless_the_student_beats_it():
+    """Spam, seed 1, on the new version: the student led the source adapter unchanged on validation (1.00 against
+    0.97, 1 of 32) and answered 0.92 of the held-out messages right against its 1.00."""
+    c = Comparison(student=0.011, target_alone=6.63, unchanged=0.057, unfit=None, student_accuracy=1.0,
+                   target_alone_accuracy=0.50, unchanged_accuracy=0.97, examples=32)
+    assert choose(c, keep_unchanged=True) == "unchanged" and choose(c, keep_unchanged=False) == "student"
+    ahead = Comparison(3.0, 5.7, 3.2, None)  # free text: ahead of it by more than MIN_GAIN nats
+    assert choose(ahead, keep_unchanged=True) == "student"
+    useless = Comparison(0.3, 6.63, 6.0, None, 0.75, 0.50, 0.55, examples=32)  # it does not beat the target alone
+    assert choose(useless, keep_unchanged=True) == "student"
+
+
 def test_labels_are_told_from_free_text():
     spam = [PromptExample(prompt=f"m{i}", completion=" yes" if i % 3 else " no") for i in range(8)]
     assert labels_of(spam) == [" no", " yes"]

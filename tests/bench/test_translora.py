@@ -1,5 +1,7 @@
 """The Trans-LoRA bench's plumbing, with training, transfer and evaluation stubbed: every target, task and seed
-is run, a refused transfer is a failure of its seed, and a rerun reuses what the work dir holds."""
+is run, the guard's choice is made on each student's figures (the source adapter unchanged kept, or the seed
+refused, while its student keeps its own row), a failed transfer is a failure of its seed, and a rerun reuses what
+the work dir holds."""
 
 import json
 import re
@@ -12,7 +14,7 @@ import serve.bench.translora as bench
 import serve.data.models
 from serve.adapters.generation_schedule import Sampling
 from serve.adapters.transfer_guard import TransferFailed
-from serve.bench.translora_table import ALONE, MOVED, UNCHANGED, UNFILTERED
+from serve.bench.translora_table import ALONE, MOVED, STUDENT, UNCHANGED, UNFILTERED
 
 
 @pytest.fixture
@@ -25,14 +27,17 @@ def stubs(monkeypatch, tmp_path):
         log = {"log": [{"loss": 3.0 - step / steps} for step in range(steps)], "seconds": 1.0, "init_seconds": 0.1}
         (Path(out) / "train_log.json").write_text(json.dumps(log))
 
-    def transfer(source, src, base, out, samples, use_filter, rank, seed, budget_min):  # the schedule: transfer's
+    def transfer(source, src, base, out, samples, use_filter, rank, seed, budget_min, guard):  # the schedule: its
+        assert guard is False  # the student always written: the bench makes the guard's choice
         calls["transfer"] += 1
-        if use_filter and seed == 1:
-            raise TransferFailed("x: failed: no better than the target alone (student 3.10, target alone 3.00)")
+        if not use_filter and seed == 1:
+            raise TransferFailed("x: failed: only 3 of 90 generated inputs accepted")
         Path(out).mkdir()
+        compared = ({"student": 2.9, "target_alone": 3.0, "unchanged": 2.5, "unfit": None} if seed == 0 else
+                    {"student": 3.1, "target_alone": 3.0, "unchanged": None, "unfit": "shapes"})
         (Path(out) / "translora_report.json").write_text(json.dumps(
-            {"accepted": 40, "attempts": 90, "seconds": {"train": 1.0}, "outcome": "student", "steps": 100,
-             "lr": 3.125e-4, "validation": {"best_step": 45}}))
+            {"accepted": 40, "attempts": 90, "seconds": {"train": 1.0}, "outcome": "unguarded", "steps": 100,
+             "lr": 3.125e-4, "validation": {"best_step": 45}, "compared": compared}))
 
     def evaluate(task, base, adapter, examples):
         calls["evaluate"] += 1
@@ -56,13 +61,17 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
     assert list(report["transfer"]) == ["neuzip-k0", "new-version"]
     tweets = report["transfer"]["new-version"]["tweets"]
     assert tweets["runs"][ALONE] == [{"loss": 3.0}] and len(tweets["runs"][UNCHANGED]) == 2
-    assert tweets["runs"][MOVED][1] is None and "seed 1" not in tweets["failures"]["Trans-LoRA"][1]
+    assert tweets["runs"][MOVED][1] is None and tweets["failures"][MOVED][1].startswith("no better than the target")
+    assert tweets["runs"][STUDENT][1] is not None and tweets["failures"][UNFILTERED] == {
+        1: "x: failed: only 3 of 90 generated inputs accepted"}  # refused by the guard, its student still measured
+    assert [r["kept"] for r in tweets["reports"][MOVED][:1]] == ["unchanged"] and "kept" not in tweets["reports"][MOVED][1]
     assert tweets["verdicts"][ALONE] == "no adapter"
     assert json.loads(out.read_text())["seeds"] == 2
     printed = capsys.readouterr().out
     assert "tweets (loss): Trans-LoRA is not judged against the target base alone" in printed
-    assert "tweets, Trans-LoRA: inputs kept of generated, per seed: 40/90 (100 steps at 3.1e-04, best at step 45, 0.0 min), -" \
-        in printed  # each seed's student: how it trained, or none
+    assert ("tweets, Trans-LoRA: inputs kept of generated, per seed: 40/90 (100 steps at 3.1e-04, best at step 45, "
+            "0.0 min, kept: unchanged), 40/90 (100 steps at 3.1e-04, best at step 45, 0.0 min)") in printed
+    assert "tweets, Trans-LoRA, no filter: inputs kept of generated, per seed: 40/90 (" in printed
     first = dict(stubs)
     bench.run_translora_bench(out, work, seeds=2, tasks=("spam", "tweets"), targets=("neuzip-k0", "new-version"))
     assert stubs == first  # nothing trained, moved or evaluated twice, refused transfers included

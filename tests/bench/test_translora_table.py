@@ -34,7 +34,7 @@ def test_a_seed_without_an_adapter_beats_nothing():
 def _rows(moved: list, unchanged: list, unfiltered: list) -> dict:
     """Each row's summary from its losses per seed (None: that seed made no adapter)."""
     losses = {ROWS[0]: [1.0], ALONE: [3.0], UNCHANGED: unchanged, MOVED: moved, UNFILTERED: unfiltered,
-              ROWS[5]: [1.5]}
+              UPPER: [1.5]}
     return {row: summarize([None if v is None else {"loss": v} for v in vs]) for row, vs in losses.items()}
 
 
