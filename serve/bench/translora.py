@@ -11,11 +11,11 @@ source adapter (PiSSA, trained with a discriminator, on the task's examples less
 no seed in it), the source adapter applied unchanged, the Trans-LoRA adapter (its guard reads that validation
 set), its student (what the transfer trained, whichever the guard kept), the same without the discriminator's
 filter, and an upper bound trained on the target with the same real data. The transfers run as `manyfold
-translora` does by default; the student is always written (guard=False) and the guard's choice
-(transfer_guard.choose, on the figures in its report) made here, so that the student has its figure even where the
-source adapter unchanged is kept (as many inputs as the real training set, the
-teacher's distributions distilled, the student from the source adapter where it fits, steps and rate scaled to
-the inputs accepted, early stopping on the validation set); every other adapter trains STEPS steps at LR. The
+translora` does by default (as many inputs as the real training set, the teacher's distributions distilled, the
+student from the source adapter where it fits, steps and rate scaled to the inputs accepted, early stopping on the
+validation set), except that the student is always written (guard=False) and the guard's choice
+(transfer_guard.choose, on the figures in its report) is made here, so that the student has its figure even where
+the source adapter unchanged is kept; every other adapter trains STEPS steps at LR. The
 headline per task is the gap recovered: (target alone - transferred) / (target alone - upper bound), per seed. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
 learning rate and seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds
 (translora_table.py).
