@@ -296,16 +296,15 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
     validation set (transfer_guard; else TransferFailed, as with fewer than min_accepted inputs kept, and nothing
-    is written). keep_unchanged: where the source adapter applied unchanged fits the target and beats the target
-    alone, it is written instead of a student that does not beat it (transfer_guard.choose). rank: by default
-    the source adapter's as trained; steps, lr: by default scaled to the inputs kept (validation.student_schedule;
-    the rate lower for a student that starts from a fitted adapter), the student keeping its best validation
-    point. inputs: what `synthesize` wrote for this adapter, target, filter
-    and seed (only the plan is checked), shared by a benchmark's configurations; None: written here.
-    distillation: the teacher's next-token distributions learnt too where the bases number tokens alike (None: its
-    completions alone). start_from_source: the student starts from the source adapter where it fits the target
-    (its rank and init then). samples: at most this many inputs, as many as the adapter's real training examples
-    where train_log.json says. budget_min: budget.Budget's bound."""
+    is written). keep_unchanged: the source adapter unchanged, where it fits and beats the target alone, is
+    written unless the student beats it (transfer_guard.choose). rank: by default the source adapter's as trained;
+    steps, lr: by default scaled to the inputs kept (validation.student_schedule; the rate lower for a student that
+    starts from a fitted adapter), the student keeping its best validation point. inputs: what `synthesize`
+    wrote for this adapter, target, filter and seed (only the plan is checked), shared by a benchmark's
+    configurations; None: written here. distillation: the teacher's next-token distributions learnt too where the
+    bases number tokens alike (None: its completions alone). start_from_source: the student starts from the
+    source adapter where it fits the target (its rank and init then). samples: at most this many inputs, as many as
+    the adapter's real training examples where train_log.json says. budget_min: budget.Budget's bound."""
     budget = Budget(budget_min)
     plan = AttemptPlan.build(min(samples, trained_examples(adapter_dir) or samples), max_attempts, min_accepted)
     task, seeds, _ = read_assets(adapter_dir)
