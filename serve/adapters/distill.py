@@ -21,7 +21,8 @@ from serve.errors import ConfigError
 
 KD_TEMPERATURE = 2.0
 """Both distributions softened by this before the KL (Hinton et al.): chosen by `manyfold bench translora
---ablation`'s temperature rows."""
+--ablation`'s temperature rows (2 best on tweets; 1 better on headlines by less than the spread over seeds:
+bench-results/translora-36-ablation.json)."""
 KD_WEIGHT = 0.5
 """The KL term's share of the loss; the rest is the cross-entropy of the sampled completions."""
 
