@@ -7,8 +7,10 @@ import torch
 
 from kernels import _backend
 from kernels._backend import dispatch
+from kernels.chunk_attention import chunk_attention_torch, chunk_attention_triton
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
+from kernels.linear_by_token import linear_by_token_torch, linear_by_token_triton
 from kernels.lora_bgmv import (HostStacks, bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch,
                                bgmv_shrink_triton, host_stacks, lora_by_token_host, lora_by_token_numba,
                                lora_by_token_torch, lora_by_token_triton)
@@ -21,8 +23,8 @@ from kernels.rotary import rotary_store_torch, rotary_store_triton
 from kernels.segments import NO_SLOT, Segments, make_segments
 from kernels.silu_mul import silu_mul_torch, silu_mul_triton
 
-__all__ = ["DecodeGroup", "HostStacks", "NO_SLOT", "Segments", "bgmv_expand", "bgmv_shrink", "decode_attention",
-           "emr_delta", "host_stacks", "lora_by_token", "lora_expand", "lora_shrink", "make_segments", "masked",
+__all__ = ["DecodeGroup", "HostStacks", "NO_SLOT", "Segments", "bgmv_expand", "bgmv_shrink", "chunk_attention",
+           "decode_attention", "emr_delta", "host_stacks", "linear_by_token", "lora_by_token", "lora_expand", "lora_shrink", "make_segments", "masked",
            "neuzip_decode", "neuzip_decode_group", "pack_bits", "rms_norm", "rotary_store", "silu_mul",
            "unpack_bits"]
 
@@ -32,6 +34,14 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     """o[b] = attention of q[b] over slot b's first lengths[b] keys and values (GQA); a new [B, H, D] tensor."""
     return dispatch(decode_attention_torch, decode_attention_triton, q)(q, k_store, v_store, lengths, scale,
                                                                         max_length)
+
+
+def chunk_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, chunks: torch.Tensor, scale: float,
+                    max_tokens: int, o: torch.Tensor) -> torch.Tensor:
+    """o[t] = causal attention of q[t] over its chunk's slot up to its own position, for every token of every chunk
+    (start, length, slot, first) in one launch on CUDA; o's other rows untouched. Returns o."""
+    return dispatch(chunk_attention_torch, chunk_attention_triton, q)(q, k_store, v_store, chunks, scale, max_tokens,
+                                                                      o)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,10 +96,16 @@ def lora_expand(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, y: torc
     return dispatch(lora_expand_torch, lora_expand_triton, y)(z, b_stacked, seg, y)
 
 
-def emr_delta(x: torch.Tensor, tau: torch.Tensor, masks: torch.Tensor, scale: torch.Tensor, seg: Segments,
+def emr_delta(x: torch.Tensor, tau: torch.Tensor, masks: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
               y: torch.Tensor) -> torch.Tensor:
-    """y[t] += scale[s] * x[t] @ (unpack(masks[s]) * tau).T for s = slot[t] >= 0, in place; masks stay packed."""
-    return dispatch(emr_delta_torch, emr_delta_triton, x)(x, tau, masks, scale, seg, y)
+    """y[t] += scale[s] * x[t] @ (unpack(masks[s]) * tau).T for s = rows[t] >= 0, in place; masks stay packed."""
+    return dispatch(emr_delta_torch, emr_delta_triton, x)(x, tau, masks, scale, rows, y)
+
+
+def linear_by_token(x: torch.Tensor, w_stacked: torch.Tensor, b_stacked: torch.Tensor | None, rows: torch.Tensor,
+                    y: torch.Tensor) -> torch.Tensor:
+    """y[t] = x[t] @ w_stacked[r].T (+ b_stacked[r]) for r = rows[t] >= 0, in place; other rows untouched. Returns y."""
+    return dispatch(linear_by_token_torch, linear_by_token_triton, x)(x, w_stacked, b_stacked, rows, y)
 
 
 def neuzip_decode(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor, bits: int,

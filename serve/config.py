@@ -50,6 +50,11 @@ class SlotsConfig(StrictModel):
     """Memory for LoRA / PiSSA adapters in a base's adapter pool on the engine's device (serve/engine/adapter_pool.py):
     each costs what its rank costs; rows of adapters beyond it wait until others leave. Idle adapters stay until
     their room is needed (LRU)."""
+    weights_mib: Annotated[float, Field(gt=0)] = 2048
+    """Memory for full fine-tunes' copies in a base's pool on a CUDA device (serve/engine/weight_pool.py), where rows
+    of every fine-tune a step holds run in one launch a module: each costs the bytes of the modules it changed;
+    rows of fine-tunes beyond it wait until others leave. Idle ones stay until their room is needed (LRU). A CPU
+    engine runs the cache's tensors and holds no pool."""
     emr_formed_mib: Annotated[float, Field(ge=0)] = 512
     """Memory for EMR tasks' formed weights (W + lambda M * tau, serve/engine/emr_slots.py) kept between forwards,
     per group: a hot task's rows run at dense speed without forming its weights again. 0: formed every forward."""

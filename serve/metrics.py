@@ -101,19 +101,25 @@ def _node_cache(snapshots: list[dict]) -> CounterMetricFamily:
     return objects
 
 
-def _steps(snapshots: list[dict]) -> CounterMetricFamily:
+def _steps(snapshots: list[dict]) -> list[CounterMetricFamily]:
+    """Generation steps, and their decode and prompt tokens, by how they ran."""
     steps = CounterMetricFamily("manyfold_generation_steps", "Generation steps by how they ran: graphed (a CUDA graph "
-                                "replayed) or eager, with the reason (cpu, graphs off, prefill, neuzip, or the family "
-                                "of rows that cannot be captured: weights, emr)", labels=["base", "mode", "reason"])
-    counts: dict[tuple[str, str, str], int] = {}
-    for s in snapshots:
-        for base, by in s.get("steps", {}).items():
-            for how, n in by.items():
-                mode, _, reason = how.partition(":")
-                counts[(base, mode, reason)] = counts.get((base, mode, reason), 0) + n
-    for labels, n in sorted(counts.items()):
-        steps.add_metric(list(labels), n)
-    return steps
+                                "replayed) or eager, with the reason (cpu, graphs off, echo: a prompt's logits of "
+                                "every position, or the family of rows that cannot be captured)",
+                                labels=["base", "mode", "reason"])
+    tokens = CounterMetricFamily("manyfold_generation_step_tokens", "Tokens of generation steps by kind (decode: a "
+                                 "running row's next token; prompt: a prompt chunk's) and how their step ran",
+                                 labels=["base", "kind", "mode"])
+    for family, key in ((steps, "steps"), (tokens, "step_tokens")):
+        counts: dict[tuple[str, str, str], int] = {}
+        for s in snapshots:
+            for base, by in s.get(key, {}).items():
+                for how, n in by.items():
+                    first, _, second = how.partition(":")
+                    counts[(base, first, second)] = counts.get((base, first, second), 0) + n
+        for labels, n in sorted(counts.items()):
+            family.add_metric(list(labels), n)
+    return [steps, tokens]
 
 
 class Metrics:
@@ -176,7 +182,7 @@ class Metrics:
                                  "base_bytes"))
         families.append(_by_base("manyfold_kv_store_bytes", "Bytes of each causal base's KV store, allocated once",
                                  snapshots, "kv_bytes"))
-        families.append(_steps(snapshots))
+        families += _steps(snapshots)
         families.append(_node_cache(snapshots))
         families += _vllm(snapshots)
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]

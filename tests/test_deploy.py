@@ -34,7 +34,8 @@ def test_each_worker_pod_covers_its_replicas_budgets_and_the_gpu_its_device_budg
     doc, config = rayservice()
     d = config.deployment
     host = config.cache.cpu_mib + PROCESS_MIB  # a CUDA replica's host memory: the warm tier and the process
-    device = config.cache.device_mib + config.slots.adapter_mib + config.batch.kv_cache_mib + BASE_MIB
+    device = (config.cache.device_mib + config.slots.adapter_mib + config.slots.weights_mib + config.batch.kv_cache_mib
+              + BASE_MIB)
     assert config.device == "cuda" and d.num_gpus is None and d.max_replicas_per_node == 1  # a GPU each, as cuda
     (group,) = [g for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu-workers"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from kernels import make_segments
 from kernels.emr_delta import emr_delta_torch, masked
 from serve.bench.report import NO_GPU, finish, machine, median_time
 from serve.codecs import emr
@@ -163,7 +162,6 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
         }
         linears = {n: mod for n, mod in rt.view.modules.items() if isinstance(mod, torch.nn.Linear)}
         task_ids = torch.tensor([v.index if v is not None else -1 for v in who]).repeat_interleave(SEQ)
-        seg = make_segments(task_ids)
         scale = torch.tensor([m.scales["rescaler"] for m in members], dtype=torch.float32)
         weights = {f"{n}.weight": mod for n, mod in linears.items() if f"{n}.weight" in group.tensors}
         xs = {n: torch.randn(rows * SEQ, mod.in_features, generator=g) for n, mod in weights.items()}
@@ -171,12 +169,12 @@ def timing_table(store, work: Path, rows: int, repeats: int) -> dict:
         def deltas():
             for n, mod in weights.items():
                 y = torch.zeros(rows * SEQ, mod.out_features)
-                emr_delta_torch(xs[n], group.tensors[n], group.tensors[n + MASKS_SUFFIX], scale, seg, y)
+                emr_delta_torch(xs[n], group.tensors[n], group.tensors[n + MASKS_SUFFIX], scale, task_ids, y)
 
         def unpacking():
             for n in weights:
                 masks = group.tensors[n + MASKS_SUFFIX]
-                masked(masks[seg.slots], group.tensors[n])
+                masked(masks[task_ids[task_ids >= 0].unique()], group.tensors[n])
 
         times["of which emr_delta over every Linear"] = median_time(deltas, repeats, warmup=True)
         times["of which its unpacking of the masks"] = median_time(unpacking, repeats, warmup=True)

@@ -12,6 +12,7 @@ from serve.config import SlotsConfig
 from serve.codecs.emr import reconstruct
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import Slots, register_family, tensor_owners
+from serve.engine.token_maps import TokenMaps
 from serve.errors import VariantIncompatible
 from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
 
@@ -25,7 +26,8 @@ median of 7): base matmul + masked delta against forming + one matmul, in ms, fo
 0.33/0.63/3.49 against 0.25/0.44/1.86. On CPU the masked delta unpacks the mask (the same pass over the
 weights as forming) and then adds a matmul as large as the base's, so forming wins from one token: K = 1. CUDA
 keeps the masked delta (its Triton kernel unpacks in registers and reads tau_uni once for every task of a tile;
-not measured here)."""
+not measured here), and so does any engine with fixed shapes: a task's formed weights would change a step's
+launches with the tasks its rows run."""
 
 
 FormedKey = tuple[int, str, str]
@@ -73,18 +75,23 @@ class FormedWeights:
 @register_family
 class EmrSlots(Slots):
     """Family "emr:<group>": the tasks of one EMR group, slot = the task's index in its bundle. Rows of task t add
-    lambda_t x (M_t * tau_uni)^T in every module the group merged (serve/codecs/emr.py):
-    - Linear modules, for a task with at least DENSE_MIN_TOKENS tokens in the forward (see there): the task's
-      weights W_t_hat = W + lambda_t M_t * tau_uni formed for the module and its rows run through them whole
-      (claims: the base skips them); for the other tasks' rows, kernels.emr_delta (masks read packed);
-    - Embedding weights per token: tau_uni's rows for the token ids, under the task's mask rows;
-    - every other merged tensor (norms, biases elsewhere) is small: the task's W_t_hat is formed for the
-      forward and the module run on the task's rows with it, as a full variant's.
-    The slots hold references to one loaded group (the cache's); a group replaced in the store waits until
-    the rows of the old one have left."""
+    lambda_t x (M_t * tau_uni)^T in every module the group merged (serve/codecs/emr.py), each token naming its
+    task in a per-token map (serve/engine/token_maps.py):
+    - Linear modules, for a task with at least DENSE_MIN_TOKENS tokens in the forward (see there; never with fixed
+      shapes): the task's weights W_t_hat = W + lambda_t M_t * tau_uni formed for the module and its rows run
+      through them whole (claims: the base skips them); every other token of a task, kernels.emr_delta in one
+      launch for all the group's tasks (masks read packed), and a bias's delta gathered per token;
+    - Embedding weights per token: tau_uni's rows for the token ids, under the token's task's mask rows;
+    - every other merged tensor (norms, biases elsewhere) is small: each task's W_t_hat is formed for the forward
+      and the module run with it, kept for the tokens of that task.
+    With fixed shapes every launch depends only on the shapes and on the group's tensors, which stay where the
+    cache holds them while rows use the group: `version` names those addresses, so a graph captured for the group
+    replays for any mix of its tasks. The slots hold references to one loaded group (the cache's); a group
+    replaced in the store waits until the rows of the old one have left."""
 
     family = "emr"
     per_entry = True
+    graphable = True
 
     def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig, family: str = "emr"):
         super().__init__(base, device)
@@ -95,7 +102,13 @@ class EmrSlots(Slots):
         self.merged: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
         """module -> [(parameter, tau_uni [shape], masks uint8 [tasks, *shape[:-1], ceil(shape[-1] / 8)])]."""
         self.scale: torch.Tensor | None = None
-        """[tasks] fp32: each task's lambda."""
+        """[tasks] fp32 on the device: each task's lambda (kept while the group stays the same tensors)."""
+        self.lambdas: list[float] = []
+        """The same on the host (forming a norm's weights reads them; a device read would wait on the GPU)."""
+        self._identity: tuple = ()
+        """The addresses and shapes of the group's tensors last used: the same group at the same addresses."""
+        self.maps = TokenMaps(device)
+        """Each token's task ("tasks"), for the step."""
         self.formed = FormedWeights(int(config.emr_formed_mib * (1 << 20)))
         """They outlive the group's rows (the next batch uses them), and a load of the group after an eviction:
         the family is one revision of the group (its key), so the weights they are formed from are the same."""
@@ -134,18 +147,34 @@ class EmrSlots(Slots):
         """Nothing to free slot by slot: the family is one revision of one group, and goes whole (BaseModelRuntime
         .retire)."""
 
+    @property
+    def version(self) -> tuple:
+        """Changes when the tensors a captured step reads move: another load of the group, or a map buffer."""
+        return hash(self._identity), self.maps.version
+
     def _use(self, group: LoadedVariant | None) -> None:
-        self.group, self.refs, self.merged, self.scale = group, {}, {}, None
+        self.group, self.refs, self.merged = group, {}, {}
         if group is None:
-            return
+            return  # the scale stays: the same group coming back keeps its address
         for name, tau in group.tensors.items():
             if name.endswith(MASKS_SUFFIX):
                 continue
             masks = group.tensors[name + MASKS_SUFFIX]
             for module, local in self._owners[name]:
                 self.merged.setdefault(module, []).append((local, tau, masks))
-        lambdas = [m.scales["rescaler"] for m in sorted(group.members.values(), key=lambda m: m.index)]
-        self.scale = torch.tensor(lambdas, dtype=torch.float32, device=self.device)
+        identity = tuple((n, t.data_ptr(), tuple(t.shape)) for n, t in group.tensors.items())
+        if identity != self._identity or self.scale is None:
+            self.lambdas = [m.scales["rescaler"] for m in sorted(group.members.values(), key=lambda m: m.index)]
+            self.scale = torch.tensor(self.lambdas, dtype=torch.float32, device=self.device)
+            self._identity = identity
+
+    def prepare(self, plan: BatchPlan) -> None:
+        if self.fixed_shapes:
+            self.maps.prepare(plan, {"tasks": lambda n: plan.token_slots(self.family, n)})
+
+    def _tasks(self, plan: BatchPlan, n: int) -> torch.Tensor:
+        """[n] int32 on the device: each of a module's n tokens' task (-1: none)."""
+        return self.maps.get(plan, "tasks", n, lambda n: plan.token_slots(self.family, n))
 
     def touches(self, name: str, plan: BatchPlan) -> bool:
         return name in self.merged
@@ -156,7 +185,7 @@ class EmrSlots(Slots):
     def _dense_groups(self, name: str, plan: BatchPlan, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
         """(slot, tokens) of the tasks whose tokens run module `name` with their own formed weights
         (DENSE_MIN_TOKENS)."""
-        k = DENSE_MIN_TOKENS.get(self.device.type)
+        k = None if self.fixed_shapes else DENSE_MIN_TOKENS.get(self.device.type)
         if k is None or name not in self.merged or not isinstance(self.base.modules.get(name), torch.nn.Linear):
             return []
         return [(slot, tokens) for slot, tokens in plan.groups(self.family, num_tokens) if tokens.numel() >= k]
@@ -164,28 +193,26 @@ class EmrSlots(Slots):
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
         merged = self.merged[name]
+        tasks = self._tasks(plan, y.shape[0])
         if isinstance(module, torch.nn.Embedding):
-            return self._embedding(merged, x, y, plan)
+            return self._embedding(merged, x, y, tasks)
         if isinstance(module, torch.nn.Linear):
-            return self._linear(name, module, merged, x, y, plan)
-        for slot, tokens in plan.groups(self.family, y.shape[0]):  # norms and the like: small, formed per task
-            params = {local: reconstruct(getattr(module, local), tau, _unpacked(masks[slot], tau), self._scale(slot))
+            return self._linear(name, module, merged, x, y, plan, tasks)
+        for slot in range(len(self.lambdas)):  # norms and the like: small, each task's formed for the forward
+            params = {local: reconstruct(getattr(module, local), tau, _unpacked(masks[slot], tau), self.lambdas[slot])
                       for local, tau, masks in merged}
-            y[tokens] = functional_call(module, params, (x[tokens],))
+            y = torch.where((tasks == slot)[:, None], functional_call(module, params, (x,)), y)
         return y
-
-    def _scale(self, slot: int) -> float:
-        return float(self.scale[slot])
 
     def _formed(self, w: torch.Tensor, tau: torch.Tensor, packed: torch.Tensor, slot: int) -> torch.Tensor:
         """W_t_hat = W + lambda_t (M_t * tau_uni), summed in fp32, in W's dtype: reconstruct's value (what `emr
         extract` writes), with the mask unpacked through kernels.masked's table (several times faster)."""
-        delta = masked(packed, tau).float().mul_(self._scale(slot))  # [*tau.shape]
+        delta = masked(packed, tau).float().mul_(self.lambdas[slot])  # [*tau.shape]
         return delta.add_(w.float()).to(w.dtype)
 
     def _linear(self, name: str, module: torch.nn.Linear, merged, x: torch.Tensor, y: torch.Tensor,
-                plan: BatchPlan) -> torch.Tensor:
-        """x [N, in], y [N, out]: the module's tokens."""
+                plan: BatchPlan, tasks: torch.Tensor) -> torch.Tensor:
+        """x [N, in], y [N, out]: the module's tokens; tasks [N]: each one's task."""
         dense = self._dense_groups(name, plan, y.shape[0])
         running = frozenset(plan.slot_set(self.family))
         for slot, tokens in dense:  # the tokens the base skipped (claims): y[tokens] is still to be written
@@ -197,27 +224,25 @@ class EmrSlots(Slots):
                                                    params.get("bias", module.bias))  # [n, out]
         if len(dense) == len(plan.slot_set(self.family)):
             return y
+        if dense:  # the other tasks' tokens only
+            formed = frozenset(slot for slot, _ in dense)
+            tasks = self.maps.get(plan, ("masked", formed), y.shape[0], lambda n: [
+                NO_SLOT if s in formed else s for s in plan.token_slots(self.family, n)])
         x2 = x.contiguous()  # a pooler reads a strided first token
-        formed = frozenset(slot for slot, _ in dense)
-        seg = plan.remapped_segments(self.family, ("masked", formed), lambda s: NO_SLOT if s in formed else s,
-                                     x2.shape[0])
         for local, tau, masks in merged:
             if local == "weight":
-                emr_delta(x2, tau, masks, self.scale, seg, y)
-            else:  # the bias: one [out] delta per task
-                delta = masked(masks[seg.slots], tau) * self.scale[seg.slots, None]  # [S, out]
-                y.index_add_(0, seg.order, delta.repeat_interleave(seg.lengths, 0).to(y.dtype))
+                emr_delta(x2, tau, masks, self.scale, tasks, y)
+            else:  # the bias: one [out] delta per task, each token's gathered
+                delta = (masked(masks, tau) * self.scale[:, None])[tasks.clamp(min=0).long()]  # [N, out]
+                y.copy_(torch.where((tasks >= 0)[:, None], (y.float() + delta).to(y.dtype), y))
         return y
 
-    def _embedding(self, merged, ids: torch.Tensor, y: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
-        """ids [N], y [N, dim]."""
+    def _embedding(self, merged, ids: torch.Tensor, y: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        """ids [N], y [N, dim], tasks [N]."""
         (_, tau, masks), = merged
-        seg = plan.segments(self.family, ids.numel())
-        task = seg.slots.repeat_interleave(seg.lengths)  # [n] each sorted token's task
-        token = ids[seg.order]  # [n] its id
-        delta = masked(masks[task, token], tau[token]) * self.scale[task, None]  # [n, dim]
-        y.index_add_(0, seg.order, delta.to(y.dtype))
-        return y
+        at = tasks.clamp(min=0).long()
+        delta = masked(masks[at, ids], tau[ids]) * self.scale[at, None]  # [N, dim]
+        return torch.where((tasks >= 0)[:, None], y + delta.to(y.dtype), y)
 
 
 def _unpacked(masks: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:

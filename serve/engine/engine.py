@@ -185,6 +185,7 @@ class Engine:
                 "base_bytes": {name: rt.nbytes for name, rt in self.bases.items()},
                 "kv_bytes": {name: rt.kv.nbytes for name, rt in self.bases.items() if rt.kv is not None},
                 "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts},
+                "step_tokens": {name: dict(rt.token_counts) for name, rt in self.bases.items() if rt.token_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},
                 "load": self._load(), "max_batch_size": self.config.batch.max_batch_size,
                 "node_cache": self._node_cache()}

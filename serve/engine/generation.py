@@ -229,7 +229,8 @@ class DecodeBatch:
         """Whether the next step can be launched from this one's tokens on the device: a replayed decode step
         whose rows are still exactly the running rows, with no prompt waiting to be written and no row reading
         its logits afterwards (the next replay overwrites them)."""
-        return (launched.out.graph is not None and not self.prefilling and launched.decode == self.decoding
+        return (launched.out.graph is not None and not launched.prefills and not self.prefilling
+                and launched.decode == self.decoding
                 and not any(s.done or s.params.logprobs is not None or s.written >= self.rt.kv.positions
                             for s in launched.decode.values()))
 
@@ -282,11 +283,12 @@ class DecodeBatch:
 
     def _prefills(self, budget: int) -> list[Prefill]:
         """The admitted prompts' next chunks, in admission order, within `budget` tokens (at least one token, so a
-        batch of max_step_tokens running rows still admits)."""
+        batch of max_step_tokens running rows still admits) and the runtime's max_step_chunks."""
         budget = max(budget, 1)
+        most = self.rt.max_step_chunks
         chunks = []
         for s in self.prefilling:
-            if budget == 0:
+            if budget == 0 or (most is not None and len(chunks) == most):
                 break
             n = min(len(s.prompt) - s.written, budget)
             chunks.append(Prefill(s, s.kv, s.written, n, s.prompt[s.written:s.written + n],

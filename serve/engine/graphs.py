@@ -1,12 +1,15 @@
-"""CUDA graphs of a base's decode steps: one per row bucket and set of families, captured once and replayed.
+"""CUDA graphs of a base's generation steps: one per row bucket, prompt-token bucket and set of families, captured
+once and replayed.
 
-A decode step of B rows (a bucket, serve/engine/steps.py) is the same launches whatever its rows hold: the KV
-store is written and read by slot, the adapter pool's per-token maps sit in buffers allocated once
-(serve/engine/adapter_pool.py: prepare), and the attention reads each row's length on the device. So the step is
-captured once, reading its inputs from static buffers, and each later step copies its inputs there (one copy),
-lets the families refill their maps, and replays. A graph with the adapter pool's ops is keyed by the pool's
-`version` too: when its stacks or maps are reallocated, the next step captures again. Graphs of base rows alone
-(no family) are captured for every bucket at start-up (`warm_up`), which says what capture cost and held.
+A step of B decode rows and P prompt tokens (buckets, serve/engine/steps.py) is the same launches whatever its
+rows hold: the KV store is written and read by slot, every family's per-token maps sit in buffers allocated once
+(serve/engine/token_maps.py), the attention reads each decode row's length and the chunk table on the device, and
+a NeuZip base's decode launches write buffers allocated once. So the step is captured whole, reading its inputs
+from static buffers, and each later step copies its inputs there (one copy), lets the families refill their maps,
+and replays. A graph is keyed by its families' `version`s too (and a NeuZip base's): when a stack, a map buffer,
+an EMR group's tensors or a decoded weight move, the next step captures again. Graphs of base rows alone (no
+family, no prompt) are captured for every row bucket at start-up (`warm_up`), which says what capture cost and
+held; the others when first needed.
 """
 
 import logging
@@ -17,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from serve.engine.batch import BASE_ROW, BatchPlan
-from serve.engine.kv_store import StepLayout
 
 log = logging.getLogger("manyfold.engine")
 
@@ -27,9 +29,10 @@ class _Graph:
     replay: Callable[[], None]
     """Runs the captured step again (CUDAGraph.replay)."""
     inputs: torch.Tensor
-    """[4 * B] int64 on the device: ids, positions, write slots, lengths (StepInputs.packed's order)."""
+    """int64 on the device, StepInputs.packed's layout: a decode-only step's is [4 * B], ids, positions, write
+    slots and lengths."""
     logits: torch.Tensor
-    """[B, vocab] fp32: what a replay writes."""
+    """[kept, vocab] fp32: what a replay writes."""
 
 
 class StepGraphs:
@@ -43,20 +46,22 @@ class StepGraphs:
         self.capture_bytes = 0
         """Device memory the captures took (their pool and static buffers)."""
 
-    def _key(self, bucket: int, plan: BatchPlan) -> tuple:
+    def _key(self, inputs, plan: BatchPlan) -> tuple:
         families = tuple(sorted(plan.families))
-        return bucket, families, tuple(getattr(self.rt.families[f], "version", 0) for f in families)
+        coded = self.rt.coded.version if self.rt.coded is not None else 0
+        return (inputs.decode_rows, inputs.prompt_tokens, families,
+                tuple(getattr(self.rt.families[f], "version", 0) for f in families), coded)
 
     def run(self, inputs, plan: BatchPlan) -> _Graph:
-        """Replay the decode step's bucket graph (captured now if need be); its logits [B, vocab] fp32 are in the
-        graph's `logits` until the next replay."""
+        """Replay the step's graph (captured now if need be); its logits [kept, vocab] fp32 are in the graph's
+        `logits` until the next replay."""
         for family in plan.families:  # host copies into the maps' buffers (a new buffer is a new version)
             self.rt.families[family].prepare(plan)
-        key = self._key(inputs.decode_rows, plan)
+        key = self._key(inputs, plan)
         g = self.graphs.get(key)
         packed = inputs.packed()
         if g is None:
-            g = self._capture(key, plan, packed)
+            g = self._capture(key, plan, inputs, packed)
         else:
             g.inputs.copy_(packed, non_blocking=True)
         with self.rt.seconds.timing("forward"):
@@ -64,9 +69,12 @@ class StepGraphs:
         return g
 
     def continue_(self, g: _Graph, tokens: torch.Tensor) -> None:
-        """Replay `g` again as the next decode step of the same rows, all on the device: each row feeds the token
-        sampled from the last replay (tokens [B]) one position further; padding rows stay padding."""
+        """Replay `g` (a decode-only step's) again as the next decode step of the same rows, all on the device: each
+        row feeds the token sampled from the last replay (tokens [B]) one position further; padding rows stay
+        padding."""
         bucket = g.logits.shape[0]
+        if g.inputs.numel() != 4 * bucket:
+            raise RuntimeError("only a decode-only step's graph is launched from its last tokens")
         ids, positions, _, lengths = g.inputs.split([bucket] * 4)
         live = lengths > 0
         ids.copy_(tokens[:bucket])
@@ -84,28 +92,26 @@ class StepGraphs:
         for bucket in buckets:
             inputs = lay_out({}, [], bucket, self.rt.kv.scratch, self.rt.tokenizer.pad_token_id)
             plan = BatchPlan([BASE_ROW] * bucket, self.rt.device, tokens=[1] * bucket)
-            self._capture(self._key(bucket, plan), plan, inputs.packed())
+            self._capture(self._key(inputs, plan), plan, inputs, inputs.packed())
         log.info("base '%s': %d decode-step CUDA graphs (rows %s) captured in %.2f s, holding %.0f MiB",
                  self.rt.name, len(buckets), ",".join(map(str, buckets)), self.capture_seconds,
                  self.capture_bytes / (1 << 20))
 
-    def _capture(self, key: tuple, plan: BatchPlan, packed: torch.Tensor) -> _Graph:
+    def _capture(self, key: tuple, plan: BatchPlan, inputs, packed: torch.Tensor) -> _Graph:
         """Warm up on a side stream (Triton compiles, the allocator settles), capture, and replay once (capture
         runs nothing). Warming up writes the step's own keys and values where the step writes them: the same.
         The plan's families have prepared their maps (no host copy may run inside a capture)."""
         rt = self.rt
-        bucket = key[0]
-        for stale in [k for k in self.graphs if k[:2] == key[:2]]:  # the same bucket and families, old addresses
+        for stale in [k for k in self.graphs if k[:3] == key[:3]]:  # the same buckets and families, old addresses
             del self.graphs[stale]
         torch.cuda.synchronize(rt.device)
         before, started = torch.cuda.memory_allocated(rt.device), time.perf_counter()
-        inputs = packed.to(rt.device)
-        ids, positions, slots, lengths = inputs.split([bucket] * 4)
-        layout = StepLayout(slots, positions, lengths, rt.kv.positions, bucket)
+        static = packed.to(rt.device)
+        ids, positions, kept, layout = inputs.layout(static, rt.kv.positions)
 
         def forward() -> torch.Tensor:
-            out = rt.model(input_ids=ids[None], position_ids=positions[None], past_key_values=rt.kv.stepping(layout),
-                           use_cache=True, kv_layout=layout, logits_to_keep=0)
+            out = rt.model(input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),
+                           use_cache=True, kv_layout=layout, logits_to_keep=0 if kept is None else kept)
             return out.logits[0].float()
 
         side = torch.cuda.Stream(rt.device)
@@ -123,5 +129,5 @@ class StepGraphs:
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
         self.capture_bytes += torch.cuda.memory_allocated(rt.device) - before
-        g = self.graphs[key] = _Graph(graph.replay, inputs, logits)
+        g = self.graphs[key] = _Graph(graph.replay, static, logits)
         return g

@@ -11,12 +11,13 @@ whose layers write each token of a forward at its (slot, position) and hand the 
 store, and the attention function registered as "manyfold" reads the forward's `StepLayout`:
 - decode tokens first, one per slot 0..B-1 (row b is slot b), through kernels.decode_attention over the store
   as it lies (SDPA on CPU, a Triton kernel on CUDA);
-- then each prefill chunk (a prompt's next tokens, cut to the step's token budget) as SDPA over its own slot's
-  first positions, causal from where the chunk starts.
+- then the prefill chunks (each a prompt's next tokens, cut to the step's token budget), every one causal over
+  its own slot's first positions, in one kernels.chunk_attention (a Triton kernel over a table of the chunks on
+  CUDA; SDPA a chunk on CPU). Tokens of neither (a fixed-shape step's padding) attend to nothing.
+Both kernels read the step's layout from the device, so one launch serves every step of a token bucket.
 Other forwards of the same model (encoders, benchmarks with transformers' own caches) run transformers' SDPA.
 """
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,21 +26,10 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kernels import decode_attention
+from kernels import chunk_attention, decode_attention
 
 ATTENTION = "manyfold"
 """The attention implementation name a causal base runs under (registered below)."""
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A prompt's tokens prefilled in one forward: tokens start..start + length of the forward, at positions
-    first..first + length of slot `slot`."""
-
-    slot: int
-    start: int
-    length: int
-    first: int
 
 
 @dataclass
@@ -56,7 +46,11 @@ class StepLayout:
     max_length: int
     """The longest of lengths (a host int: the CPU's attention reads no further)."""
     decode_rows: int
-    chunks: Sequence[Chunk] = ()
+    chunks: torch.Tensor | None = None
+    """[C, 4] int64 on the device: each prompt chunk's (first token, length, slot, first position); rows of length 0
+    are padding. None: no chunk."""
+    chunk_tokens: int = 0
+    """At least the longest chunk (a host int: sizes chunk attention's grid, the step's token bucket)."""
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -165,26 +159,14 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: StepLayout, scale: float
            ) -> torch.Tensor:
     """q [T, H, D], the step's queries as `layout` lays them out; key, value: one layer's whole store. -> [T, H, D]:
-    decode rows through kernels.decode_attention, then each prefill chunk as SDPA over its own slot."""
-    tokens, heads, dim = q.shape
+    decode rows through kernels.decode_attention, then every prefill chunk through kernels.chunk_attention."""
     rows = layout.decode_rows
     decoded = decode_attention(q[:rows], key, value, layout.lengths, scale, layout.max_length)  # [B, H, D]
-    if not layout.chunks:
+    if layout.chunks is None:
         return decoded
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)  # a padding token's attention is zero
     out[:rows] = decoded
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    for c in layout.chunks:
-        end = c.first + c.length
-        # the chunk's queries as [KVH, group * length, D]: each group of query heads reads one key/value head
-        qc = q[c.start:c.start + c.length].transpose(0, 1).reshape(kv_heads, group * c.length, dim)
-        causal = (torch.arange(end, device=q.device)[None, :]
-                  <= torch.arange(c.first, end, device=q.device)[:, None])  # [length, end]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qc, key[c.slot, :, :end], value[c.slot, :, :end], attn_mask=causal.repeat(group, 1), scale=scale)
-        out[c.start:c.start + c.length] = o.view(heads, c.length, dim).transpose(0, 1)
-    return out
+    return chunk_attention(q, key, value, layout.chunks, scale, layout.chunk_tokens, out)
 
 
 AttentionInterface.register(ATTENTION, slot_attention)

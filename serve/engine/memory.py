@@ -74,9 +74,12 @@ def _status_kib(field: str) -> int:
 
 def reserved_bytes(config: ServeConfig, emr_groups: int) -> int:
     """The budgets that fill as variants come: the cache's tiers (on CUDA only its device tier is device
-    memory), each base's adapter pool and each EMR group's formed weights."""
-    cache = config.cache.device_mib + (config.cache.cpu_mib if config.device == "cpu" else 0)
-    return (cache + config.slots.adapter_mib + emr_groups * config.slots.emr_formed_mib) * MIB
+    memory), each base's adapter pool, its full fine-tunes' pool (a CPU holds none) and each EMR group's formed
+    weights."""
+    on_cpu = config.device == "cpu"
+    cache = config.cache.device_mib + (config.cache.cpu_mib if on_cpu else 0)
+    pools = config.slots.adapter_mib + (0 if on_cpu else config.slots.weights_mib)
+    return (cache + pools + emr_groups * config.slots.emr_formed_mib) * MIB
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ import torch
 from serve.config import BatchConfig, EngineConfig, SlotsConfig
 import serve.engine.adapter_pool  # noqa: F401  (registers the "lora" family)
 import serve.engine.emr_slots  # noqa: F401  (registers the "emr" family)
+import serve.engine.weight_pool  # noqa: F401  (registers the "weights" family)
 from serve.engine import faults
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.fused import fuse_layers
@@ -70,12 +71,16 @@ class BaseModelRuntime:
         self.corrections = Corrections(self.families, self.seconds, self.coded)
         self.wrappers = wrap_modules(self.model, self.view.modules, self.corrections)
         self.fixed_shapes = False
-        """Decode steps run at row buckets and the adapter pool reads per-token maps (serve/engine/steps.py): on
+        """Steps run at row and token buckets and the families read per-token maps (serve/engine/steps.py): on
         CUDA, so that steps replay as graphs; a test may ask for them on CPU (use_fixed_shapes)."""
+        self.max_step_chunks: int | None = None
+        """Prompt chunks one step holds at most (fixed shapes: the chunk table's rows), None: any."""
         self.use_fixed_shapes(self.device.type == "cuda")
         self.max_step_tokens = batch.max_step_tokens
         self.step_counts: Counter[str] = Counter()
         """Generation steps by how they ran: "graphed", or "eager:<reason>" (serve/engine/steps.py)."""
+        self.token_counts: Counter[str] = Counter()
+        """Decode and prompt tokens by how their step ran: "decode:graphed", "prompt:eager", ..."""
         self.kv: KVStore | None = None
         """A causal LM's KV store (serve/engine/kv_store.py), allocated once here."""
         self.graphs: StepGraphs | None = None
@@ -124,8 +129,12 @@ class BaseModelRuntime:
         return sum(p.numel() * p.element_size() for p in params) + (self.coded.nbytes if self.coded else 0)
 
     def use_fixed_shapes(self, on: bool) -> None:
-        """Row buckets and per-token maps on (CUDA's default) or off; every family, present and future, follows."""
+        """Row and token buckets and per-token maps on (CUDA's default) or off; every family, present and future,
+        follows."""
+        from serve.engine.steps import CHUNK_ROWS
+
         self.fixed_shapes = on
+        self.max_step_chunks = CHUNK_ROWS if on else None
         for family in self.families.values():
             family.fixed_shapes = on
 

@@ -86,6 +86,8 @@ class CodedWeights:
         """The weights decoded for good, within the budget: plain parameters now (their streams are dropped)."""
         self.placeholders: dict[str, torch.nn.Parameter] = {}
         """Module name -> its weight's meta placeholder, for the modules whose weight is decoded on use."""
+        self.version = 0
+        """Changes whenever weights are kept decoded (their modules' parameters, and the decoder, are new)."""
         self._modules = dict(model.named_modules())
         self._device = next(iter(streams.values())).words.device if streams else torch.device("cpu")
         self._ahead_max_tokens = ahead_max_tokens
@@ -134,6 +136,7 @@ class CodedWeights:
         if kept:
             self.decoder.close()
             self.decoder = self._new_decoder()
+            self.version += 1
         return kept
 
     @property

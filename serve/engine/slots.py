@@ -3,8 +3,8 @@
 A family holds, per base, a small table of slots. A row's variant is attached to a slot before its first
 forward and detached when the row leaves; a slot nobody uses keeps its variant (warm) until another needs it,
 least recently used first. Each family's `apply` is what a wrapped module adds for the rows of its slots:
-- WeightSlots ("weights", full variants): rows of a variant that changed this module run it with the
-  variant's tensors; modules it left alone are the base's, shared with every other row.
+- WeightPool ("weights", full variants; serve/engine/weight_pool.py): rows of a variant that changed this module
+  run it with the variant's tensors; modules it left alone are the base's, shared with every other row.
 - AdapterPool ("lora", LoRA and PiSSA; serve/engine/adapter_pool.py): y += s (x A^T) B^T through
   kernels.lora_shrink / lora_expand, adapters held in rank buckets under a byte budget.
 - EmrSlots ("emr:<group>", serve/engine/emr_slots.py): an EMR group's tasks.
@@ -16,10 +16,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
-from torch.func import functional_call
 
-from kernels import NO_SLOT
-from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
 from serve.variants.base import BaseView, LoadedVariant
 
@@ -32,6 +29,10 @@ class Slots(ABC):
     """Each entry (an EMR group) gets slots of its own, "<family>:<entry>", on first use."""
     fixed_shapes: bool = False
     """Set by the runtime: a forward's launches must not depend on which slots its rows use (see prepare)."""
+    graphable: ClassVar[bool] = False
+    """With fixed shapes, its corrections run as launches that depend only on a step's shapes and on buffers whose
+    addresses hold (a change of them changes `version`), so a CUDA graph of the step replays them. A step with rows
+    of a family that is not runs eagerly, and the reason is counted."""
 
     def __init__(self, base: BaseView, device: torch.device):
         self.base = base
@@ -172,43 +173,6 @@ def tensor_owners(base: BaseView) -> dict[str, list[tuple[str, str]]]:
     return {n: by_name.get(n, []) for n in base.tensors}
 
 
-class WeightSlots(TableSlots):
-    family = "weights"
-    keep_warm = False
-
-    def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig, family: str = "weights"):
-        super().__init__(base, device)  # a slot is a reference to the cache's tensors: as many as rows need
-        self._owners = tensor_owners(base)
-        self.overrides: list[dict[str, dict[str, torch.Tensor]]] = []
-
-    def _write(self, slot: int, variant: LoadedVariant) -> None:
-        by_module: dict[str, dict[str, torch.Tensor]] = {}
-        for name, t in variant.tensors.items():
-            for mname, local in self._owners.get(name, ()):
-                by_module.setdefault(mname, {})[local] = t
-        self.overrides.extend({} for _ in range(slot + 1 - len(self.overrides)))
-        self.overrides[slot] = by_module
-
-    def _clear(self, slot: int) -> None:
-        if slot < len(self.overrides):
-            self.overrides[slot] = {}
-
-    def touches(self, name: str, plan: BatchPlan) -> bool:
-        return any(name in self.overrides[slot] for slot in plan.slot_set(self.family))
-
-    def claims(self, name: str, plan: BatchPlan, num_tokens: int) -> list[int]:
-        return [t for t, slot in enumerate(plan.token_slots(self.family, num_tokens))
-                if slot != NO_SLOT and name in self.overrides[slot]]
-
-    def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-              plan: BatchPlan) -> torch.Tensor:
-        for slot, tokens in plan.groups(self.family, y.shape[0]):
-            params = self.overrides[slot].get(name)
-            if params:
-                y[tokens] = functional_call(module, params, (x[tokens],))  # [n, out] with the variant's tensors
-        return y
-
-
 FAMILIES: dict[str, type[Slots]] = {}
 """Family name (before any ":<entry>") -> its slots class; a family module adds itself (register_family)."""
 
@@ -225,4 +189,3 @@ def family_class(family: str) -> type[Slots]:
     return FAMILIES[family.split(":", 1)[0]]
 
 
-register_family(WeightSlots)

@@ -5,11 +5,15 @@ The layout (the generation's own rows are serve/engine/generation.py's):
     tokens 0..B-1    a decode token for slots 0..B-1: a running row's last token at its next position, or
                      padding (a free slot, a row still prefilling) that writes to the scratch slot and reads
                      nothing. B covers the highest running slot, rounded up to a row bucket where shapes are fixed.
-    tokens B..T-1    the step's prefill chunks, one after another.
+    tokens B..T-1    the step's prefill chunks, one after another; where shapes are fixed, their tokens padded to
+                     a token bucket P (padding writes to the scratch slot and reads nothing), at most CHUNK_ROWS
+                     chunks, and the chunk table padded to that many rows.
 Logits are computed only for the tokens some row reads (`kept`): the running rows', the last token of each prompt
-that ends in this step, and every token of an echoing prompt. Every host-built index goes to the device in one
-copy. Decode-only steps whose rows' families allow it replay a CUDA graph of their row bucket
-(serve/engine/graphs.py); every other step runs eagerly, and the reason is counted.
+that ends in this step, and every token of an echoing prompt; where shapes are fixed, B + CHUNK_ROWS of them
+whichever prompts end. Every host-built index goes to the device in one copy. So with fixed shapes a step's
+launches depend only on (B, P) and on its families: every step whose families allow it replays a CUDA graph of
+its buckets (serve/engine/graphs.py), prompt chunks and all. An echoing prompt's step (its logits of every
+position) runs eagerly, as does any step on a CPU; the reason is counted.
 """
 
 from collections import Counter
@@ -19,11 +23,12 @@ from typing import Any
 import torch
 
 from serve.engine.batch import BASE_ROW, BatchPlan
-from serve.engine.kv_store import Chunk, StepLayout
+from serve.engine.kv_store import StepLayout
 
-GRAPHABLE_FAMILIES = frozenset({"lora"})
-"""Families whose corrections run on fixed shapes (the adapter pool's per-token maps); a step with rows of any
-other (full variants' functional_call, EMR's per-task forms) runs eagerly."""
+CHUNK_ROWS = 8
+"""Prompt chunks a fixed-shape step holds at most (its chunk table's rows, and the LM head's rows for them)."""
+MIN_TOKEN_BUCKET = 16
+"""The smallest token bucket of a fixed-shape step's prompt chunks (a power of two up from there)."""
 
 
 def row_bucket(rows: int, most: int) -> int:
@@ -36,6 +41,19 @@ def row_bucket(rows: int, most: int) -> int:
     else:
         bucket = -(-rows // 16) * 16
     return min(bucket, most)
+
+
+def token_bucket(tokens: int, most: int) -> int:
+    """The prompt tokens a fixed-shape step runs for `tokens` of them: a power of two, MIN_TOKEN_BUCKET at least,
+    at most `most` (the step's token budget)."""
+    return min(max(MIN_TOKEN_BUCKET, 1 << (tokens - 1).bit_length()), most)
+
+
+def chunk_rows(prompt_tokens: int) -> int:
+    """The chunk table's rows (and the LM head's for them) of a fixed-shape step of `prompt_tokens` prompt tokens:
+    CHUNK_ROWS, one more where that would make the kept tokens as many as all of them (a module tells the LM head's
+    tokens from all of a step's by their count: serve/engine/batch.py)."""
+    return CHUNK_ROWS + (prompt_tokens == CHUNK_ROWS)
 
 
 @dataclass(frozen=True)
@@ -78,16 +96,19 @@ class StepInputs:
     """A step's host-built layout (ints), before it goes to the device."""
 
     rows: list
-    """Each row's RowSlot: B decode rows, then one per chunk."""
+    """Each row's RowSlot: B decode rows, then one per chunk (and one for a fixed-shape step's padding tokens)."""
     tokens: list[int]
     ids: list[int]
     positions: list[int]
     write_slots: list[int]
     lengths: list[int]
-    """[B]: keys each decode row reads (0: padding)."""
-    chunks: list[Chunk]
+    """[B]: keys each decode row attends to (0: padding)."""
     kept: list[int] | None
     """Token indices whose logits come back; None: every token."""
+    chunks: list[int]
+    """The chunk table, flat: (first token, length, slot, first position) a chunk; [] when the step has none."""
+    chunk_tokens: int
+    """The chunks' token bucket (fixed shapes), or their longest."""
     sample_at: dict[int, int]
     chunk_at: dict[int, tuple[int, int]]
 
@@ -95,21 +116,41 @@ class StepInputs:
     def decode_rows(self) -> int:
         return len(self.lengths)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens after the decode rows (0: a decode-only step)."""
+        return len(self.ids) - self.decode_rows
+
     def packed(self) -> torch.Tensor:
-        """ids, positions, write slots, lengths and kept indices in one host tensor: one copy to the device."""
-        return torch.tensor(self.ids + self.positions + self.write_slots + self.lengths + (self.kept or []),
-                            dtype=torch.long)
+        """ids, positions, write slots, lengths, kept indices and the chunk table in one host tensor: one copy to
+        the device."""
+        return torch.tensor(self.ids + self.positions + self.write_slots + self.lengths + (self.kept or [])
+                            + self.chunks, dtype=torch.long)
 
     def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(ids [1, T], positions [1, T], write slots [T], lengths [B], kept [K] or None) from packed()'s copy."""
+        """(ids [1, T], positions [1, T], write slots [T], lengths [B], kept [K] or None, chunks [C, 4] or None) from
+        packed()'s copy."""
         t = len(self.ids)
-        parts = flat.split([t, t, t, self.decode_rows, len(self.kept or [])])
-        return (parts[0][None], parts[1][None], parts[2], parts[3], parts[4] if self.kept is not None else None)
+        parts = flat.split([t, t, t, self.decode_rows, len(self.kept or []), len(self.chunks)])
+        return (parts[0][None], parts[1][None], parts[2], parts[3], parts[4] if self.kept is not None else None,
+                parts[5].view(-1, 4) if self.chunks else None)
+
+    def layout(self, flat: torch.Tensor, max_length: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, StepLayout]:
+        """(ids [1, T], positions [1, T], kept or None, the StepLayout) from packed()'s copy on the device.
+        max_length: what the decode rows may read (default: this step's longest; a graph replayed for later steps
+        says the store's positions)."""
+        ids, positions, slots, lengths, kept, chunks = self.unpack(flat)
+        longest = max(self.lengths, default=0) if max_length is None else max_length
+        return ids, positions, kept, StepLayout(slots, positions[0], lengths, longest, self.decode_rows, chunks,
+                                                self.chunk_tokens)
 
 
-def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int
-            ) -> StepInputs:
-    """decoding: KV slot -> a running row (.slot its RowSlot, .next_token, .written: its next position)."""
+def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int,
+            prompt_bucket: int | None = None) -> StepInputs:
+    """decoding: KV slot -> a running row (.slot its RowSlot, .next_token, .written: its next position).
+    prompt_bucket: fixed shapes: the prefills' tokens padded to it, their chunks to chunk_rows(prompt_bucket) (None:
+    as they are)."""
     rows, tokens, ids, positions, slots, lengths = [], [], [], [], [], []
     kept: list[int] = []
     sample_at: dict[int, int] = {}
@@ -125,44 +166,68 @@ def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scra
         if s is not None:
             sample_at[b] = len(kept)
         kept.append(b)  # padding rows too: a decode step's shapes stay those of its bucket
-    chunks = []
-    for p in prefills:
+    chunks: list[int] = []
+    for c, p in enumerate(prefills):
         start = len(ids)
         rows.append(p.row.slot)
         tokens.append(p.length)
         ids += p.tokens
         positions += range(p.first, p.first + p.length)
         slots += [p.slot] * p.length
-        chunks.append(Chunk(p.slot, start, p.length, p.first))
-        if p.keep_all:
+        chunks += [start, p.length, p.slot, p.first]
+        if prompt_bucket is not None:  # one kept row a chunk, whether it samples or not
+            kept.append(start + p.length - 1)
+        elif p.keep_all:
             chunk_at[p.slot] = (len(kept), len(kept) + p.length)
             kept += range(start, start + p.length)
         elif p.samples:
             kept.append(start + p.length - 1)
         if p.samples:
             sample_at[p.slot] = len(kept) - 1
+    if prompt_bucket is not None and prefills:
+        pad = bucket + prompt_bucket - len(ids)
+        if pad:
+            rows.append(BASE_ROW)
+            tokens.append(pad)
+            ids += [pad_id] * pad
+            positions += [0] * pad
+            slots += [scratch] * pad
+        padding_chunks = chunk_rows(prompt_bucket) - len(prefills)
+        kept += [0] * padding_chunks  # read by no row
+        chunks += [0, 0, 0, 0] * padding_chunks
     every = kept == list(range(len(ids)))
-    return StepInputs(rows, tokens, ids, positions, slots, lengths, chunks, None if every else kept, sample_at,
-                      chunk_at)
+    longest = prompt_bucket if prompt_bucket is not None else max((p.length for p in prefills), default=0)
+    return StepInputs(rows, tokens, ids, positions, slots, lengths, None if every else kept, chunks, longest,
+                      sample_at, chunk_at)
 
 
 class StepRunner:
-    """Runs a base's generation steps: lays each out, then replays its bucket's graph or runs it eagerly."""
+    """Runs a base's generation steps: lays each out, then replays its buckets' graph or runs it eagerly."""
 
     def __init__(self, rt):
         self.rt = rt
         self.steps: Counter[str] = rt.step_counts
         """"graphed", or "eager:<reason>": steps by how they ran (the runtime's, so /metrics reads them)."""
+        self.tokens: Counter[str] = rt.token_counts
+        """Decode tokens (a running row's) and prompt tokens, by how their step ran, as `steps`:
+        "<decode|prompt>:<graphed|eager>"."""
 
     def run(self, decoding: dict[int, Any], prefills: list[Prefill]) -> StepOutput:
         rt = self.rt
         bucket = max(decoding, default=-1) + 1
         if rt.fixed_shapes and bucket:
             bucket = row_bucket(bucket, rt.kv.slots)
-        inputs = lay_out(decoding, prefills, bucket, rt.kv.scratch, rt.tokenizer.pad_token_id)
+        echo = any(p.keep_all for p in prefills)
+        prompt = sum(p.length for p in prefills)
+        fixed = rt.fixed_shapes and prefills and not echo
+        inputs = lay_out(decoding, prefills, bucket, rt.kv.scratch, rt.tokenizer.pad_token_id,
+                         token_bucket(prompt, rt.max_step_tokens) if fixed else None)
         plan = BatchPlan(inputs.rows, rt.device, tokens=inputs.tokens, kept=inputs.kept)
-        reason = self._eager_reason(plan, prefills)
+        reason = self._eager_reason(plan, echo)
+        how = "graphed" if reason is None else "eager"
         self.steps["graphed" if reason is None else f"eager:{reason}"] += 1
+        self.tokens[f"decode:{how}"] += len(decoding)
+        self.tokens[f"prompt:{how}"] += prompt
         if reason is not None:
             return StepOutput(self._eager(inputs, plan), inputs.sample_at, inputs.chunk_at)
         graph = rt.graphs.run(inputs, plan)
@@ -172,26 +237,23 @@ class StepRunner:
         """The decode step after `last` (a replayed one) for the same rows, each feeding the token sampled from
         it: launched from `tokens` on the device, nothing read by the host."""
         self.steps["graphed"] += 1
+        self.tokens["decode:graphed"] += len(last.sample_at)
         self.rt.graphs.continue_(last.graph, tokens)
         return StepOutput(last.graph.logits, last.sample_at, last.chunk_at, last.graph)
 
-    def _eager_reason(self, plan: BatchPlan, prefills: list[Prefill]) -> str | None:
+    def _eager_reason(self, plan: BatchPlan, echo: bool) -> str | None:
         """Why this step cannot replay a graph (None: it can)."""
         rt = self.rt
         if rt.graphs is None:
             return rt.device.type if rt.device.type == "cpu" else "graphs off"
-        if prefills:
-            return "prefill"
-        if rt.coded is not None:
-            return "neuzip"
-        other = [f.partition(":")[0] for f in plan.families if f not in GRAPHABLE_FAMILIES]
+        if echo:
+            return "echo"
+        other = [f.partition(":")[0] for f in plan.families if not rt.families[f].graphable]
         return other[0] if other else None
 
     def _eager(self, inputs: StepInputs, plan: BatchPlan) -> torch.Tensor:
         rt = self.rt
-        ids, positions, slots, lengths, kept = inputs.unpack(inputs.packed().to(rt.device, non_blocking=True))
-        layout = StepLayout(slots, positions[0], lengths, max(inputs.lengths, default=0),
-                            inputs.decode_rows, inputs.chunks)
+        ids, positions, kept, layout = inputs.layout(inputs.packed().to(rt.device, non_blocking=True))
         out = rt.call(plan, input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),
                       use_cache=True, kv_layout=layout, logits_to_keep=0 if kept is None else kept)
         return out.logits[0].float()

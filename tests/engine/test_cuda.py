@@ -124,9 +124,9 @@ def _generate(eng: Engine, rows: list[tuple[str, str]], max_tokens: int = 8) -> 
     return asyncio.run(serve())
 
 
-def test_decode_steps_replay_cuda_graphs_and_answer_as_eager_steps(store_root):
-    """Base and adapter rows decode through captured graphs (one per row bucket and pool layout); every token
-    equals the eager engine's, and the graphs were replayed, not only captured."""
+def test_steps_replay_cuda_graphs_and_answer_as_eager_steps(store_root):
+    """Base and adapter rows, prompts included, run through captured graphs (one per row and token bucket and pool
+    layout); every token equals the eager engine's, and the graphs were replayed, not only captured."""
     graphed = Engine(ServeConfig(store=store_root, device="cuda"))
     eager = Engine(ServeConfig(store=store_root, device="cuda", engine={"cuda_graphs": "off"}))
     rt = graphed.bases["lm"]
@@ -134,18 +134,18 @@ def test_decode_steps_replay_cuda_graphs_and_answer_as_eager_steps(store_root):
     rows = [("lm", "the cat sat"), ("lm-lora", "a big red dog"), ("lm-lora8", "one two three"),
             ("lm-pissa", "hello world good"), ("lm", "sun moon star"), ("lm-lora", "fish eat and")]
     assert _generate(graphed, rows) == _generate(eager, rows)
-    assert rt.step_counts["graphed"] > 0 and rt.step_counts["eager:prefill"] > 0
+    assert set(rt.step_counts) == {"graphed"} and rt.token_counts["prompt:graphed"] > 0
     assert eager.bases["lm"].step_counts["graphed"] == 0
     assert graphed.holds() == {}
 
 
-def test_steps_with_full_or_emr_rows_run_eagerly_and_say_why(store_root):
+def test_steps_with_full_and_emr_rows_replay_graphs_and_answer_as_the_cpu_engine(store_root):
     eng = Engine(ServeConfig(store=store_root, device="cuda"))
-    rows = [("lm-top", "the cat sat"), ("lm-emr/t1", "a big red dog"), ("lm-lora", "one two three")]
+    rows = [("lm-top", "the cat sat"), ("lm-emr/t1", "a big red dog"), ("lm-lora", "one two three"),
+            ("lm-emr/t2", "sun moon star"), ("lm-top", "fish eat and")]
     cpu = Engine(ServeConfig(store=store_root))
     assert _generate(eng, rows) == _generate(cpu, rows)
-    counts = eng.bases["lm"].step_counts
-    assert counts["eager:weights"] + counts["eager:emr"] > 0
+    assert set(eng.bases["lm"].step_counts) == {"graphed"}
 
 
 def test_a_pool_that_grows_recaptures_and_keeps_every_answer(store_root):

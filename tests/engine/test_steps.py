@@ -1,6 +1,7 @@
-"""A generation step as the GPU runs it, checked on the CPU: the KV store is never copied, a decode step's
-operations and shapes do not depend on which adapters its rows use, and any schedule of admissions, finishes and
-cancellations gives every request the tokens it gives alone."""
+"""A generation step as the GPU runs it, checked on the CPU: the KV store is never copied, a step's operations and
+shapes do not depend on which adapters, full fine-tunes or EMR tasks its rows run, steps replayed from static
+inputs (prompt chunks and every kind of row included) give the tokens eager steps give, and any schedule of
+admissions, finishes and cancellations gives every request the tokens it gives alone."""
 
 import pytest
 import torch
@@ -12,12 +13,11 @@ from serve.config import BatchConfig
 from serve.engine.batch import BatchPlan
 from serve.engine.generation import DecodeBatch, NewRow
 from serve.engine.graphs import StepGraphs, _Graph
-from serve.engine.kv_store import StepLayout
 from serve.engine.model import BaseModelRuntime
 from serve.engine.steps import row_bucket
 from serve.engine.types import SamplingParams
 from serve.variants.base import LoadedVariant
-from tests.models import random_lora, write_tiny_causal
+from tests.models import random_emr_group, random_lora, write_tiny_causal
 
 TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 
@@ -69,6 +69,10 @@ def decode_step_ops(rt: BaseModelRuntime, variants: list) -> list[tuple]:
         batch.close()
 
 
+def shapes_of(ops: list[tuple]) -> list[tuple]:
+    return [(name, ins, outs) for name, ins, outs, _, _ in ops]
+
+
 def test_a_decode_step_never_copies_the_kv_store_and_its_operations_do_not_depend_on_the_adapters(rt):
     rt.use_fixed_shapes(True)  # as on CUDA: row buckets, the adapter pool's per-token maps
     try:
@@ -81,8 +85,7 @@ def test_a_decode_step_never_copies_the_kv_store_and_its_operations_do_not_depen
         assert rt.families["lora"].version == version  # (a graph captured for the first replays the others)
     finally:
         rt.use_fixed_shapes(False)
-    shapes = [(name, ins, outs) for name, ins, outs, _, _ in first]
-    assert shapes == [(n, i, o) for n, i, o, _, _ in second] == [(n, i, o) for n, i, o, _, _ in third]
+    assert shapes_of(first) == shapes_of(second) == shapes_of(third)
     stores = {t.untyped_storage().data_ptr() for layer in rt.kv.layers for t in (layer.keys, layer.values)}
     slot_elements = rt.kv.layers[0].keys[0].numel()
     writes = 0
@@ -98,12 +101,66 @@ def test_a_decode_step_never_copies_the_kv_store_and_its_operations_do_not_depen
     assert writes == 2 * len(rt.kv.layers)  # each layer's keys and values, written in place once
 
 
+def test_a_decode_steps_operations_are_the_same_for_any_mix_of_full_fine_tunes_emr_tasks_and_adapters(rt):
+    """Rows of one bucket over the same kinds, but other variants, other counts of distinct fine-tunes and tasks,
+    in other places: the same operations on the same shapes, so one graph replays them all and no step runs a
+    loop over its rows or its variants."""
+    a, b = lora(rt, "a", 4, 1), lora(rt, "b", 8, 2)
+    f1, f2 = full(rt, "f1", 3), full(rt, "f2", 4)
+    t0, t1, t2 = random_emr_group(rt, "g", 3, 5)
+    rt.use_fixed_shapes(True)
+    try:
+        decode_step_ops(rt, [a, b, f1, f2, t0, t1, t2])  # every variant in its pool: no stack moves from here on
+        versions = {f: rt.families[f].version for f in ("lora", "weights", "emr:g")}
+        mixes = [[a, f1, t0, None, a, f1, t0, None],  # one fine-tune, one task, one adapter
+                 [f2, t2, b, f1, t1, a, None, t0],  # two fine-tunes, three tasks, two adapters
+                 [t1, t1, f2, b, None, f2, b, t1]]  # one task, twice the other fine-tune
+        ops = [decode_step_ops(rt, mix) for mix in mixes]
+        assert {f: rt.families[f].version for f in versions} == versions
+    finally:
+        rt.use_fixed_shapes(False)
+    assert shapes_of(ops[0]) == shapes_of(ops[1]) == shapes_of(ops[2])
+    assert rt.slot_refs() == {}
+
+
+def test_fixed_shapes_give_every_kind_the_log_probabilities_of_the_cpu_forms(rt):
+    """The pools' stacks, per-token maps and padded token buckets (CUDA's forms, their torch twins here) against
+    what a CPU runs (the cache's tensors, formed EMR weights, steps as long as their rows): the same tokens and log
+    probabilities for rows of every kind, in one batch, prompts in several chunks."""
+    a = lora(rt, "a", 4, 1)
+    f1, f2 = full(rt, "f1", 3), full(rt, "f2", 4)
+    t0, t1 = random_emr_group(rt, "g", 2, 5)
+    params = SamplingParams(max_tokens=5, logprobs=1)
+    rows = [NewRow(i, [(5 * i + j) % 40 + 3 for j in range(3 + i)], params, v)
+            for i, v in enumerate([None, a, f1, t0, f2, t1, f1])]
+
+    def generate() -> dict:
+        batch, got = DecodeBatch(rt), {}
+        batch.run(rows)
+        while len(batch):
+            got.update(batch.run([]).finished)
+        batch.close()
+        return got
+
+    cpu = generate()
+    rt.use_fixed_shapes(True)
+    try:
+        fixed = generate()
+    finally:
+        rt.use_fixed_shapes(False)
+    assert len({tuple(g.token_ids) for g in cpu.values()}) >= 5  # the kinds really differ from the base and each other
+    for tag, want in cpu.items():
+        got = fixed[tag]
+        assert got.token_ids == want.token_ids, tag
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+
+
 def test_row_buckets():
     assert [row_bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 17, 33, 64)] == [1, 2, 4, 8, 8, 16, 24, 40, 64]
     assert row_bucket(70, 200) == 80 and row_bucket(30, 20) == 20
 
 
-REQUESTS = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.sampled_from(["base", "a", "b", "f"])),
+REQUESTS = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.sampled_from(["base", "a", "b", "f", "e"])),
                     min_size=1, max_size=7)
 """Each request: prompt length, max_tokens, variant."""
 
@@ -114,7 +171,8 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.sampled_
 def test_any_schedule_gives_every_request_the_tokens_it_gives_alone(rt, requests, arrivals, cancels, fixed):
     """Requests arrive at random steps (several in one, prefills cut by a 7-token budget), some are cancelled
     mid-flight, slots are reused; every request that finishes gives the greedy tokens it gives alone."""
-    variants = {"base": None, "a": lora(rt, "a", 4, 1), "b": lora(rt, "b", 8, 2), "f": full(rt, "f", 3)}
+    variants = {"base": None, "a": lora(rt, "a", 4, 1), "b": lora(rt, "b", 8, 2), "f": full(rt, "f", 3),
+                "e": random_emr_group(rt, "g", 2, 5)[1]}
     rows = [NewRow(i, [(7 * i + j) % 40 + 3 for j in range(n)], SamplingParams(max_tokens=m), variants[v])
             for i, (n, m, v) in enumerate(requests)]
     rt.use_fixed_shapes(fixed)
@@ -166,34 +224,35 @@ class EagerGraphs(StepGraphs):
         self.continued += 1
         super().continue_(g, tokens)
 
-    def _capture(self, key, plan, packed):
-        rt, bucket = self.rt, key[0]
-        inputs = packed.clone()
-        ids, positions, slots, lengths = inputs.split([bucket] * 4)
-        layout = StepLayout(slots, positions, lengths, rt.kv.positions, bucket)
-        logits = torch.empty(bucket, rt.model.config.vocab_size)
+    def _capture(self, key, plan, inputs, packed):
+        rt = self.rt
+        static = packed.clone()
+        ids, positions, kept, layout = inputs.layout(static, rt.kv.positions)
+        logits = torch.empty(len(inputs.kept or inputs.ids), rt.model.config.vocab_size)
 
         def replay():
             with rt.corrections.planned(self.prepared):
-                out = rt.model(input_ids=ids[None], position_ids=positions[None],
-                               past_key_values=rt.kv.stepping(layout), use_cache=True, kv_layout=layout,
-                               logits_to_keep=0)
+                out = rt.model(input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),
+                               use_cache=True, kv_layout=layout, logits_to_keep=0 if kept is None else kept)
             logits.copy_(out.logits[0].float())
 
         self.captures += 1
-        self.graphs[key] = g = _Graph(replay, inputs, logits)
+        self.graphs[key] = g = _Graph(replay, static, logits)
         g.replay()
         return g
 
 
-def test_a_decode_step_launched_from_the_last_ones_tokens_gives_every_row_its_tokens(rt):
-    """With graphs, each call reads one step while the next runs; rows finishing at different steps, rows joining
-    mid-flight and rows of adapters give the tokens they give with every step run eagerly and read at once."""
+def test_steps_replayed_from_static_inputs_give_every_row_the_tokens_of_eager_steps(rt):
+    """With graphs, prompt chunks included, each call reads one step while the next runs; rows of the base, of
+    adapters, of full fine-tunes and of EMR tasks, finishing at different steps and joining mid-flight (their
+    prompts beside running rows), give the tokens they give with every step run eagerly and read at once."""
     a, b = lora(rt, "a", 4, 1), lora(rt, "b", 8, 2)
+    f = full(rt, "f", 3)
+    t0, t1 = random_emr_group(rt, "g", 2, 5)
     first = [NewRow(i, [3 + i, 5, 7, 9][: 1 + i % 4], SamplingParams(max_tokens=3 + 2 * i), v)
-             for i, v in enumerate([None, a, b, a, None])]
-    later = [NewRow(10 + i, [4, 6 + i], SamplingParams(max_tokens=4 + i, temperature=0.8, seed=i), v)
-             for i, v in enumerate([b, None])]
+             for i, v in enumerate([None, a, f, t0, b])]
+    later = [NewRow(10 + i, [4, 6 + i, 8, 2, 5][: 2 + i], SamplingParams(max_tokens=4 + i, temperature=0.8, seed=i), v)
+             for i, v in enumerate([t1, None, f])]
 
     def generate() -> tuple[dict, list]:
         batch, got, calls = DecodeBatch(rt), {}, 0
@@ -204,18 +263,20 @@ def test_a_decode_step_launched_from_the_last_ones_tokens_gives_every_row_its_to
             assert not step.failed and not step.waiting
             got.update(step.finished)
         batch.close()
-        return {t: g.token_ids for t, g in got.items()}, dict(rt.step_counts)
+        return {t: g.token_ids for t, g in got.items()}, dict(rt.step_counts), dict(rt.token_counts)
 
     rt.use_fixed_shapes(True)
     try:
-        eager, _ = generate()
+        eager, _, _ = generate()
         rt.graphs = graphs = EagerGraphs(rt)
         rt.step_counts.clear()
-        graphed, counts = generate()
+        rt.token_counts.clear()
+        graphed, steps, tokens = generate()
     finally:
         rt.graphs = None
         rt.use_fixed_shapes(False)
-    assert graphed == eager and len(graphed) == 7
-    assert counts["graphed"] > counts["eager:prefill"] > 0
+    assert graphed == eager and len(graphed) == 8
+    assert set(steps) == {"graphed"}  # prompt chunks and every kind of row: no step ran eagerly
+    assert tokens["prompt:graphed"] == sum(len(r.prompt) for r in first + later)
     assert graphs.continued > 3  # steps launched from the last one's tokens, read a call later
     assert rt.kv.free_slots == rt.kv.slots and rt.slot_refs() == {}

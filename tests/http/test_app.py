@@ -225,6 +225,9 @@ def test_metrics_are_prometheus_text(client):
     steps = {(s.labels["base"], s.labels["mode"], s.labels["reason"]): s.value
              for s in families["manyfold_generation_steps"].samples}
     assert steps[("tiny-lm", "eager", "cpu")] >= 2  # the completion's steps, and why none replayed a graph
+    tokens = {(s.labels["base"], s.labels["kind"], s.labels["mode"]): s.value
+              for s in families["manyfold_generation_step_tokens"].samples}
+    assert tokens[("tiny-lm", "decode", "eager")] >= 1 and tokens[("tiny-lm", "prompt", "eager")] >= 1
     kv = {s.labels["base"]: s.value for s in families["manyfold_kv_store_bytes"].samples}
     assert kv["tiny-lm"] > 0 and "minilm" not in kv  # an encoder keeps no KV store
 

@@ -1,0 +1,152 @@
+"""Chunk attention: the prompt chunks of one generation step, each attending causally over its own slot of a KV
+store, in one launch for every chunk (flash attention over variable-length sequences, as vLLM's prefill kernels).
+
+A chunk is `length` consecutive tokens of the step, at positions first..first + length - 1 of KV slot `slot`;
+its keys and values are already in the store (the step writes every token's before any attention), the earlier
+positions too. Rows of `chunks` with length 0 are padding: a fixed-shape step (a CUDA graph) has a fixed number
+of them, and a launch whose grid covers `max_tokens` tokens a chunk serves every step of its token bucket.
+
+Semantics:
+    for (start, length, slot, first) in chunks:
+        for i in range(length), h in range(H):
+            t, p = start + i, first + i
+            j = h // (H // KVH)                                      # the key/value head h reads (GQA)
+            o[t, h] = softmax(scale * q[t, h] @ k_store[slot, j, :p + 1].T) @ v_store[slot, j, :p + 1]
+    every other row of o is left as it was.
+
+Shapes: q [T, H, D]; k_store, v_store [S, KVH, L, D] in q's dtype; chunks [C, 4] int64 (start, length, slot,
+first), on q's device; o [T, H, D] like q, written in place and returned. `max_tokens` bounds every chunk's length
+(a host int: the kernel's grid; the twin ignores it).
+"""
+
+import torch
+
+from kernels._backend import INTERPRET, tl, triton
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCK_M = 16
+"""Query tokens a program takes: a short chunk wastes few lanes, a long one reads each key block once per 16."""
+
+
+def chunk_attention_torch(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, chunks: torch.Tensor,
+                          scale: float, max_tokens: int, o: torch.Tensor) -> torch.Tensor:
+    """The twin, which is what CPU serving runs: one SDPA a chunk over its slot's first positions as a view, the
+    query heads of each key/value head read as one group (no repeated keys)."""
+    _check(q, k_store, v_store, chunks, o)
+    heads, dim = q.shape[1:]
+    kv_heads = k_store.shape[1]
+    group = heads // kv_heads
+    for start, length, slot, first in chunks.tolist():
+        if length == 0:
+            continue
+        end = first + length
+        qc = q[start:start + length].transpose(0, 1).reshape(kv_heads, group * length, dim)  # [KVH, G * n, D]
+        causal = (torch.arange(end, device=q.device)[None, :]
+                  <= torch.arange(first, end, device=q.device)[:, None])  # [n, end]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qc, k_store[slot, :, :end], v_store[slot, :, :end], attn_mask=causal.repeat(group, 1), scale=scale)
+        o[start:start + length] = out.view(heads, length, dim).transpose(0, 1)
+    return o
+
+
+@triton.jit
+def _chunk_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, chunks_ptr,
+    scale, GROUP,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl, stride_ot, stride_oh,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program: BLOCK_M query tokens of one chunk for one query head, over the keys up to the last of them in
+    BLOCK_N steps, causal, with an online softmax in fp32. A program past its chunk's end writes nothing."""
+    c = tl.program_id(0)
+    block = tl.program_id(1)
+    h = tl.program_id(2)
+    start = tl.load(chunks_ptr + c * 4)
+    length = tl.load(chunks_ptr + c * 4 + 1)
+    if block * BLOCK_M < length:
+        slot = tl.load(chunks_ptr + c * 4 + 2)
+        first = tl.load(chunks_ptr + c * 4 + 3)
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] places in the chunk
+        mask_m = offs_m < length
+        pos_m = first + offs_m  # [BLOCK_M] their positions
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        kv = h // GROUP
+        k_base = k_ptr + slot * stride_ks + kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + kv * stride_vh
+        end = first + tl.minimum(block * BLOCK_M + BLOCK_M, length)  # the last query's position + 1
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+            mask_n = offs_n < end
+            k = tl.load(k_base + offs_n[:, None] * stride_kl + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + offs_n[:, None] * stride_vl + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            if IEEE:
+                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
+            seen = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])  # causal
+            scores = tl.where(seen, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding query sees no key at all
+            p = tl.exp(scores - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+            alpha = tl.exp(m - m_safe)
+            s = s * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / tl.maximum(s, 1e-30)[:, None]
+        tl.store(o_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def chunk_attention_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, chunks: torch.Tensor,
+                           scale: float, max_tokens: int, o: torch.Tensor) -> torch.Tensor:
+    """Host wrapper: a fixed grid of (chunks, query blocks of max_tokens, query heads); each program reads its
+    chunk's row of `chunks` on the device, so the launch is the same for every step of a token bucket (CUDA
+    graphs capture it)."""
+    _check(q, k_store, v_store, chunks, o)
+    heads, dim = q.shape[1:]
+    if chunks.shape[0] == 0 or max_tokens <= 0:
+        return o
+    _chunk_attention_kernel[(chunks.shape[0], triton.cdiv(max_tokens, BLOCK_M), heads)](
+        q, k_store, v_store, o, chunks,
+        scale, heads // k_store.shape[1],
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), k_store.stride(2),
+        v_store.stride(0), v_store.stride(1), v_store.stride(2), o.stride(0), o.stride(1),
+        D=dim, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        IEEE=q.dtype == torch.float32 or INTERPRET,
+    )
+    return o
+
+
+def _check(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, chunks: torch.Tensor, o: torch.Tensor
+           ) -> None:
+    """Both forms check the same contract, so a bad call fails the same way on CPU and GPU."""
+    if q.dim() != 3 or q.dtype not in DTYPES or q.stride(-1) != 1:
+        raise ValueError(f"q: expected a [T, H, D] fp32, fp16 or bf16 tensor, last dim contiguous; "
+                         f"got {list(q.shape)} {q.dtype}")
+    heads, dim = q.shape[1:]
+    for name, t in (("k_store", k_store), ("v_store", v_store)):
+        if t.dim() != 4 or t.shape[3] != dim or t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected [S, KVH, L, {dim}], last dim contiguous; got {list(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} on {q.device} (q's); got {t.dtype} on {t.device}")
+    if v_store.shape != k_store.shape:
+        raise ValueError(f"v_store: expected k_store's shape {list(k_store.shape)}; got {list(v_store.shape)}")
+    if heads % k_store.shape[1]:
+        raise ValueError(f"q: {heads} heads do not split over {k_store.shape[1]} key/value heads")
+    if chunks.dim() != 2 or chunks.shape[1] != 4 or chunks.dtype != torch.int64 or chunks.device != q.device \
+            or not chunks.is_contiguous():
+        raise ValueError(f"chunks: expected a contiguous [C, 4] int64 tensor on {q.device}; got "
+                         f"{list(chunks.shape)} {chunks.dtype} on {chunks.device}")
+    if o.shape != q.shape or o.dtype != q.dtype or o.device != q.device or o.stride(-1) != 1:
+        raise ValueError(f"o: expected {list(q.shape)} {q.dtype} on {q.device} (q's); got {list(o.shape)} {o.dtype}")
