@@ -24,11 +24,17 @@ every engine output is checked token for token against PEFT's. On CUDA, models b
 random weights (throughput does not depend on trained weights): SmolLM2-135M and Llama-3.2-1B shapes (Llama-3-8B
 with --large), and end to end on the 1B shape: 128 requests of 128 prompt + 128 generated tokens over adapters
 drawn by a power law from 100 registered.
+
+Real traffic (--traffic; serve/bench/engine_traffic.py): requests arriving by a Poisson process at three rates up
+to saturation, prompts as long as the packaged news articles, outputs of 16 to 256 tokens, every kind of row,
+beside the same requests in lockstep: tokens/s, time to first token, time per output token, and the share of steps
+and decode tokens that ran graphed.
 """
 
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,6 +42,7 @@ import torch
 from serve.bench.engine_models import (build_model_dir, loaded_adapter, module_dims, peft_with, top2_finetune,
                                        write_adapter)
 from serve.bench.engine_e2e import CPU_WORKLOAD, GPU_WORKLOAD, bench_end_to_end
+from serve.bench.engine_traffic import CPU_TRAFFIC, GPU_TRAFFIC, bench_traffic, print_traffic
 from serve.bench.report import NO_GPU, finish, machine, median_time, sync
 
 ROWS = (1, 16, 64)
@@ -213,14 +220,19 @@ def bandwidth_of(device: torch.device) -> float | None:
 
 def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = False, repeats: int = 21,
                      context: int | None = None, shapes: list[str] | None = None, e2e: bool = True,
-                     rounds: int | None = None, steps: bool = True, profile: bool = False) -> dict:
+                     rounds: int | None = None, steps: bool = True, profile: bool = False, traffic: bool = False,
+                     traffic_requests: int | None = None) -> dict:
     """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table;
-    profile: the adapters' step at 64 rows profiled for each shape (printed, and in the JSON)."""
+    profile: the adapters' step at 64 rows profiled for each shape (printed, and in the JSON); traffic: the
+    real-traffic runs (traffic_requests: how many requests, instead of the workload's)."""
     dev = torch.device(device)
     work.mkdir(parents=True, exist_ok=True)
     bandwidth = bandwidth_of(dev)
-    report: dict = {"machine": device_name(dev), "device": device, "steps": {}, "end_to_end": None,
+    report: dict = {"machine": device_name(dev), "device": device, "steps": {}, "end_to_end": None, "traffic": None,
                     "gpu": None if dev.type == "cuda" else NO_GPU}
+    workload = CPU_TRAFFIC if dev.type == "cpu" else GPU_TRAFFIC
+    if traffic_requests:
+        workload = replace(workload, requests=traffic_requests)
     if dev.type == "cpu":
         from serve.data.models import smollm2_dir
 
@@ -232,6 +244,8 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
         if e2e:
             report["end_to_end"] = bench_end_to_end(smollm2_dir(), work / "e2e-cpu", dev, CPU_WORKLOAD, (8, 16),
                                                     None, rounds or 3)
+        if traffic:
+            report["traffic"] = bench_traffic(smollm2_dir(), work / "traffic-cpu", dev, workload)
     else:
         ctx = context or 512
         names = shapes or ["smollm2-135m", "llama-3.2-1b"] + (["llama-3-8b"] if large else [])
@@ -242,6 +256,9 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
         if e2e:
             d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
             report["end_to_end"] = bench_end_to_end(d, work / "e2e-1b", dev, GPU_WORKLOAD, (RANK,), 1, rounds or 1)
+        if traffic:
+            d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
+            report["traffic"] = bench_traffic(d, work / "traffic-1b", dev, workload, bandwidth)
     return finish(report, out, print_report)
 
 
@@ -279,3 +296,5 @@ def print_report(report: dict) -> None:
         print(f"  peft mixed batch      {e['peft_tok_s']:>9.1f} tokens/s   ({e['peft_requests_timed']} requests timed)")
         print(f"  engine / peft {e['engine_tok_s'] / e['peft_tok_s']:.2f}x, engine / transformers "
               f"{e['engine_tok_s'] / e['transformers_tok_s']:.2f}x; steps {e['engine_steps']}")
+    if report.get("traffic"):
+        print_traffic(report["traffic"])

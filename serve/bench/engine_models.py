@@ -9,7 +9,9 @@ import torch
 
 TARGETS = ("q_proj", "v_proj")
 ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SHAPES = {  # Llama-shaped configs of the models the issue names (random weights)
+SHAPES = {  # Llama-shaped configs of the models the issue names (random weights), and one for tests
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True, rope_theta=10000.0),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

@@ -47,7 +47,17 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
     out = args.out or f"bench-results/engine-{'cpu' if args.device == 'cpu' else 'gpu'}.json"
     run_engine_bench(Path(out), Path(args.work), args.device, args.large, args.repeats, args.context,
                      args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end, rounds=args.rounds,
-                     steps=not args.no_steps, profile=args.profile)
+                     steps=not args.no_steps, profile=args.profile, traffic=args.traffic,
+                     traffic_requests=args.traffic_requests)
+
+
+def cmd_bench_logprobs(args: argparse.Namespace) -> None:
+    from serve.bench.logprobs_check import run_logprobs_check
+
+    out = args.out or f"bench-results/logprobs-{'cpu' if args.device == 'cpu' else 'gpu'}.json"
+    report = run_logprobs_check(Path(out), Path(args.work), args.device, args.shape, args.rows)
+    if not report["passed"]:
+        raise SystemExit(1)
 
 
 def cmd_bench_emr(args: argparse.Namespace) -> None:
@@ -187,6 +197,16 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     en.add_argument("--no-steps", action="store_true", help="end to end only")
     en.add_argument("--rounds", type=int, help="end-to-end rounds, the systems taking turns (CPU 3, CUDA 1)")
     en.add_argument("--profile", action="store_true", help="profile the adapters' step at the most rows (torch.profiler)")
+    en.add_argument("--traffic", action="store_true", help="the real-traffic runs too: Poisson arrivals at three rates, "
+                    "news-article prompts, every kind of row, beside the same requests in lockstep")
+    en.add_argument("--traffic-requests", type=int, help="requests of each real-traffic run (CPU 32, CUDA 384)")
+    lp = add_command(bench, "logprobs", cmd_bench_logprobs, "every kind's log probabilities through the engine against "
+                     "transformers in fp32 with the variant's weights (vLLM's check_logprobs_close)")
+    lp.add_argument("--out", help="default: bench-results/logprobs-cpu.json or logprobs-gpu.json")
+    lp.add_argument("--work", default=".cache/bench-logprobs", help="the model, variants and store it builds")
+    lp.add_argument("--device", default="cpu")
+    lp.add_argument("--shape", default="smollm2-135m", help="the base's shape (serve/bench/engine_models.py SHAPES)")
+    lp.add_argument("--rows", type=int, default=4, help="rows (prompts) of each kind")
     be = add_command(bench, "emr", cmd_bench_emr, "EMR-Merging against the individual fine-tunes, task arithmetic, "
                      "TIES and averaging; its bytes per task; a mixed forward's time")
     be.add_argument("--out", default="bench-results/emr.json")

@@ -1,0 +1,289 @@
+"""`manyfold bench engine --traffic`: the engine under real traffic, beside the same requests in lockstep.
+
+Requests arrive spread in time (Poisson, at three rates up to the engine's saturation), with prompts as long as
+the packaged BBC news articles (cut at 1,024 tokens) and outputs of 16 to 256 tokens (uniform), over every kind:
+LoRA adapters on all seven linears at ranks 8 to 64 for tenants drawn by a power law, and a share of rows on two
+full fine-tunes of the top two layers (FM-Delta) and on the three tasks of one EMR group (merged from three such
+fine-tunes). Each request is streamed through Engine.complete_stream, the scheduler, the cache and the pools, as
+a server runs it, greedy and without an end-of-text stop (every run writes the same tokens).
+
+For each run: tokens/s (output tokens over the time from the first arrival to the last answer), time to first
+token and time per output token after it (p50, p99), and the share of steps and of decode tokens that ran in
+graphed launches (serve/engine/steps.py counts them). "lockstep" submits the same requests at once: the rows and
+lengths of the Poisson runs, the engine's best case, whose requests per second are the saturation the rates are
+fractions of. On a CPU the packaged SmolLM2-135M-Instruct and the articles' own tokens; on CUDA a model built from
+its config (random weights) and random tokens with the articles' lengths (throughput does not depend on either).
+"""
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serve.bench.engine_models import ALL_LINEARS, module_dims, write_adapter
+from serve.bench.report import percentile, sync
+
+RANKS = (8, 16, 32, 64)
+RATES = (0.5, 0.75, 0.9)
+"""Poisson rates as fractions of the lockstep run's requests per second (its saturation)."""
+LENGTHS_FILE = Path(__file__).with_name("news_prompt_lengths.json")
+"""The BBC news articles' lengths in SmolLM2's tokens (news_prompt_lengths), for a machine without the packages."""
+
+
+@dataclass(frozen=True)
+class TrafficWorkload:
+    requests: int
+    tenants: int
+    """LoRA adapters registered (all seven linears), drawn by a power law."""
+    max_batch: int
+    full_share: float = 0.1
+    """Rows on the two full fine-tunes."""
+    emr_share: float = 0.1
+    """Rows on the three tasks of the EMR group."""
+    max_prompt: int = 1024
+    outputs: tuple[int, int] = (16, 256)
+
+
+CPU_TRAFFIC = TrafficWorkload(requests=32, tenants=12, max_batch=16)
+GPU_TRAFFIC = TrafficWorkload(requests=384, tenants=64, max_batch=64)
+
+
+@dataclass(frozen=True)
+class Request:
+    model: str
+    prompt: list[int]
+    new_tokens: int
+
+
+def news_prompts(tokenizer, most: int) -> list[list[int]]:
+    """Every BBC news article of the packaged corpus (train and test) as its tokens, cut at `most`."""
+    from serve.data.datasets import bbc_topics
+
+    texts = [e.text for split in ("train", "test") for e in bbc_topics(split).examples]
+    return [ids[:most] for ids in tokenizer(texts)["input_ids"]]
+
+
+def news_prompt_lengths(most: int = 1024) -> list[int]:
+    """The articles' lengths in SmolLM2's tokens (what LENGTHS_FILE holds)."""
+    from transformers import AutoTokenizer
+
+    from serve.data.models import smollm2_dir
+
+    return [len(p) for p in news_prompts(AutoTokenizer.from_pretrained(smollm2_dir()), most)]
+
+
+def plan(workload: TrafficWorkload, prompts: list[list[int]], seed: int = 0) -> list[Request]:
+    """Each request's model, prompt and output length: kinds by their shares, LoRA tenants by a power law."""
+    rnd = random.Random(seed)
+    tenants = [f"tenant-{k}" for k in range(workload.tenants)]
+    weights = [1.0 / (k + 1) for k in range(workload.tenants)]
+    out = []
+    for _ in range(workload.requests):
+        u = rnd.random()
+        if u < workload.full_share:
+            model = f"full-{rnd.randrange(2)}"
+        elif u < workload.full_share + workload.emr_share:
+            model = f"emr/t{rnd.randrange(3)}"
+        else:
+            model = rnd.choices(tenants, weights)[0]
+        out.append(Request(model, rnd.choice(prompts), rnd.randint(*workload.outputs)))
+    return out
+
+
+def write_top2_finetune(model_dir: Path, out: Path, seed: int, scale: float = 0.01) -> Path:
+    """A copy of the model directory whose top two layers moved by `scale` of each tensor's spread: what a
+    top-two-layer fine-tune stores and reads (FM-Delta codes only what changed)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from serve.store.tensors import weight_files
+
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    top = (f"layers.{layers - 2}.", f"layers.{layers - 1}.")
+    g = torch.Generator().manual_seed(seed)
+    for f in weight_files(model_dir):
+        tensors = load_file(f)
+        for n, t in tensors.items():
+            if any(p in n for p in top) and t.is_floating_point():
+                noise = torch.randn(t.shape, generator=g) * (scale * t.float().std().clamp(min=1e-3))
+                tensors[n] = (t.float() + noise).to(t.dtype)
+        save_file(tensors, out / f.name, metadata={"format": "pt"})
+    return out
+
+
+def traffic_store(model_dir: Path, work: Path, workload: TrafficWorkload) -> Path:
+    """A store (built once under `work`): the base as "bench", `tenants` LoRA adapters on all seven linears
+    (ranks 8-64 in turn), two top-two-layer fine-tunes "full-0", "full-1", and an EMR group "emr" of three such
+    fine-tunes' tasks t0..t2."""
+    from serve.codecs import emr
+    from serve.store.store import Store
+    from serve.variants import variant_kind
+
+    root = work / "store"
+    if (root / "manifest.json").exists():
+        return root
+    store = Store(root, create=True)
+    store.add_base("bench", model_dir)
+    dims = module_dims(model_dir, ALL_LINEARS)
+    lora = variant_kind("lora")
+    for k in range(workload.tenants):
+        lora.add(store, f"tenant-{k}", "bench", write_adapter(work / "adapters" / f"tenant-{k}", dims,
+                                                              RANKS[k % len(RANKS)], 2000 + k))
+    for k in range(2):
+        variant_kind("full").add(store, f"full-{k}", "bench", write_top2_finetune(model_dir, work / f"full-{k}", k))
+    tasks = {f"t{k}": write_top2_finetune(model_dir, work / f"task-{k}", 10 + k) for k in range(3)}
+    variant_kind("emr").add(store, "emr", "bench", emr.merge(model_dir, tasks, work / "emr-bundle").path)
+    return root
+
+
+class TrafficRun:
+    """One Engine over the traffic store; each call serves a list of requests arriving at given times."""
+
+    def __init__(self, store_root: Path, device: torch.device, workload: TrafficWorkload):
+        from serve.config import ServeConfig
+        from serve.engine.engine import Engine
+
+        context = workload.max_prompt + workload.outputs[1]
+        cfg = ServeConfig(store=store_root, device=str(device),
+                          batch={"max_batch_size": workload.max_batch, "max_queue": 4096, "max_step_tokens": 512,
+                                 "max_model_len": context},
+                          slots={"adapter_mib": 4096, "weights_mib": 4096},
+                          cache={"device_mib": 8192, "cpu_mib": 8192}, limits={"max_tokens": workload.outputs[1]})
+        self.engine, self.device = Engine(cfg), device
+        self.rt = self.engine.bases["bench"]
+        self.rt.eos_ids = set()  # every request writes its own number of tokens
+
+    def __call__(self, requests: list[Request], arrivals: list[float]) -> dict:
+        """Serve every request at its arrival (seconds from the start); -> the run's figures."""
+        from serve.engine.types import SamplingParams
+
+        steps, tokens = dict(self.rt.step_counts), dict(self.rt.token_counts)
+        first: list[float] = [0.0] * len(requests)
+        done: list[float] = [0.0] * len(requests)
+        counts: list[int] = [0] * len(requests)
+
+        async def one(i: int, start: float) -> None:
+            r = requests[i]
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            sent = time.perf_counter()
+            params = SamplingParams(max_tokens=r.new_tokens, temperature=0.0)
+            async for piece in self.engine.complete_stream(r.model, params, prompt=r.prompt):
+                if not first[i] and (piece.text or piece.final is not None):
+                    first[i] = time.perf_counter() - sent
+                if piece.final is not None:
+                    counts[i] = piece.final.completion_tokens
+            done[i] = time.perf_counter() - sent
+
+        async def everything() -> float:
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i, start) for i in range(len(requests))))
+            return time.perf_counter() - start
+
+        sync(self.device)
+        seconds = asyncio.run(everything())
+        step_delta = {k: v - steps.get(k, 0) for k, v in self.rt.step_counts.items() if v - steps.get(k, 0)}
+        token_delta = {k: v - tokens.get(k, 0) for k, v in self.rt.token_counts.items()}
+        tpot = [(d - f) / (n - 1) for f, d, n in zip(first, done, counts) if n > 1]
+        decode = token_delta.get("decode:graphed", 0) + token_delta.get("decode:eager", 0)
+        return {"requests": len(requests), "seconds": seconds, "output_tokens": sum(counts),
+                "tok_s": sum(counts) / seconds, "req_s": len(requests) / seconds,
+                "ttft_p50_s": percentile(first, 0.5), "ttft_p99_s": percentile(first, 0.99),
+                "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
+                "steps": step_delta, "steps_graphed": step_delta.get("graphed", 0) / max(1, sum(step_delta.values())),
+                "decode_tokens_graphed": token_delta.get("decode:graphed", 0) / max(1, decode),
+                "prompt_tokens_graphed": token_delta.get("prompt:graphed", 0)
+                / max(1, token_delta.get("prompt:graphed", 0) + token_delta.get("prompt:eager", 0))}
+
+
+def poisson(n: int, rate: float, seed: int) -> list[float]:
+    """n arrival times (seconds) of a Poisson process of `rate` per second."""
+    rnd = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rnd.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def floor_tok_s(rt, rows: int, context: int, bandwidth: float | None) -> float | None:
+    """Tokens per second of decode steps of `rows` rows at `context` tokens each at the GPU's memory floor: the
+    base's weights and the rows' keys and values read once a step (what the variants add is not counted: an upper
+    bound)."""
+    if bandwidth is None:
+        return None
+    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters() if not p.is_meta)
+    kv = rows * context * rt.kv.nbytes // (rt.kv.slots + 1) // rt.kv.positions
+    return rows / ((weights + kv) / bandwidth)
+
+
+def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: TrafficWorkload,
+                  bandwidth: float | None = None) -> dict:
+    """Lockstep, then Poisson at RATES of its requests per second; each run's figures."""
+    from transformers import AutoTokenizer
+
+    if device.type == "cpu":
+        prompts = news_prompts(AutoTokenizer.from_pretrained(model_dir), workload.max_prompt)
+    else:  # the articles' lengths, random tokens of the model's vocabulary
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in json.loads(LENGTHS_FILE.read_text())]
+    requests = plan(workload, prompts)
+    run = TrafficRun(traffic_store(model_dir, work, workload), device, workload)
+    if device.type == "cpu":  # every variant loaded once, with short requests
+        warm = [Request(m, requests[0].prompt[:16], 2) for m in sorted({r.model for r in requests})]
+    else:  # the same requests: every graph the runs replay is captured here
+        warm = requests
+    run(warm, [0.0] * len(warm))
+    lockstep = run(requests, [0.0] * len(requests))
+    print(f"  lockstep: {json.dumps(_rounded(lockstep))}", flush=True)
+    runs = {"lockstep": lockstep}
+    for k, fraction in enumerate(RATES):
+        rate = fraction * lockstep["req_s"]
+        runs[f"poisson {fraction:g}x"] = r = {"offered_req_s": rate, **run(requests, poisson(len(requests), rate, k))}
+        print(f"  poisson {fraction:g}x: {json.dumps(_rounded(r))}", flush=True)
+    asyncio.run(run.engine.drain(5))
+    lengths = [len(r.prompt) for r in requests]
+    outputs = [r.new_tokens for r in requests]
+    kinds = {k: sum(r.model.startswith(p) for r in requests) for k, p in
+             (("lora", "tenant-"), ("full", "full-"), ("emr", "emr/"))}
+    context = int(statistics.mean(lengths) + statistics.mean(outputs) / 2)
+    return {"requests": len(requests), "max_batch": workload.max_batch, "tenants": workload.tenants,
+            "ranks": list(RANKS), "rows_by_kind": kinds,
+            "prompt_tokens": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
+            "output_tokens": {"min": min(outputs), "median": statistics.median(outputs), "max": max(outputs),
+                              "total": sum(outputs)},
+            "floor_tok_s": floor_tok_s(run.rt, workload.max_batch, context, bandwidth), "runs": runs}
+
+
+def _rounded(d: dict) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
+
+
+def print_traffic(t: dict) -> None:
+    print(f"\nreal traffic: {t['requests']} requests, prompts {t['prompt_tokens']['min']}-{t['prompt_tokens']['max']} "
+          f"tokens (median {t['prompt_tokens']['median']:.0f}) from BBC news, outputs {t['output_tokens']['min']}-"
+          f"{t['output_tokens']['max']}; rows by kind {t['rows_by_kind']} (LoRA on all seven linears, ranks "
+          f"{'-'.join(map(str, (t['ranks'][0], t['ranks'][-1])))}, {t['tenants']} power-law tenants; two top-two-"
+          f"layer fine-tunes; three EMR tasks of one group); max_batch_size {t['max_batch']}")
+    if t.get("floor_tok_s"):
+        print(f"floor: {t['floor_tok_s']:.0f} tokens/s (max_batch_size rows a decode step, the base's weights and the "
+              "rows' keys and values read once a step)")
+    print(f"{'run':<16}{'offered req/s':>14}{'tokens/s':>10}{'TTFT p50':>10}{'p99 (s)':>9}{'TPOT p50':>10}"
+          f"{'p99 (ms)':>10}{'steps graphed':>15}{'decode graphed':>16}")
+    for name, r in t["runs"].items():
+        offered = f"{r['offered_req_s']:.2f}" if "offered_req_s" in r else "all at once"
+        print(f"{name:<16}{offered:>14}{r['tok_s']:>10.1f}{r['ttft_p50_s']:>10.2f}{r['ttft_p99_s']:>9.2f}"
+              f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>10.1f}{r['steps_graphed']:>14.0%}"
+              f"{r['decode_tokens_graphed']:>16.0%}")
