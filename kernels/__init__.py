@@ -12,21 +12,21 @@ from kernels.decode_attention import decode_attention_torch, decode_attention_tr
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
 from kernels.linear_by_token import linear_by_token_torch, linear_by_token_triton
 from kernels.lora_bgmv import (HostStacks, bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch,
-                               bgmv_shrink_triton, host_stacks, lora_by_token_host, lora_by_token_numba,
-                               lora_by_token_torch, lora_by_token_triton)
-from kernels.lora_expand import lora_expand_torch, lora_expand_triton
-from kernels.lora_shrink import lora_shrink_torch, lora_shrink_triton
-from kernels.neuzip_decode import (DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
-                                   neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
+                               bgmv_shrink_triton, host_stacks, lora_by_token_host, lora_by_token_torch,
+                               lora_by_token_triton)
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
+from kernels.neuzip_decode import neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_groups import DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from kernels.rotary import rotary_store_torch, rotary_store_triton
 from kernels.segments import NO_SLOT, Segments, make_segments
 from kernels.silu_mul import silu_mul_torch, silu_mul_triton
 
 __all__ = ["DecodeGroup", "HostStacks", "NO_SLOT", "Segments", "bgmv_expand", "bgmv_shrink", "chunk_attention",
-           "decode_attention", "emr_delta", "host_stacks", "linear_by_token", "lora_by_token", "lora_expand", "lora_shrink", "make_segments", "masked",
-           "neuzip_decode", "neuzip_decode_group", "pack_bits", "rms_norm", "rotary_store", "silu_mul",
-           "unpack_bits"]
+           "decode_attention", "emr_delta", "host_stacks", "linear_by_token", "lora_by_token", "lora_expand",
+           "lora_shrink", "make_segments", "masked", "neuzip_decode", "neuzip_decode_group", "pack_bits", "rms_norm",
+           "rotary_store", "silu_mul", "unpack_bits"]
 
 
 def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor,
@@ -78,22 +78,12 @@ def lora_by_token(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Ten
                   rows: torch.Tensor, y: torch.Tensor, host: HostStacks | None = None) -> torch.Tensor:
     """y[t] += scale[r] * (x[t] @ a_stacked[r].T) @ b_stacked[r].T for r = rows[t] >= 0, in place. Returns y. fp32
     CPU tensors run the numba form (what CPU serving runs), unless a test forces a form; host: the same stacks as
-    host_stacks viewed them once, which that form then reads without checking them again."""
+    host_stacks viewed them once (the adapter pool's), which that form then reads without checking them again."""
     if not y.is_cuda and x.dtype == torch.float32 and _backend.FORCED is None:
-        if host is not None:
-            return lora_by_token_host(x, host, rows, y)
-        return lora_by_token_numba(x, a_stacked, b_stacked, scale, rows, y)
+        if host is None:  # the stacks as the adapter pool lays them out (B^T contiguous), viewed for this call
+            host = host_stacks(a_stacked, b_stacked.transpose(1, 2).contiguous().transpose(1, 2), scale)
+        return lora_by_token_host(x, host, rows, y)
     return dispatch(lora_by_token_torch, lora_by_token_triton, y)(x, a_stacked, b_stacked, scale, rows, y)
-
-
-def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """z[t] = scale[s] * x[t] @ a_stacked[s].T for s = slot[t] >= 0, else 0; z is a new [T, R] fp32 tensor."""
-    return dispatch(lora_shrink_torch, lora_shrink_triton, x)(x, a_stacked, scale, seg)
-
-
-def lora_expand(z: torch.Tensor, b_stacked: torch.Tensor, seg: Segments, y: torch.Tensor) -> torch.Tensor:
-    """y[t] += z[t] @ b_stacked[s].T for s = slot[t] >= 0, in place; NO_SLOT rows untouched. Returns y."""
-    return dispatch(lora_expand_torch, lora_expand_triton, y)(z, b_stacked, seg, y)
 
 
 def emr_delta(x: torch.Tensor, tau: torch.Tensor, masks: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,

@@ -22,8 +22,8 @@ first), on q's device; o [T, H, D] like q, written in place and returned. `max_t
 import torch
 
 from kernels._backend import INTERPRET, tl, triton
+from kernels.decode_attention import attend_block, check_store
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 16
 """Query tokens a program takes: a short chunk wastes few lanes, a long one reads each key block once per 16."""
 
@@ -56,8 +56,8 @@ def _chunk_attention_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One program: BLOCK_M query tokens of one chunk for one query head, over the keys up to the last of them in
-    BLOCK_N steps, causal, with an online softmax in fp32. A program past its chunk's end writes nothing."""
+    """One program: BLOCK_M query tokens of one chunk for one query head, over the keys up to the last of them,
+    causal. A program past its chunk's end writes nothing."""
     c = tl.program_id(0)
     block = tl.program_id(1)
     h = tl.program_id(2)
@@ -68,42 +68,15 @@ def _chunk_attention_kernel(
         first = tl.load(chunks_ptr + c * 4 + 3)
         offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] places in the chunk
         mask_m = offs_m < length
-        pos_m = first + offs_m  # [BLOCK_M] their positions
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        s = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         kv = h // GROUP
-        k_base = k_ptr + slot * stride_ks + kv * stride_kh
-        v_base = v_ptr + slot * stride_vs + kv * stride_vh
         end = first + tl.minimum(block * BLOCK_M + BLOCK_M, length)  # the last query's position + 1
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-            mask_n = offs_n < end
-            k = tl.load(k_base + offs_n[:, None] * stride_kl + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_base + offs_n[:, None] * stride_vl + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            if IEEE:
-                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-            else:
-                scores = tl.dot(q, tl.trans(k)) * scale
-            seen = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])  # causal
-            scores = tl.where(seen, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding query sees no key at all
-            p = tl.exp(scores - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-            alpha = tl.exp(m - m_safe)
-            s = s * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        out = acc / tl.maximum(s, 1e-30)[:, None]
+        out = attend_block(q, k_ptr + slot * stride_ks + kv * stride_kh, v_ptr + slot * stride_vs + kv * stride_vh,
+                           stride_kl, stride_vl, offs_d, mask_d, end, first + offs_m, scale, True, IEEE, BLOCK_M,
+                           BLOCK_N, BLOCK_D)
         tl.store(o_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -131,19 +104,7 @@ def chunk_attention_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: torc
 def _check(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, chunks: torch.Tensor, o: torch.Tensor
            ) -> None:
     """Both forms check the same contract, so a bad call fails the same way on CPU and GPU."""
-    if q.dim() != 3 or q.dtype not in DTYPES or q.stride(-1) != 1:
-        raise ValueError(f"q: expected a [T, H, D] fp32, fp16 or bf16 tensor, last dim contiguous; "
-                         f"got {list(q.shape)} {q.dtype}")
-    heads, dim = q.shape[1:]
-    for name, t in (("k_store", k_store), ("v_store", v_store)):
-        if t.dim() != 4 or t.shape[3] != dim or t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected [S, KVH, L, {dim}], last dim contiguous; got {list(t.shape)}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected {q.dtype} on {q.device} (q's); got {t.dtype} on {t.device}")
-    if v_store.shape != k_store.shape:
-        raise ValueError(f"v_store: expected k_store's shape {list(k_store.shape)}; got {list(v_store.shape)}")
-    if heads % k_store.shape[1]:
-        raise ValueError(f"q: {heads} heads do not split over {k_store.shape[1]} key/value heads")
+    check_store(q, k_store, v_store, 0)
     if chunks.dim() != 2 or chunks.shape[1] != 4 or chunks.dtype != torch.int64 or chunks.device != q.device \
             or not chunks.is_contiguous():
         raise ValueError(f"chunks: expected a contiguous [C, 4] int64 tensor on {q.device}; got "

@@ -41,16 +41,54 @@ def decode_attention_torch(q: torch.Tensor, k_store: torch.Tensor, v_store: torc
 
 
 @triton.jit
+def attend_block(q, k_base, v_base, stride_kl, stride_vl, offs_d, mask_d, end, pos, scale,
+                 CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """q [BLOCK_Q, BLOCK_D] over the keys and values at positions 0..end - 1 (k_base, v_base: one slot's and key
+    head's), in BLOCK_N steps with an online softmax in fp32; CAUSAL: query i sees only positions <= pos[i].
+    Half-precision stores multiply on the tensor cores (the probabilities cast to the store's dtype, as flash
+    attention does); fp32 ones, and every store under Triton's interpreter (whose half-precision dot is not a
+    GPU's), in IEEE fp32. -> [BLOCK_Q, BLOCK_D] fp32; a query that sees no key gets zeros. chunk_attention's kernel
+    calls it too."""
+    m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        mask_n = offs_n < end
+        k = tl.load(k_base + offs_n[:, None] * stride_kl + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_base + offs_n[:, None] * stride_vl + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        seen = mask_n[None, :]
+        if CAUSAL:
+            seen = seen & (offs_n[None, :] <= pos[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key yet
+        p = tl.exp(scores - m_safe[:, None])  # [BLOCK_Q, BLOCK_N]
+        alpha = tl.exp(m - m_safe)
+        s = s * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return acc / tl.maximum(s, 1e-30)[:, None]  # no key seen (a padding row): acc and s are zero, so is out
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lengths_ptr,
     scale, GROUP,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl, stride_ob, stride_oh,
     D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One program: the GROUP query heads of one row that share key/value head `pid_h`, over the row's keys in
-    BLOCK_N steps with an online softmax in fp32. Half-precision stores multiply on the tensor cores (the
-    probabilities cast to the store's dtype, as flash attention does); fp32 ones, and every store under Triton's
-    interpreter (whose half-precision dot is not a GPU's), in IEEE fp32."""
+    """One program: the GROUP query heads of one row that share key/value head `pid_h`, over the row's keys."""
     row = tl.program_id(0)
     pid_h = tl.program_id(1)
     length = tl.load(lengths_ptr + row)
@@ -61,33 +99,9 @@ def _decode_attention_kernel(
     heads = pid_h * GROUP + offs_g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    k_base = k_ptr + row * stride_ks + pid_h * stride_kh
-    v_base = v_ptr + row * stride_vs + pid_h * stride_vh
-    for n0 in range(0, length, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        mask_n = offs_n < length
-        k = tl.load(k_base + offs_n[:, None] * stride_kl + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_base + offs_n[:, None] * stride_vl + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if IEEE:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])  # [BLOCK_G, BLOCK_N]
-        alpha = tl.exp(m - m_new)
-        s = s * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    out = acc / tl.maximum(s, 1e-30)[:, None]  # a padding row (length 0) leaves acc and s at zero: o = 0
+    out = attend_block(q, k_ptr + row * stride_ks + pid_h * stride_kh, v_ptr + row * stride_vs + pid_h * stride_vh,
+                       stride_kl, stride_vl, offs_d, mask_d, length, offs_g, scale, False, IEEE, BLOCK_G, BLOCK_N,
+                       BLOCK_D)
     tl.store(o_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
@@ -116,19 +130,25 @@ def decode_attention_triton(q: torch.Tensor, k_store: torch.Tensor, v_store: tor
 
 def _check(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor) -> None:
     """Both forms check the same contract, so a bad call fails the same way on CPU and GPU."""
+    check_store(q, k_store, v_store, q.shape[0] if q.dim() == 3 else 0)
+    rows = q.shape[0]
+    if lengths.shape != (rows,) or lengths.dtype not in (torch.int32, torch.int64) or lengths.device != q.device:
+        raise ValueError(f"lengths: expected [{rows}] int32 or int64 on {q.device}; got {list(lengths.shape)} "
+                         f"{lengths.dtype} on {lengths.device}")
+
+
+def check_store(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, slots: int) -> None:
+    """q [T, H, D] and one layer's KV store of at least `slots` slots, as both attention ops read them."""
     if q.dim() != 3 or q.dtype not in DTYPES or q.stride(-1) != 1:
-        raise ValueError(f"q: expected a [B, H, D] fp32, fp16 or bf16 tensor, last dim contiguous; "
+        raise ValueError(f"q: expected a [T, H, D] fp32, fp16 or bf16 tensor, last dim contiguous; "
                          f"got {list(q.shape)} {q.dtype}")
-    rows, heads, dim = q.shape
+    heads, dim = q.shape[1:]
     for name, t in (("k_store", k_store), ("v_store", v_store)):
-        if t.dim() != 4 or t.shape[0] < rows or t.shape[3] != dim or t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected [S >= {rows}, KVH, L, {dim}], last dim contiguous; got {list(t.shape)}")
+        if t.dim() != 4 or t.shape[0] < slots or t.shape[3] != dim or t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected [S >= {slots}, KVH, L, {dim}], last dim contiguous; got {list(t.shape)}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: expected {q.dtype} on {q.device} (q's); got {t.dtype} on {t.device}")
     if v_store.shape != k_store.shape:
         raise ValueError(f"v_store: expected k_store's shape {list(k_store.shape)}; got {list(v_store.shape)}")
     if heads % k_store.shape[1]:
         raise ValueError(f"q: {heads} heads do not split over {k_store.shape[1]} key/value heads")
-    if lengths.shape != (rows,) or lengths.dtype not in (torch.int32, torch.int64) or lengths.device != q.device:
-        raise ValueError(f"lengths: expected [{rows}] int32 or int64 on {q.device}; got {list(lengths.shape)} "
-                         f"{lengths.dtype} on {lengths.device}")

@@ -1,7 +1,7 @@
 """LoRA by token (Punica's BGMV): each token reads its own stack row, so a launch depends only on the number of
 tokens, never on which adapters the step's rows use. On CUDA a decode step's launches are then the same for every
 mix of adapters and a CUDA graph replays them; on a CPU one compiled loop does a module's whole LoRA for every
-token (lora_by_token_numba), where the torch twins pay a dozen small operations a call.
+token (lora_by_token_host, over stacks viewed once), where the torch twins pay a dozen small operations a call.
 
 Semantics:
     bgmv_shrink: z[t] = x[t] @ a_stacked[r].T * scale[r]         for r = rows[t] >= 0, else z[t] = 0
@@ -226,24 +226,6 @@ def _lora_by_token(x, a, bt, scale, rows, y):  # pragma: no cover (compiled)
                 y[t, o] += zk * bt[r, k, o]
 
 
-def lora_by_token_numba(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.Tensor,
-                        rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """CPU serving's form for fp32 (one compiled loop a call, the GIL released): about 15 us for a decode step's
-    16 tokens on SmolLM2's q_proj, against 60 for the torch twins (2-core CPU). Sums in another order than the
-    twins: equal up to fp32 rounding."""
-    _check_shrink(x, a_stacked, scale, rows)
-    _check_out(b_stacked, rows, y, a_stacked.shape[1])
-    if x.dtype != torch.float32 or x.is_cuda:
-        raise ValueError(f"x: the numba form takes fp32 CPU tensors; got {x.dtype} on {x.device}")
-    if scale.dim() != 1:
-        raise ValueError(f"scale: the numba form takes one scale a row, [N]; got {list(scale.shape)}")
-    bt = b_stacked.transpose(1, 2)  # [N, R, out]
-    if not bt.is_contiguous():
-        bt = bt.contiguous()
-    _lora_by_token(x.contiguous().numpy(), a_stacked.numpy(), bt.numpy(), scale.numpy(), rows.numpy(), y.numpy())
-    return y
-
-
 class HostStacks(NamedTuple):
     """One module's stacks as the numba form reads them, checked and viewed once (host_stacks): CPU serving calls
     it for every module of every step, where checking and converting the stacks again cost more than the loop."""
@@ -257,7 +239,7 @@ class HostStacks(NamedTuple):
 
 
 def host_stacks(a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.Tensor) -> HostStacks:
-    """The numba form's view of CPU fp32 stacks (shapes as lora_by_token_numba's), sharing their memory."""
+    """The numba form's view of CPU fp32 stacks (shapes as lora_by_token's), sharing their memory."""
     if a_stacked.is_cuda or a_stacked.dtype != torch.float32 or scale.dim() != 1:
         raise ValueError(f"host stacks: expected fp32 CPU stacks and an [N] scale; got {a_stacked.dtype} on "
                          f"{a_stacked.device}, scale {list(scale.shape)}")
@@ -270,7 +252,9 @@ def host_stacks(a_stacked: torch.Tensor, b_stacked: torch.Tensor, scale: torch.T
 
 
 def lora_by_token_host(x: torch.Tensor, stacks: HostStacks, rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """lora_by_token_numba over stacks viewed once; only x, rows and y are checked here."""
+    """CPU serving's form for fp32 (one compiled loop a call, the GIL released), over stacks viewed once: about 15
+    us for a decode step's 16 tokens on SmolLM2's q_proj, against 60 for the torch twins (2-core CPU). Sums in
+    another order than the twins: equal up to fp32 rounding. Only x, rows and y are checked here."""
     xn, rn, yn = x.numpy(), rows.numpy(), y.numpy()  # CPU tensors only (numpy() refuses the others)
     tokens, in_f = xn.shape if xn.ndim == 2 else (-1, -1)
     if (xn.dtype != np.float32 or in_f != stacks.a.shape[2] or not xn.flags.c_contiguous

@@ -1,5 +1,6 @@
-"""LoRA shrink, the first half of a batched multi-adapter LoRA (Punica SGMV, vLLM lora_shrink):
-project every token onto its own slot's A. The engine's LinearWithSlots calls it before lora_expand.
+"""LoRA shrink over segments, the first half of a batched multi-adapter LoRA (Punica SGMV): project every token
+onto its own slot's A. What a CPU runs in half precision (the adapter pool, before lora_expand): fp32 on a CPU and
+every dtype on CUDA run kernels.lora_by_token instead, so this op has no GPU form.
 
 Semantics:
     for t in range(T):
@@ -12,15 +13,13 @@ seg: Segments of the T tokens. Returns a new z [T, R] fp32 (accumulated in fp32)
 
 import torch
 
-from kernels._backend import tl, triton
 from kernels.segments import Segments, slot_rows
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TARGET_PROGRAMS = 256  # enough to fill an H100's 132 SMs twice
 
 
-def lora_shrink_torch(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """The twin, which is what CPU serving runs: one batched matmul, never a loop over tokens.
+def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """One batched matmul, never a loop over tokens.
 
     One segment covering the batch is a plain matmul. Otherwise each segment's tokens are gathered into
     a [max_length, in] block (seg.padded, built once per step) and multiplied by that segment's A in one bmm;
@@ -39,80 +38,8 @@ def lora_shrink_torch(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Ten
     return x.new_zeros((num_tokens, rank), dtype=torch.float32).index_copy_(0, seg.order, zs)  # [T, R]
 
 
-@triton.jit
-def _lora_shrink_kernel(
-    x_ptr, a_ptr, scale_ptr, z_ptr,
-    order_ptr, starts_ptr, lengths_ptr, slots_ptr,
-    K, R,
-    stride_xt, stride_as, stride_ar, stride_zt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    """One program: BLOCK_M tokens of one segment x BLOCK_N ranks x every SPLIT_K-th BLOCK_K slice of `in`."""
-    pid_s = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2) // SPLIT_K
-    pid_k = tl.program_id(2) % SPLIT_K
-    length = tl.load(lengths_ptr + pid_s)
-    # The grid is sized for the longest segment; tiles past the end of a shorter one have nothing to do.
-    if pid_m * BLOCK_M < length:
-        slot = tl.load(slots_ptr + pid_s)
-        start = tl.load(starts_ptr + pid_s)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows within the segment
-        mask_m = offs_m < length
-        tok = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0)  # [BLOCK_M] token indices
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] ranks
-        mask_n = offs_n < R
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-            mask_k = offs_k < K
-            x_tile = tl.load(
-                x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
-                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-            ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-            a_tile = tl.load(
-                a_ptr + slot * stride_as + offs_n[None, :] * stride_ar + offs_k[:, None],
-                mask=mask_n[None, :] & mask_k[:, None], other=0.0,
-            ).to(tl.float32)  # [BLOCK_K, BLOCK_N], A[slot].T
-            acc += tl.dot(x_tile, a_tile, input_precision="ieee")
-        acc = acc * tl.load(scale_ptr + slot)
-        z_ptrs = z_ptr + tok[:, None] * stride_zt + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-        mask = mask_m[:, None] & mask_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(z_ptrs, acc, mask=mask)
-        else:  # z starts at zero; the splits of one tile sum into it (in no fixed order)
-            tl.atomic_add(z_ptrs, acc, mask=mask)
-
-
-def lora_shrink_triton(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """Host wrapper: check, allocate z (zeros: NO_SLOT rows need no program, splits add into it), launch."""
-    _check_shrink(x, a_stacked, scale, seg)
-    num_tokens, in_features = x.shape
-    rank = a_stacked.shape[1]
-    z = torch.zeros((num_tokens, rank), dtype=torch.float32, device=x.device)  # [T, R]
-    num_segments = seg.slots.numel()
-    if num_segments == 0:
-        return z
-    # tl.dot wants every tile dim >= 16; masks cover what the padding adds. Sizes measured on an H100.
-    block_m = min(64, max(16, triton.next_power_of_2(seg.max_length)))
-    block_n = min(64, max(16, triton.next_power_of_2(rank)))
-    block_k = min(64, max(16, triton.next_power_of_2(in_features)))
-    # R is small and `in` long, so a few segments make few programs: split `in` until ~256 programs run.
-    tiles = num_segments * triton.cdiv(seg.max_length, block_m) * triton.cdiv(rank, block_n)
-    split_k = max(1, min(triton.cdiv(in_features, block_k), TARGET_PROGRAMS // tiles))
-    grid = (num_segments, triton.cdiv(seg.max_length, block_m), triton.cdiv(rank, block_n) * split_k)
-    _lora_shrink_kernel[grid](
-        x, a_stacked, scale, z,
-        seg.order, seg.starts, seg.lengths, seg.slots,
-        in_features, rank,
-        x.stride(0), a_stacked.stride(0), a_stacked.stride(1), z.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-    )
-    return z
-
-
 def _check_shrink(x: torch.Tensor, a_stacked: torch.Tensor, scale: torch.Tensor, seg: Segments) -> None:
-    """Both forms check the same contract, so a bad call fails the same way on CPU and GPU."""
+    """Bad arguments fail by name, in one line."""
     if x.dim() != 2 or x.dtype not in DTYPES or not x.is_contiguous():
         raise ValueError(f"x: expected a contiguous [T, in] fp32, fp16 or bf16 tensor; "
                          f"got {list(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' non-contiguous'}")

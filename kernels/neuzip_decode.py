@@ -23,8 +23,7 @@ Three forms with one signature, (words, offsets, table, sm, bits, out) -> status
 words int16 [W] (16-bit words), offsets int64 [L + 1], table int32 [4096], sm uint8, out int16 [n] (a bf16
 tensor's bits) written in place; status int32 [L], 0 where the lane decoded cleanly.
 
-And two forms for a DecodeGroup of such tensors, (group) -> status: neuzip_decode_group_torch (each in turn) and
-neuzip_decode_group_triton (all of them in one launch: what a GPU server runs).
+A GPU server decodes several tensors a launch instead: kernels/neuzip_groups.py, over the same lane steps.
 """
 
 import os
@@ -45,7 +44,7 @@ SLOT_MASK = (1 << SCALE_BITS) - 1
 BLOCK_LANES = 128
 
 
-def _check(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor, bits: int,
+def check_stream(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor, bits: int,
            out: torch.Tensor) -> None:
     if bits not in (0, 1, 3, 7):
         raise ValueError(f"bits must be 0, 1, 3 or 7; got {bits}")
@@ -72,7 +71,7 @@ def lanes_for(n: int, lane: int) -> int:
 def neuzip_decode_torch(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor,
                         bits: int, out: torch.Tensor) -> torch.Tensor:
     """The specification: every lane one step at a time, lanes in parallel."""
-    _check(words, offsets, table, sm, bits, out)
+    check_stream(words, offsets, table, sm, bits, out)
     n, lanes = out.numel(), offsets.numel() - 1
     w = words.long() & 0xFFFF
     last = max(w.numel() - 1, 0)
@@ -346,7 +345,7 @@ def neuzip_decode_numba(words: torch.Tensor, offsets: torch.Tensor, table: torch
     """CPU serving's form, in two passes per thread (the rANS pass writes exponent bytes, a second pass joins
     them with sign and mantissa: a quarter faster than one pass doing both); `threads` (default: torch's thread
     count, at most every core) split the lanes."""
-    _check(words, offsets, table, sm, bits, out)
+    check_stream(words, offsets, table, sm, bits, out)
     n, lanes = out.numel(), offsets.numel() - 1
     args = (words.numpy().view(np.uint16), offsets.numpy(), table.numpy().view(np.uint32), sm.numpy(),
             np.empty(n, np.uint8), out.numpy().view(np.uint16))
@@ -357,8 +356,8 @@ def neuzip_decode_numba(words: torch.Tensor, offsets: torch.Tensor, table: torch
 
 
 @triton.jit
-def _decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS: tl.constexpr,
-                        LOG_PER: tl.constexpr):
+def decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS: tl.constexpr,
+                       LOG_PER: tl.constexpr):
     """The block of lanes `lane` (those < lanes live) of one tensor, every step; at step j each lane writes
     output j * lanes + lane. -> whether each lane decoded cleanly."""
     live = lane < lanes
@@ -391,34 +390,14 @@ def _neuzip_decode_kernel(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, st
                           BITS: tl.constexpr, LOG_PER: tl.constexpr, BLOCK: tl.constexpr):
     """One program: BLOCK lanes of the tensor."""
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = _decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS,
+    ok = decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS,
                              LOG_PER)
     tl.store(status_ptr + lane, tl.where(ok, 0, 1).to(tl.int32), mask=lane < lanes)
 
 
-@triton.jit
-def _neuzip_decode_group_kernel(meta_ptr, status_ptr, BITS: tl.constexpr, LOG_PER: tl.constexpr,
-                                BLOCK: tl.constexpr, META: tl.constexpr):
-    """One program: BLOCK lanes of one of the group's tensors, whose addresses and sizes are its row of meta
-    (DecodeGroup's layout); its lanes' status at status[program * BLOCK:]."""
-    pid = tl.program_id(0)
-    row = meta_ptr + pid * META
-    words_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
-    offsets_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int64))
-    table_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int32))
-    sm_ptr = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
-    out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int16))
-    n_words, lanes, n, first = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8)
-    lane = first + tl.arange(0, BLOCK)
-    ok = _decode_lanes_block(words_ptr, offsets_ptr, table_ptr, sm_ptr, out_ptr, lane, n, lanes, n_words, BITS,
-                             LOG_PER)
-    at = pid * BLOCK + tl.arange(0, BLOCK)
-    tl.store(status_ptr + at, tl.where(ok, 0, 1).to(tl.int32), mask=lane < lanes)
-
-
 def neuzip_decode_triton(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, sm: torch.Tensor,
                          bits: int, out: torch.Tensor) -> torch.Tensor:
-    _check(words, offsets, table, sm, bits, out)
+    check_stream(words, offsets, table, sm, bits, out)
     n, lanes = out.numel(), offsets.numel() - 1
     status = torch.empty(lanes, dtype=torch.int32, device=out.device)
     log_per = log_fields_per_byte(bits)
@@ -426,51 +405,3 @@ def neuzip_decode_triton(words: torch.Tensor, offsets: torch.Tensor, table: torc
     _neuzip_decode_kernel[grid](words, offsets, table, sm, out, status, n, lanes, words.numel(), BITS=bits,
                                 LOG_PER=log_per, BLOCK=BLOCK_LANES)
     return status
-
-
-Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""One coded tensor of a group: (words, offsets, table, sm, out), as the one-tensor forms take them."""
-META = 9
-"""int64 per program of a group: words, offsets, table, sm and out addresses, then words, lanes, elements and the
-program's first lane."""
-
-
-class DecodeGroup:
-    """Coded tensors of one bit width decoded together: on a GPU one launch for all of them (a launch costs
-    about as long as one lane's steps, whatever its size, and a budget-0 forward decodes every weight), so a
-    caller decodes a group of weights where it would launch once a weight. The table of addresses is built once:
-    the parts' tensors must stay where they are for as long as the group is used."""
-
-    def __init__(self, parts: list[Part], bits: int):
-        if not parts:
-            raise ValueError("a decode group needs at least one coded tensor")
-        self.device = parts[0][4].device
-        for part in parts:
-            _check(*part[:4], bits, part[4])
-            if any(t.device != self.device or not t.is_contiguous() for t in part):
-                raise ValueError(f"a decode group's tensors are contiguous and on {self.device}: its kernel reads "
-                                 "them by address")
-        self.parts, self.bits = parts, bits
-        rows = []
-        for words, offsets, table, sm, out in parts:
-            lanes = offsets.numel() - 1
-            rows += [[t.data_ptr() for t in (words, offsets, table, sm, out)] + [words.numel(), lanes, out.numel(),
-                     first] for first in range(0, lanes, BLOCK_LANES)]
-        self.meta = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        self.status = torch.zeros(len(rows) * BLOCK_LANES, dtype=torch.int32, device=self.device)
-        """The Triton form's status: each program's block of lanes (a block's lanes past its tensor's stay 0)."""
-
-
-def neuzip_decode_group_torch(group: DecodeGroup) -> torch.Tensor:
-    """Every part in turn, by the one-tensor specification; -> the parts' statuses, one after another."""
-    return torch.cat([neuzip_decode_torch(*part[:4], group.bits, part[4]) for part in group.parts])
-
-
-def neuzip_decode_group_triton(group: DecodeGroup) -> torch.Tensor:
-    """Every part in one launch; -> the status of each program's block of lanes (nonzero where a lane of a part
-    did not decode cleanly). The two forms lay their status out differently, so only where it is nonzero means
-    anything to a caller; this one is the group's own buffer, which the next launch overwrites."""
-    grid = (group.meta.shape[0],)
-    _neuzip_decode_group_kernel[grid](group.meta, group.status, BITS=group.bits,
-                                      LOG_PER=log_fields_per_byte(group.bits), BLOCK=BLOCK_LANES, META=META)
-    return group.status

@@ -139,20 +139,8 @@ def random_lora(rt, name: str, rank: int, seed: int, targets: tuple[str, ...], s
 
 
 def random_emr_group(rt, name: str, tasks: int, seed: int, only: str = "layers.1.") -> list:
-    """An EMR group over every floating tensor of a runtime's base whose name holds `only` (its Linear weights and
-    norms), tau_uni random and each task's mask a random half, as the variant cache would hold it; -> its tasks'
-    variants (what a row of `name/t<k>` runs)."""
-    from kernels import pack_bits
-    from serve.variants.base import MASKS_SUFFIX, LoadedVariant
+    """An EMR group over the tensors of a runtime's base whose name holds `only`, tau_uni wide (a wrong task is far
+    off): its tasks' variants."""
+    from serve.bench.engine_models import emr_tasks
 
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for n, t in rt.view.tensors.items():
-        if only in n and t.is_floating_point():
-            tensors[n] = torch.randn(t.shape, generator=g).to(t.dtype) * 0.3
-            tensors[n + MASKS_SUFFIX] = pack_bits(torch.rand(tasks, *t.shape, generator=g) > 0.5)
-    group = LoadedVariant(name, "emr", f"emr:{name}", tensors, key=name)
-    for k in range(tasks):
-        group.members[f"{name}/t{k}"] = LoadedVariant(f"{name}/t{k}", "emr", group.family, {},
-                                                      {"rescaler": 0.5 + 0.25 * k}, parent=group, index=k)
-    return list(group.members.values())
+    return emr_tasks(rt, name, tasks, seed, (only,), scale=0.3)

@@ -9,6 +9,9 @@ time of `repeats` steps in a row over `repeats`, the median of three such runs:
                    every row on the base
   engine lora      one distinct rank-16 LoRA adapter on q_proj and v_proj per row
   engine mixed     rows in turn: the base, a LoRA adapter, a full fine-tune of the top two layers
+  engine kinds     rows in turn: the base, a rank-16 LoRA on all seven linears (one each), a full fine-tune of the
+                   top two layers (two distinct), a task of an EMR group of the top two layers (three tasks); its
+                   floor counts every byte the kinds read (each adapter, both fine-tunes, tau_uni and the masks)
   peft mixed       PEFT's own mixed-batch forward (`adapter_names=`) with the same adapters as engine lora
 The floor is the bytes a step must read, the weights once and every row's keys and values, over the GPU's
 memory bandwidth (H100 3.35 TB/s, H200 4.8 TB/s).
@@ -39,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from serve.bench.engine_models import (build_model_dir, loaded_adapter, module_dims, peft_with, top2_finetune,
-                                       write_adapter)
+from serve.bench.engine_models import (ALL_LINEARS, build_model_dir, emr_tasks, loaded_adapter, module_dims,
+                                       peft_with, top2_finetune, top_layers, write_adapter)
 from serve.bench.engine_e2e import CPU_WORKLOAD, GPU_WORKLOAD, bench_end_to_end
 from serve.bench.engine_traffic import CPU_TRAFFIC, GPU_TRAFFIC, bench_traffic, print_traffic
 from serve.bench.report import NO_GPU, finish, machine, median_time, sync
@@ -133,12 +136,20 @@ def hf_step_ms(model, rows: int, context: int, repeats: int, device: torch.devic
         return median_ms(step, repeats, device)
 
 
-def floor_ms(rt, rows: int, context: int, bandwidth: float | None) -> float | None:
+def floor_ms(rt, rows: int, context: int, bandwidth: float | None, variants: list | None = None) -> float | None:
+    """The step's bytes over the bandwidth: the base's weights, each distinct variant's own tensors (an EMR group's
+    tau_uni and masks once), every row's keys and values."""
     if bandwidth is None:
         return None
-    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters() if not p.is_meta)
     kv = rows * (context + 1) * rt.kv.nbytes // (rt.kv.slots + 1) // rt.kv.positions
-    return 1e3 * (weights + kv) / bandwidth
+    return 1e3 * (weights + kv + variant_bytes(variants or [])) / bandwidth
+
+
+def variant_bytes(variants: list) -> int:
+    """Bytes of the distinct variants' tensors (a group's once, whichever of its tasks the rows run)."""
+    seen = {id(v.parent or v): v.parent or v for v in variants if v is not None}
+    return sum(t.numel() * t.element_size() for v in seen.values() for t in v.tensors.values())
 
 
 def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: int, bandwidth: float | None,
@@ -150,29 +161,38 @@ def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: in
     from serve.engine.model import BaseModelRuntime
 
     most = max(rows_list)
-    rt = BaseModelRuntime("bench", model_dir, str(device), SlotsConfig(adapter_mib=4096, max_rank=64),
+    rt = BaseModelRuntime("bench", model_dir, str(device), SlotsConfig(adapter_mib=4096, weights_mib=4096,
+                                                                       max_rank=64),
                           batch=BatchConfig(max_batch_size=most, max_model_len=context + 4 * repeats + 16,
                                             max_step_tokens=8192))
     dims = module_dims(model_dir)
     dtype = next(rt.model.parameters()).dtype
     adapters = [loaded_adapter(f"a{i}", dims, RANK, i, dtype, device) for i in range(most)]
+    every = module_dims(model_dir, ALL_LINEARS)
+    wide = [loaded_adapter(f"w{i}", every, RANK, 500 + i, dtype, device) for i in range(-(-most // 4))]
     fulls = [top2_finetune(rt, f"f{i}", i) for i in range(2)]
+    tasks = emr_tasks(rt, "bench-emr", 3, 7, top_layers(rt))
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
     rows_out = []
     for rows in rows_list:
         mixed = [(None, adapters[i], fulls[i % 2])[i % 3] for i in range(rows)]
+        kinds = [(None, wide[i // 4], fulls[(i // 4) % 2], tasks[(i // 4) % 3])[i % 4] for i in range(rows)]
         kernels = [] if profile and rows == most else None
         entry = {"rows": rows, "context": context, "floor_ms": floor_ms(rt, rows, context, bandwidth),
                  "transformers_ms": hf_step_ms(plain, rows, context, repeats, device),
                  "engine_base_ms": engine_step_ms(rt, [None] * rows, context, repeats, rows),
                  "engine_lora_ms": engine_step_ms(rt, adapters[:rows], context, repeats, rows, kernels),
-                 "engine_mixed_ms": engine_step_ms(rt, mixed, context, repeats, rows)}
+                 "engine_mixed_ms": engine_step_ms(rt, mixed, context, repeats, rows),
+                 "engine_kinds_ms": engine_step_ms(rt, kinds, context, repeats, rows),
+                 "kinds_floor_ms": floor_ms(rt, rows, context, bandwidth, kinds)}
         rows_out.append(entry)
         print(f"  {rows} rows: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in entry.items()})}",
               flush=True)
         if kernels is not None:
             entry["profile"] = kernels
     steps = dict(rt.step_counts)
+    if device.type == "cuda":
+        rows_out[-1]["neuzip"] = neuzip_step(model_dir, rt, adapters[:most], context, repeats, rows_out[-1])
     with_peft = peft_steps(plain, rt, adapters, rows_list, context, repeats, device, model_dir)
     for entry, peft in zip(rows_out, with_peft):
         entry["peft_mixed_ms"] = peft
@@ -182,6 +202,43 @@ def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: in
             entry["graphs"] = {"captures": rt.graphs.captures, "capture_s": round(rt.graphs.capture_seconds, 2),
                                "capture_mib": round(rt.graphs.capture_bytes / (1 << 20), 1)}
     return rows_out
+
+
+def neuzip_step(model_dir: Path, bf16, adapters: list, context: int, repeats: int, entry: dict) -> dict:
+    """The same LoRA rows on the base held as a lossless NeuZip base (256-symbol lanes, as a GPU server stores it):
+    its graphed step beside its decode measured alone plus the bf16 base's step (entry's engine_lora_ms), the
+    decoder's speed, and the memory it saves."""
+    from serve.codecs.neuzip import LANE_GPU
+    from serve.codecs.neuzip_file import compress_dir
+    from serve.config import BatchConfig, SlotsConfig
+    from serve.engine.model import BaseModelRuntime
+    from kernels import neuzip_decode_group
+
+    nz_dir = model_dir.with_name(model_dir.name + "-nz7")
+    if not (nz_dir / "config.json").exists():
+        compress_dir(model_dir, 7, nz_dir, lane=LANE_GPU)
+    rt = BaseModelRuntime("bench-nz", nz_dir, str(bf16.device), SlotsConfig(adapter_mib=4096, max_rank=64),
+                          batch=BatchConfig(max_batch_size=len(adapters), max_model_len=bf16.kv.positions,
+                                            max_step_tokens=8192))
+    step_ms = engine_step_ms(rt, adapters, context, repeats, 0)
+    decoder = rt.coded.decoder
+
+    def decode_all():
+        for group in decoder.groups:
+            neuzip_decode_group(group)
+
+    decode_ms = steady_ms(decode_all, repeats, rt.device)
+    decoded = rt.coded.decoded_size
+    saved = sum(p.numel() * p.element_size() for p in bf16.model.parameters()) - rt.nbytes
+    adapter = sum(t.numel() * t.element_size() for t in adapters[0].tensors.values())
+    slot = bf16.kv.nbytes // (bf16.kv.slots + 1)
+    out = {"step_ms": step_ms, "decode_ms": decode_ms, "bf16_step_ms": entry["engine_lora_ms"],
+           "step_over_decode_plus_bf16": step_ms / (decode_ms + entry["engine_lora_ms"]),
+           "decoder_gb_s": decoded / decode_ms / 1e6, "decoded_gb": decoded / 1e9, "saved_gb": saved / 1e9,
+           "saved_holds_rows": saved // slot, "saved_holds_adapters": saved // adapter,
+           "steps": dict(rt.step_counts)}
+    del rt
+    return out
 
 
 def peft_steps(plain, rt, adapters, rows_list, context, repeats, device, model_dir) -> list[float]:
@@ -262,25 +319,40 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
     return finish(report, out, print_report)
 
 
-def print_report(report: dict) -> None:
-    print(f"\nengine bench on {report['machine']}")
-    if report["gpu"]:
-        print(f"GPU: {report['gpu']}")
+def print_steps(report: dict) -> None:
     print("\none decode step, ms (engine: steady state; others: median); floor: weights + KV bytes over HBM bandwidth")
     print(f"{'shape':<32}{'rows':>5}{'floor':>8}{'transformers':>14}{'engine base':>13}{'engine lora':>13}"
-          f"{'lora/base':>10}{'engine mixed':>14}{'peft mixed':>12}")
+          f"{'lora/base':>10}{'engine mixed':>14}{'engine kinds':>14}{'its floor':>11}{'peft mixed':>12}")
     for shape, rows in report["steps"].items():
         for r in rows:
             floor = f"{r['floor_ms']:.2f}" if r.get("floor_ms") else "n/a"
+            kinds_floor = f"{r['kinds_floor_ms']:.2f}" if r.get("kinds_floor_ms") else "n/a"
             print(f"{shape:<32}{r['rows']:>5}{floor:>8}{r['transformers_ms']:>14.2f}{r['engine_base_ms']:>13.2f}"
                   f"{r['engine_lora_ms']:>13.2f}{r['engine_lora_ms'] / r['engine_base_ms']:>9.2f}x"
-                  f"{r['engine_mixed_ms']:>14.2f}{r['peft_mixed_ms']:>12.2f}")
+                  f"{r['engine_mixed_ms']:>14.2f}{r['engine_kinds_ms']:>14.2f}{kinds_floor:>11}"
+                  f"{r['peft_mixed_ms']:>12.2f}")
+    for shape, rows in report["steps"].items():
+        nz = rows[-1].get("neuzip")
+        if nz:
+            print(f"\n{shape}, {rows[-1]['rows']} LoRA rows on a lossless NeuZip base: a step {nz['step_ms']:.2f} ms "
+                  f"against its decode alone {nz['decode_ms']:.2f} + the bf16 step {nz['bf16_step_ms']:.2f} "
+                  f"({nz['step_over_decode_plus_bf16']:.2f}x); the decoder {nz['decoder_gb_s']:.0f} GB/s of "
+                  f"decoded weights; it saves {nz['saved_gb']:.2f} GB, room for {nz['saved_holds_rows']} more rows of "
+                  f"max_model_len or {nz['saved_holds_adapters']} more adapters like these")
     for shape, rows in report["steps"].items():
         for r in rows:
             if r.get("profile"):
                 print(f"\n{shape}, {r['rows']} rows with adapters: where a step goes (us a step, calls a step)")
                 for k in r["profile"]:
                     print(f"  {k['us_per_step']:>9.1f} {k['calls_per_step']:>7.1f}  {k['name'][:90]}")
+
+
+def print_report(report: dict) -> None:
+    print(f"\nengine bench on {report['machine']}")
+    if report["gpu"]:
+        print(f"GPU: {report['gpu']}")
+    if report["steps"]:
+        print_steps(report)
     e = report.get("end_to_end")
     if e:
         print(f"\nend to end: {e['requests']} requests of {e['new_tokens']} new tokens (prompts "

@@ -97,11 +97,38 @@ def top2_finetune(rt, name: str, seed: int):
     from serve.variants.base import LoadedVariant
 
     g = torch.Generator(device=rt.device).manual_seed(seed)
-    layers = rt.model.config.num_hidden_layers
-    top = (f"layers.{layers - 2}.", f"layers.{layers - 1}.")
+    top = top_layers(rt)
     tensors = {k: t + torch.randn(t.shape, generator=g, device=rt.device, dtype=t.dtype) * 1e-3
                for k, t in rt.view.tensors.items() if any(p in k for p in top)}
     return LoadedVariant(name, "full", "weights", tensors)
+
+
+def emr_tasks(rt, name: str, tasks: int, seed: int, only: tuple[str, ...], scale: float = 1e-3) -> list:
+    """An EMR group over every floating tensor of a runtime's base whose name holds one of `only`, as the variant
+    cache would hold it: tau_uni random (`scale` of each tensor's spread), each task's mask a random half -> its
+    tasks' variants (what a row of `name/t<k>` runs). A tensor's spread is its mean magnitude (a norm's weights
+    are all near one)."""
+    from kernels import pack_bits
+    from serve.variants.base import MASKS_SUFFIX, LoadedVariant
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for n, t in rt.view.tensors.items():
+        if any(p in n for p in only) and t.is_floating_point() and not t.is_meta:
+            spread = float(t.float().abs().mean())
+            tensors[n] = (torch.randn(t.shape, generator=g) * scale * spread).to(t.dtype).to(t.device)
+            tensors[n + MASKS_SUFFIX] = pack_bits(torch.rand(tasks, *t.shape, generator=g) > 0.5).to(t.device)
+    group = LoadedVariant(name, "emr", f"emr:{name}", tensors, key=name)
+    for k in range(tasks):
+        group.members[f"{name}/t{k}"] = LoadedVariant(f"{name}/t{k}", "emr", group.family, {},
+                                                      {"rescaler": 0.5 + 0.25 * k}, parent=group, index=k)
+    return list(group.members.values())
+
+
+def top_layers(rt, n: int = 2) -> tuple[str, ...]:
+    """The name parts of a Llama's top n layers ("layers.14.", "layers.15.")."""
+    layers = rt.model.config.num_hidden_layers
+    return tuple(f"layers.{layers - k}." for k in range(n, 0, -1))
 
 
 def peft_with(plain, adapters: dict[str, Path]):

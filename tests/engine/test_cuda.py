@@ -113,6 +113,7 @@ def test_a_neuzip_base_on_cuda_answers_as_its_bf16_base(store_root):
 
     assert asyncio.run(serve("lm-nz")) == asyncio.run(serve("lm-bf16"))
     assert gpu.bases["lm-nz"].coded is not None and gpu.holds() == {}
+    assert set(gpu.bases["lm-nz"].step_counts) == {"graphed"}  # its decode launches captured with the step
 
 
 def _generate(eng: Engine, rows: list[tuple[str, str]], max_tokens: int = 8) -> list[list[int]]:
@@ -159,3 +160,13 @@ def test_a_pool_that_grows_recaptures_and_keeps_every_answer(store_root):
     rows = [("lm-lora", "the cat sat"), ("lm-lora8", "a big red dog"), ("lm-pissa", "one two three")]
     assert _generate(eng, rows) == _generate(eager, rows)
     assert pool.version != version and first == _generate(eager, [("lm-lora", "the cat sat")])
+
+
+def test_every_kinds_log_probabilities_on_cuda_pass_against_transformers_in_fp32(tmp_path):
+    """`manyfold bench logprobs` on a tiny model: base, LoRA on all seven linears at mixed ranks, PiSSA, full, EMR
+    tasks and NeuZip k=7 and k=3 through graphed steps, against transformers in fp32 (vLLM's rule)."""
+    from serve.bench.logprobs_check import run_logprobs_check
+
+    report = run_logprobs_check(tmp_path / "out.json", tmp_path / "work", "cuda", "tiny", rows=2, new_tokens=8)
+    assert report["passed"], report["kinds"]
+    assert all(set(by) == {"graphed"} for by in report["steps"].values())

@@ -49,11 +49,11 @@ def test_the_triton_forms_equal_their_twins(dtype, in_f, triton_device, gen, tol
 
 @pytest.mark.parametrize("in_f", [45, 300])
 def test_the_numba_form_equals_the_twins(in_f, gen):
-    from kernels.lora_bgmv import lora_by_token_numba, lora_by_token_torch
+    from kernels.lora_bgmv import host_stacks, lora_by_token_host, lora_by_token_torch
 
     x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen, in_f=in_f)
     bt = b.transpose(1, 2).contiguous().transpose(1, 2)  # the adapter pool's layout
-    got = lora_by_token_numba(x, a, bt, scale, rows.to(torch.int32), y.clone())
+    got = lora_by_token_host(x, host_stacks(a, bt, scale), rows.to(torch.int32), y.clone())
     torch.testing.assert_close(got, lora_by_token_torch(x, a, b, scale, rows, y.clone()), rtol=1e-5, atol=1e-5)
     untouched = rows < 0
     assert torch.equal(got[untouched], y[untouched])
@@ -88,19 +88,18 @@ def test_a_scale_that_does_not_split_the_rank_fails_with_one_clear_line(gen):
         bgmv_shrink_torch(x, a, scale[:, None].expand(-1, 2).contiguous(), rows)
 
 
-def test_stacks_viewed_once_give_what_the_numba_form_gives_and_calls_are_still_checked(gen):
-    from kernels.lora_bgmv import host_stacks, lora_by_token_host, lora_by_token_numba
+def test_stacks_viewed_once_read_rows_written_later_and_calls_are_still_checked(gen):
+    from kernels import lora_by_token
+    from kernels.lora_bgmv import host_stacks, lora_by_token_host
 
     x, a, scale, b, y, rows = make_inputs(torch.float32, "cpu", gen, in_f=300)
     bt = b.transpose(1, 2).contiguous().transpose(1, 2)  # the adapter pool's layout
     rows = rows.to(torch.int32)
     stacks = host_stacks(a, bt, scale)
-    assert torch.equal(lora_by_token_host(x, stacks, rows, y.clone()),
-                       lora_by_token_numba(x, a, bt, scale, rows, y.clone()))
+    assert torch.equal(lora_by_token_host(x, stacks, rows, y.clone()), lora_by_token(x, a, b, scale, rows, y.clone()))
     with torch.no_grad():
         a[1] += 1.0  # the views share the stacks' memory: a row written later is read
-    assert torch.equal(lora_by_token_host(x, stacks, rows, y.clone()),
-                       lora_by_token_numba(x, a, bt, scale, rows, y.clone()))
+    assert torch.equal(lora_by_token_host(x, stacks, rows, y.clone()), lora_by_token(x, a, b, scale, rows, y.clone()))
     with pytest.raises(ValueError, match="x, rows, y: expected contiguous"):
         lora_by_token_host(x, stacks, rows, y[:, :5].clone())
     with pytest.raises(ValueError, match="expected the transpose of a contiguous"):

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.neuzip_decode import (BLOCK_LANES, DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton,
-                                   neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton)
+from kernels.neuzip_decode import BLOCK_LANES, neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_groups import DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton
 from serve.codecs import neuzip
 
 # name: (elements, lane): one lane, a ragged last step, lanes of one symbol, many lanes.
