@@ -26,11 +26,21 @@ CHUNK_ELEMENTS = 1 << 22
 is never whole in memory."""
 
 _BIT_TABLE = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)  # [256, 8]
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def bit_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8] the bits of every byte, on `device` in `dtype`, copied there once: a CUDA graph capturing a step
+    that unpacks masks may not copy from the host."""
+    key = (torch.device(device), dtype)
+    if key not in _TABLES:
+        _TABLES[key] = _BIT_TABLE.to(device=device, dtype=dtype)
+    return _TABLES[key]
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """[..., ceil(n / 8)] uint8 -> [..., n] bool, little-endian bit order (the inverse of pack_bits)."""
-    table = _BIT_TABLE.to(packed.device)
+    table = bit_table(packed.device, torch.bool)
     return table[packed.long()].flatten(-2)[..., :n]
 
 
@@ -38,7 +48,7 @@ def masked(packed: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """unpack(packed) * tau in tau's dtype: [..., out, ceil(in / 8)] uint8 and [out, in] -> [..., out, in]. The bits
     become 0.0 / 1.0 through a 256-row table lookup (an embedding), several times faster on CPU than a bool unpack
     followed by a multiply."""
-    table = _BIT_TABLE.to(device=tau.device, dtype=tau.dtype)  # [256, 8]
+    table = bit_table(tau.device, tau.dtype)  # [256, 8]
     bits = torch.nn.functional.embedding(packed.long(), table).flatten(-2)[..., :tau.shape[-1]]
     return bits.mul_(tau)
 

@@ -31,6 +31,7 @@ def build_model_dir(shape: str, out: Path, device: torch.device, max_positions: 
         return out
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
                       pad_token_id=0, initializer_range=0.02, dtype="bfloat16")
+    torch.manual_seed(0)  # the same model every build
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out)

@@ -46,6 +46,9 @@ class KindCheck:
     """Mismatches where one token is not in the other's top 5."""
     max_abs_diff: float = 0.0
     """The largest |engine - reference| log probability of the reference's token, where the engine's top 5 hold it."""
+    max_abs_diff_top5: float = 0.0
+    """The same over every token of the engine's top 5 (the likeliest token's log probability is near 0 for both
+    where the model is sure; the others show the rounding)."""
     shift: float = 0.0
     """The largest |reference - the base's reference| log probability over the vocabulary at the same positions:
     how far the kind moves the model, against which max_abs_diff is small or the check tells nothing."""
@@ -207,6 +210,7 @@ def compare(kind: str, model: str, prompts: list[list[int]], generations: list, 
                     check.failures += 1
             if ref_top[0] in top:
                 check.max_abs_diff = max(check.max_abs_diff, abs(top[ref_top[0]] - float(lp[ref_top[0]])))
+            check.max_abs_diff_top5 = max([check.max_abs_diff_top5] + [abs(v - float(lp[t])) for t, v in top.items()])
     return check
 
 
@@ -240,10 +244,10 @@ def print_check(report: dict) -> None:
           f"on {report['machine']}; {report['rows_per_kind']} rows a kind, {report['new_tokens']} greedy tokens each, "
           f"every kind in one batch")
     print(f"{'kind':<42}{'positions':>10}{'greedy differ':>15}{'outside top 5':>15}{'max |dlogprob|':>16}"
-          f"{'its shift':>11}  verdict")
+          f"{'over top 5':>12}{'its shift':>11}  verdict")
     for k in report["kinds"]:
         print(f"{k['kind']:<42}{k['positions']:>10}{k['mismatches']:>15}{k['failures']:>15}{k['max_abs_diff']:>16.4f}"
-              f"{k['shift']:>11.2f}  {'pass' if k['passed'] else 'FAIL'}")
-    print("max |dlogprob|: engine against reference on the reference's token; its shift: how far the kind moves the "
-          "base's log probabilities (the reference against the base's)")
+              f"{k['max_abs_diff_top5']:>12.4f}{k['shift']:>11.2f}  {'pass' if k['passed'] else 'FAIL'}")
+    print("max |dlogprob|: engine against reference on the reference's token (over top 5: on each of the engine's "
+          "top 5); its shift: how far the kind moves the base's log probabilities (the reference against the base's)")
     print(f"steps: {report['steps']}")

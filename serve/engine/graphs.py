@@ -14,6 +14,7 @@ held; the others when first needed.
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,9 @@ import torch
 from serve.engine.batch import BASE_ROW, BatchPlan
 
 log = logging.getLogger("manyfold.engine")
+MAX_GRAPHS = 256
+"""Graphs kept at most, the least recently replayed dropped first (row buckets x token buckets x the sets of
+families steps hold: a few dozen in practice; the bound keeps an unusual mix of families from growing them)."""
 
 
 @dataclass
@@ -40,7 +44,7 @@ class StepGraphs:
         self.rt = rt
         self.pool = None
         """The memory pool every capture shares (made at the first)."""
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.captures = 0
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -63,6 +67,7 @@ class StepGraphs:
         if g is None:
             g = self._capture(key, plan, inputs, packed)
         else:
+            self.graphs.move_to_end(key)
             g.inputs.copy_(packed, non_blocking=True)
         with self.rt.seconds.timing("forward"):
             g.replay()
@@ -82,6 +87,11 @@ class StepGraphs:
         lengths.add_(live)
         with self.rt.seconds.timing("forward"):
             g.replay()
+
+    def forget(self, family: str) -> None:
+        """A family gone (an EMR group the store replaced or removed): the graphs that ran it go too."""
+        for key in [k for k in self.graphs if family in k[2]]:
+            del self.graphs[key]
 
     def warm_up(self) -> None:
         """Capture the base-rows graph of every bucket, so that the first requests pay no capture, and log what
@@ -104,6 +114,8 @@ class StepGraphs:
         rt = self.rt
         for stale in [k for k in self.graphs if k[:3] == key[:3]]:  # the same buckets and families, old addresses
             del self.graphs[stale]
+        while len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
         torch.cuda.synchronize(rt.device)
         before, started = torch.cuda.memory_allocated(rt.device), time.perf_counter()
         static = packed.to(rt.device)

@@ -173,6 +173,8 @@ class BaseModelRuntime:
             family.retire(key)
         for name in [n for n, f in self.families.items() if n.partition(":")[2] == key and f.in_use == 0]:
             del self.families[name]
+            if self.graphs is not None:
+                self.graphs.forget(name)
 
     def slot_refs(self) -> dict[str, int]:
         """Rows holding a slot, per family (zero everywhere once every row has left)."""

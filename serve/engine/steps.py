@@ -167,7 +167,7 @@ def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scra
             sample_at[b] = len(kept)
         kept.append(b)  # padding rows too: a decode step's shapes stay those of its bucket
     chunks: list[int] = []
-    for c, p in enumerate(prefills):
+    for p in prefills:
         start = len(ids)
         rows.append(p.row.slot)
         tokens.append(p.length)
