@@ -20,6 +20,7 @@ from kernels import NO_SLOT
 from serve.engine.batch import BatchPlan
 from serve.engine.slots import TableSlots
 from serve.engine.token_maps import TokenMaps
+from serve.errors import VariantIncompatible
 from serve.variants.base import BaseView, LoadedVariant
 
 MIB = 1 << 20
@@ -128,8 +129,6 @@ class StackPool(TableSlots):
 
     def check_fits(self, variant: LoadedVariant, what: str) -> None:
         """VariantIncompatible when the variant alone exceeds the budget (its rows could never run)."""
-        from serve.errors import VariantIncompatible
-
         need = self.row_bytes(self.bucket_key(variant))
         if need > self.budget:
             raise VariantIncompatible(f"{what} '{variant.name}' needs {need / MIB:.1f} MiB in the {self.pool_name}; "
