@@ -1,6 +1,7 @@
 """`manyfold bench generation`: what continuous batching buys a causal LM base and its variants.
 
-One engine on the demo store's SmolLM2 (the base and its FM-Delta fine-tunes, all resident after a warm-up),
+One engine on the demo store's SmolLM2 (the base and every model the store serves on it: its FM-Delta fine-tunes,
+PiSSA adapters and EMR tasks, all resident after a warm-up),
 the same open-loop Poisson arrivals of chat completions spread over those models, run twice side by side:
   one-at-a-time   max_batch_size 1: every request generates alone (each variant still its own group)
   continuous      max_batch_size 16: a variant's requests share one running batch, joining between steps
@@ -70,16 +71,19 @@ def run_generation_bench(store_dir: Path | None, out: Path, rate: float = 4.0, d
     rows = []
     for mode, batch in MODES.items():
         engine = Engine(ServeConfig(store=store_dir, batch={"max_batch_size": batch}), bases=["smollm2"])
-        models = ["smollm2", *(v.name for v in engine.catalog.snapshot.manifest.variants.values() if v.base == "smollm2")]
+        variants = [v for v in engine.catalog.snapshot.manifest.variants.values() if v.base == "smollm2"]
+        models = ["smollm2", *(m for v in variants for m in v.models())]  # an EMR group serves its tasks
+        kinds = {k: sum(v.kind == k for v in variants for _ in v.models()) for k in sorted({v.kind for v in variants})}
 
         async def measure() -> dict:
             for m in models:  # decode the variants and warm every code path before the clock starts
                 await engine.complete(m, SamplingParams(max_tokens=2), prompt="Hello")
             return await _load(engine, models, rate, duration_s, max_tokens, seed)
 
-        rows.append({"mode": mode, "max_batch_size": batch, "models": models, **asyncio.run(measure())})
+        rows.append({"mode": mode, "max_batch_size": batch, "models": models, "kinds": kinds,
+                     **asyncio.run(measure())})
     print(f"machine: {machine()}")
-    print(f"SmolLM2-135M base + {len(rows[0]['models']) - 1} FM-Delta fine-tunes, chat completions of "
+    print(f"SmolLM2-135M base + {len(rows[0]['models']) - 1} variants ({rows[0]['kinds']}), chat completions of "
           f"{max_tokens} greedy tokens, Poisson {rate} req/s for {duration_s} s, uniform over the models")
     print(f"{'mode':<15} {'done':>6} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'rows/fwd':>9}")
     for r in rows:
