@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from serve.bench.engine_models import (ALL_LINEARS, build_model_dir, emr_tasks, loaded_adapter, module_dims,
-                                       peft_with, top2_finetune, top_layers, write_adapter)
+from serve.bench.engine_models import (ALL_LINEARS, build_model_dir, emr_tasks, floor_ms, loaded_adapter,
+                                       module_dims, peft_with, top2_finetune, top_layers, write_adapter)
 from serve.bench.engine_e2e import CPU_WORKLOAD, GPU_WORKLOAD, bench_end_to_end
 from serve.bench.engine_traffic import CPU_TRAFFIC, GPU_TRAFFIC, bench_traffic, print_traffic
 from serve.bench.report import NO_GPU, finish, machine, median_time, sync
@@ -134,22 +134,6 @@ def hf_step_ms(model, rows: int, context: int, repeats: int, device: torch.devic
             return o.logits[:, -1].argmax(-1).tolist()
 
         return median_ms(step, repeats, device)
-
-
-def floor_ms(rt, rows: int, context: int, bandwidth: float | None, variants: list | None = None) -> float | None:
-    """The step's bytes over the bandwidth: the base's weights, each distinct variant's own tensors (an EMR group's
-    tau_uni and masks once), every row's keys and values."""
-    if bandwidth is None:
-        return None
-    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters() if not p.is_meta)
-    kv = rows * (context + 1) * rt.kv.nbytes // (rt.kv.slots + 1) // rt.kv.positions
-    return 1e3 * (weights + kv + variant_bytes(variants or [])) / bandwidth
-
-
-def variant_bytes(variants: list) -> int:
-    """Bytes of the distinct variants' tensors (a group's once, whichever of its tasks the rows run)."""
-    seen = {id(v.parent or v): v.parent or v for v in variants if v is not None}
-    return sum(t.numel() * t.element_size() for v in seen.values() for t in v.tensors.values())
 
 
 def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: int, bandwidth: float | None,

@@ -1,7 +1,7 @@
 """The models and adapters `manyfold bench engine` builds: Llama shapes from their configs with random weights (no
 hub is reachable from a lent GPU machine), PEFT adapter directories and loaded adapters with trained-looking random
-weights, full fine-tunes of the top two layers, and PEFT's model over them. Throughput does not depend on what the
-weights learned, only on their shapes."""
+weights, full fine-tunes of the top two layers, EMR groups, PEFT's model over them, and the memory floor of a step
+that reads them. Throughput does not depend on what the weights learned, only on their shapes."""
 
 from pathlib import Path
 
@@ -130,6 +130,22 @@ def top_layers(rt, n: int = 2) -> tuple[str, ...]:
     """The name parts of a Llama's top n layers ("layers.14.", "layers.15.")."""
     layers = rt.model.config.num_hidden_layers
     return tuple(f"layers.{layers - k}." for k in range(n, 0, -1))
+
+
+def floor_ms(rt, rows: int, context: int, bandwidth: float | None, variants: list | None = None) -> float | None:
+    """The step's bytes over the bandwidth: the base's weights, each distinct variant's own tensors (an EMR group's
+    tau_uni and masks once), every row's keys and values."""
+    if bandwidth is None:
+        return None
+    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters() if not p.is_meta)
+    kv = rows * (context + 1) * rt.kv.nbytes // (rt.kv.slots + 1) // rt.kv.positions
+    return 1e3 * (weights + kv + variant_bytes(variants or [])) / bandwidth
+
+
+def variant_bytes(variants: list) -> int:
+    """Bytes of the distinct variants' tensors (a group's once, whichever of its tasks the rows run)."""
+    seen = {id(v.parent or v): v.parent or v for v in variants if v is not None}
+    return sum(t.numel() * t.element_size() for v in seen.values() for t in v.tensors.values())
 
 
 def peft_with(plain, adapters: dict[str, Path]):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from serve.bench.engine_models import ALL_LINEARS, module_dims, write_adapter
+from serve.bench.engine_models import ALL_LINEARS, floor_ms, module_dims, write_adapter
 from serve.bench.report import percentile, sync
 
 RANKS = (8, 16, 32, 64)
@@ -218,14 +218,10 @@ def poisson(n: int, rate: float, seed: int) -> list[float]:
 
 
 def floor_tok_s(rt, rows: int, context: int, bandwidth: float | None) -> float | None:
-    """Tokens per second of decode steps of `rows` rows at `context` tokens each at the GPU's memory floor: the
-    base's weights and the rows' keys and values read once a step (what the variants add is not counted: an upper
-    bound)."""
-    if bandwidth is None:
-        return None
-    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters() if not p.is_meta)
-    kv = rows * context * rt.kv.nbytes // (rt.kv.slots + 1) // rt.kv.positions
-    return rows / ((weights + kv) / bandwidth)
+    """Tokens per second of decode steps of `rows` rows at `context` tokens each at the GPU's memory floor
+    (engine_models.floor_ms of the base alone: what the variants add is not counted, an upper bound)."""
+    ms = floor_ms(rt, rows, context, bandwidth)
+    return None if ms is None else 1e3 * rows / ms
 
 
 def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: TrafficWorkload,

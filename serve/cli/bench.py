@@ -127,6 +127,32 @@ def _add_translora(bench: argparse._SubParsersAction) -> None:
                     "(default: all), e.g. issue-36-defaults,issue-36-no-distillation")
 
 
+def _add_engine(bench: argparse._SubParsersAction) -> None:
+    en = add_command(bench, "engine", cmd_bench_engine, "the engine's decode step and end-to-end generation against "
+                     "bare transformers and PEFT's mixed batch, with a GPU's memory floor")
+    en.add_argument("--out", help="default: bench-results/engine-cpu.json or engine-gpu.json")
+    en.add_argument("--work", default=".cache/bench-engine", help="models, adapters and stores it builds")
+    en.add_argument("--device", default="cpu", help="cpu (the packaged SmolLM2) or cuda (config-built shapes)")
+    en.add_argument("--large", action="store_true", help="on CUDA, the Llama-3-8B shape too")
+    en.add_argument("--repeats", type=int, default=21, help="decode steps timed per figure (median)")
+    en.add_argument("--context", type=int, help="tokens each row holds before the timed step (CPU 128, CUDA 512)")
+    en.add_argument("--shapes", help="on CUDA, these shapes only (comma-separated)")
+    en.add_argument("--no-end-to-end", action="store_true", help="decode steps only")
+    en.add_argument("--no-steps", action="store_true", help="end to end only")
+    en.add_argument("--rounds", type=int, help="end-to-end rounds, the systems taking turns (CPU 3, CUDA 1)")
+    en.add_argument("--profile", action="store_true", help="profile the adapters' step at the most rows (torch.profiler)")
+    en.add_argument("--traffic", action="store_true", help="the real-traffic runs too: Poisson arrivals at three rates, "
+                    "news-article prompts, every kind of row, beside the same requests in lockstep")
+    en.add_argument("--traffic-requests", type=int, help="requests of each real-traffic run (CPU 32, CUDA 384)")
+    lp = add_command(bench, "logprobs", cmd_bench_logprobs, "every kind's log probabilities through the engine against "
+                     "transformers in fp32 with the variant's weights (vLLM's check_logprobs_close)")
+    lp.add_argument("--out", help="default: bench-results/logprobs-cpu.json or logprobs-gpu.json")
+    lp.add_argument("--work", default=".cache/bench-logprobs", help="the model, variants and store it builds")
+    lp.add_argument("--device", default="cpu")
+    lp.add_argument("--shape", default="smollm2-135m", help="the base's shape (serve/bench/engine_models.py SHAPES)")
+    lp.add_argument("--rows", type=int, default=4, help="rows (prompts) of each kind")
+
+
 def _add_neuzip(bench: argparse._SubParsersAction) -> None:
     bn = add_command(bench, "neuzip", cmd_bench_neuzip, "NeuZip bases against bf16 and int8 on SmolLM2 and MiniLM")
     bn.add_argument("--out", default="bench-results/neuzip.json")
@@ -184,29 +210,6 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("--out", default="bench-results/mixed.json")
     mx.add_argument("--repeats", type=int, default=5)
     mx.add_argument("--rows", default="8,32", help="batch sizes, joined by commas")
-    en = add_command(bench, "engine", cmd_bench_engine, "the engine's decode step and end-to-end generation against "
-                     "bare transformers and PEFT's mixed batch, with a GPU's memory floor")
-    en.add_argument("--out", help="default: bench-results/engine-cpu.json or engine-gpu.json")
-    en.add_argument("--work", default=".cache/bench-engine", help="models, adapters and stores it builds")
-    en.add_argument("--device", default="cpu", help="cpu (the packaged SmolLM2) or cuda (config-built shapes)")
-    en.add_argument("--large", action="store_true", help="on CUDA, the Llama-3-8B shape too")
-    en.add_argument("--repeats", type=int, default=21, help="decode steps timed per figure (median)")
-    en.add_argument("--context", type=int, help="tokens each row holds before the timed step (CPU 128, CUDA 512)")
-    en.add_argument("--shapes", help="on CUDA, these shapes only (comma-separated)")
-    en.add_argument("--no-end-to-end", action="store_true", help="decode steps only")
-    en.add_argument("--no-steps", action="store_true", help="end to end only")
-    en.add_argument("--rounds", type=int, help="end-to-end rounds, the systems taking turns (CPU 3, CUDA 1)")
-    en.add_argument("--profile", action="store_true", help="profile the adapters' step at the most rows (torch.profiler)")
-    en.add_argument("--traffic", action="store_true", help="the real-traffic runs too: Poisson arrivals at three rates, "
-                    "news-article prompts, every kind of row, beside the same requests in lockstep")
-    en.add_argument("--traffic-requests", type=int, help="requests of each real-traffic run (CPU 32, CUDA 384)")
-    lp = add_command(bench, "logprobs", cmd_bench_logprobs, "every kind's log probabilities through the engine against "
-                     "transformers in fp32 with the variant's weights (vLLM's check_logprobs_close)")
-    lp.add_argument("--out", help="default: bench-results/logprobs-cpu.json or logprobs-gpu.json")
-    lp.add_argument("--work", default=".cache/bench-logprobs", help="the model, variants and store it builds")
-    lp.add_argument("--device", default="cpu")
-    lp.add_argument("--shape", default="smollm2-135m", help="the base's shape (serve/bench/engine_models.py SHAPES)")
-    lp.add_argument("--rows", type=int, default=4, help="rows (prompts) of each kind")
     be = add_command(bench, "emr", cmd_bench_emr, "EMR-Merging against the individual fine-tunes, task arithmetic, "
                      "TIES and averaging; its bytes per task; a mixed forward's time")
     be.add_argument("--out", default="bench-results/emr.json")
@@ -225,6 +228,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                      "and small puts and gets, put-if-absent")
     ob.add_argument("--out", default="bench-results/objects.json")
     ob.add_argument("--repeats", type=int, default=3)
+    _add_engine(bench)
     _add_translora(bench)
     _add_neuzip(bench)
     _add_soak(bench)

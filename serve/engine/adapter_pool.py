@@ -148,9 +148,6 @@ class AdapterPool(StackPool):
     def __init__(self, base: BaseView, device: torch.device, config: SlotsConfig, family: str = "lora"):
         super().__init__(base, device, int(config.adapter_mib * MIB), "slots.adapter_mib")
         self.max_rank = config.max_rank
-        self._planned: tuple[BatchPlan | None, list[tuple[BucketKey, Bucket]], frozenset[str]] = \
-            (None, [], frozenset())
-        """The last forward's plan, its buckets, and the modules they target."""
         # Each token reads its own stack row from a per-token map (kernels.lora_by_token: Triton on CUDA, a compiled
         # loop for fp32 on a CPU; half precision on a CPU groups tokens by row instead, kernels.lora_shrink /
         # lora_expand). With fixed_shapes (the runtime's, on CUDA) every bucket's ops run in every forward: the
@@ -187,26 +184,6 @@ class AdapterPool(StackPool):
         self.check_fits(variant, "adapter")
 
     # ---- forwards
-    def _keys(self, plan: BatchPlan) -> list[tuple[BucketKey, Bucket]]:
-        """The buckets this forward runs, found once per forward (every wrapped module asks): with fixed shapes
-        all of them, else those its rows use."""
-        if self._planned[0] is not plan:
-            used = self.buckets if self.fixed_shapes else {self.place[s][0] for s in plan.slot_set(self.family)
-                                                           if s in self.place}
-            self._planned = (plan, [(key, self.buckets[key]) for key in sorted(used)],
-                             frozenset(m for key in used for m in key[1]))
-        return self._planned[1]
-
-    def prepare(self, plan: BatchPlan) -> None:
-        """With fixed shapes, a generation step's per-token rows of every bucket, for all its tokens and for the LM
-        head's kept ones, written into buffers allocated once per size: a captured step reads this step's maps."""
-        if self.fixed_shapes:
-            self.prepare_maps(plan, [key for key, _ in self._keys(plan)])
-
-    def touches(self, name: str, plan: BatchPlan) -> bool:
-        self._keys(plan)
-        return name in self._planned[2]
-
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
         x = x.contiguous()  # [N, in]; a pooler reads a strided first token

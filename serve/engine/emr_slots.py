@@ -193,12 +193,13 @@ class EmrSlots(Slots):
     def apply(self, name: str, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
               plan: BatchPlan) -> torch.Tensor:
         merged = self.merged[name]
+        if isinstance(module, torch.nn.Linear):
+            return self._linear(name, module, merged, x, y, plan)
         tasks = self._tasks(plan, y.shape[0])
         if isinstance(module, torch.nn.Embedding):
             return self._embedding(merged, x, y, tasks)
-        if isinstance(module, torch.nn.Linear):
-            return self._linear(name, module, merged, x, y, plan, tasks)
-        for slot in range(len(self.lambdas)):  # norms and the like: small, each task's formed for the forward
+        # norms and the like: small, each task's formed for the forward (with fixed shapes every task of the group)
+        for slot in range(len(self.lambdas)) if self.fixed_shapes else sorted(plan.slot_set(self.family)):
             params = {local: reconstruct(getattr(module, local), tau, _unpacked(masks[slot], tau), self.lambdas[slot])
                       for local, tau, masks in merged}
             y = torch.where((tasks == slot)[:, None], functional_call(module, params, (x,)), y)
@@ -211,8 +212,8 @@ class EmrSlots(Slots):
         return delta.add_(w.float()).to(w.dtype)
 
     def _linear(self, name: str, module: torch.nn.Linear, merged, x: torch.Tensor, y: torch.Tensor,
-                plan: BatchPlan, tasks: torch.Tensor) -> torch.Tensor:
-        """x [N, in], y [N, out]: the module's tokens; tasks [N]: each one's task."""
+                plan: BatchPlan) -> torch.Tensor:
+        """x [N, in], y [N, out]: the module's tokens."""
         dense = self._dense_groups(name, plan, y.shape[0])
         running = frozenset(plan.slot_set(self.family))
         for slot, tokens in dense:  # the tokens the base skipped (claims): y[tokens] is still to be written
@@ -228,6 +229,8 @@ class EmrSlots(Slots):
             formed = frozenset(slot for slot, _ in dense)
             tasks = self.maps.get(plan, ("masked", formed), y.shape[0], lambda n: [
                 NO_SLOT if s in formed else s for s in plan.token_slots(self.family, n)])
+        else:
+            tasks = self._tasks(plan, y.shape[0])
         x2 = x.contiguous()  # a pooler reads a strided first token
         for local, tau, masks in merged:
             if local == "weight":

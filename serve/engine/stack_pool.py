@@ -12,7 +12,7 @@ read the old addresses). Attached, detached and read on the engine's compute thr
 """
 
 from abc import abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 import torch
 
@@ -30,6 +30,9 @@ class Stacks:
     """One bucket: a stack per tensor, a row per variant; rows are reused, and the stacks grow (at most doubling)
     and shrink (compact) as the pool asks. A subclass allocates its stacks in `_resize` and writes a row in
     `put`."""
+
+    modules: Iterable[str]
+    """The modules whose tokens the bucket's ops correct."""
 
     def __init__(self, row_bytes: int, device: torch.device):
         self.row_bytes = row_bytes
@@ -107,6 +110,9 @@ class StackPool(TableSlots):
         """Each bucket's per-token rows, keyed by the bucket's key."""
         self._stacks = 0
         """Changes whenever a stack is reallocated."""
+        self._planned: tuple[BatchPlan | None, list[tuple[Hashable, Stacks]], frozenset[str]] = \
+            (None, [], frozenset())
+        """The last forward's plan, its buckets, and the modules they correct."""
 
     @abstractmethod
     def bucket_key(self, variant: LoadedVariant) -> Hashable: ...
@@ -194,10 +200,27 @@ class StackPool(TableSlots):
             self.maps.forget(key)
             self._stacks += 1
 
-    # ---- per-token maps
-    def prepare_maps(self, plan: BatchPlan, keys) -> None:
-        """The step's per-token rows of each bucket in `keys`, into their buffers (TokenMaps.prepare)."""
-        self.maps.prepare(plan, {key: lambda n, key=key: self._host_rows(plan, key, n) for key in keys})
+    # ---- forwards
+    def _keys(self, plan: BatchPlan) -> list[tuple[Hashable, Stacks]]:
+        """The buckets this forward runs, found once per forward (every wrapped module asks): with fixed shapes
+        all of them (the same launches whichever variants the rows run), else those its rows use."""
+        if self._planned[0] is not plan:
+            used = self.buckets if self.fixed_shapes else {self.place[s][0] for s in plan.slot_set(self.family)
+                                                           if s in self.place}
+            self._planned = (plan, [(key, self.buckets[key]) for key in sorted(used)],
+                             frozenset(m for key in used for m in self.buckets[key].modules))
+        return self._planned[1]
+
+    def prepare(self, plan: BatchPlan) -> None:
+        """With fixed shapes, a generation step's per-token rows of every bucket, for all its tokens and for the LM
+        head's kept ones, written into buffers allocated once per size: a captured step reads this step's maps."""
+        if self.fixed_shapes:
+            self.maps.prepare(plan, {key: lambda n, key=key: self._host_rows(plan, key, n)
+                                     for key, _ in self._keys(plan)})
+
+    def touches(self, name: str, plan: BatchPlan) -> bool:
+        self._keys(plan)
+        return name in self._planned[2]
 
     def rows(self, plan: BatchPlan, key: Hashable, n: int) -> torch.Tensor:
         """[n] int32 on the device: each of a module's n tokens' row in bucket `key` (NO_SLOT: none)."""

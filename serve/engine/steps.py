@@ -225,7 +225,7 @@ class StepRunner:
         plan = BatchPlan(inputs.rows, rt.device, tokens=inputs.tokens, kept=inputs.kept)
         reason = self._eager_reason(plan, echo)
         how = "graphed" if reason is None else "eager"
-        self.steps["graphed" if reason is None else f"eager:{reason}"] += 1
+        self.steps[how if reason is None else f"eager:{reason}"] += 1
         self.tokens[f"decode:{how}"] += len(decoding)
         self.tokens[f"prompt:{how}"] += prompt
         if reason is not None:

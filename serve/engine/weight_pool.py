@@ -25,7 +25,7 @@ from torch.func import functional_call
 from kernels import NO_SLOT, linear_by_token
 from serve.config import SlotsConfig
 from serve.engine.batch import BatchPlan
-from serve.engine.slots import register_family
+from serve.engine.slots import register_family, tensor_owners
 from serve.engine.stack_pool import MIB, StackPool, Stacks
 from serve.variants.base import BaseView, LoadedVariant
 
@@ -53,11 +53,11 @@ class WeightBucket(Stacks):
     def __init__(self, key: BucketKey, base: BaseView, names: dict[tuple[str, str], str], aliases: dict[str, list[str]],
                  device: torch.device):
         changed = set(key)
-        self.modules: dict[str, dict[str, str]] = {}
-        """module -> {its parameter: the stack holding it}, for every module with a changed parameter."""
+        by_module: dict[str, dict[str, str]] = {}
         for (mname, local), name in names.items():
-            if name in changed:
-                self.modules[mname] = {loc: n for (m, loc), n in names.items() if m == mname}
+            by_module.setdefault(mname, {})[local] = name
+        self.modules = {m: params for m, params in by_module.items() if changed & set(params.values())}
+        """module -> {its parameter: the stack holding it}, for every module with a changed parameter."""
         self.base = base
         self.aliases = aliases
         stacks = sorted({n for params in self.modules.values() for n in params.values()})
@@ -90,14 +90,10 @@ class WeightPool(StackPool):
         self._fixed = False
         super().__init__(base, device, int(config.weights_mib * MIB), "slots.weights_mib")
         self._names, self._aliases = parameter_names(base)
-        self._holders: dict[str, list[tuple[str, str]]] = {}
+        self._holders = tensor_owners(base)
         """state_dict name -> every (module, parameter) holding it."""
-        for (mname, local), name in self._names.items():
-            for alias in self._aliases[name]:
-                self._holders.setdefault(alias, []).append((mname, local))
         self.overrides: list[dict[str, dict[str, torch.Tensor]]] = []
         """Without fixed shapes: slot -> module -> {parameter: the cache's tensor}."""
-        self._planned: tuple[BatchPlan | None, list, frozenset[str]] = (None, [], frozenset())
         self._how: dict[str, str] = {}
         """module -> how fixed shapes run it: "linear", "embedding", "scale" or "each row"."""
 
@@ -151,23 +147,10 @@ class WeightPool(StackPool):
             self.overrides[slot] = {}
         super()._clear(slot)
 
-    # ---- forwards
-    def _keys(self, plan: BatchPlan) -> list[tuple[BucketKey, WeightBucket]]:
-        """With fixed shapes, every bucket (the same launches whichever fine-tunes run), found once per forward."""
-        if self._planned[0] is not plan:
-            keys = sorted(self.buckets) if self._fixed else []
-            self._planned = (plan, [(k, self.buckets[k]) for k in keys],
-                             frozenset(m for k in keys for m in self.buckets[k].modules))
-        return self._planned[1]
-
-    def prepare(self, plan: BatchPlan) -> None:
-        if self._fixed:
-            self.prepare_maps(plan, [key for key, _ in self._keys(plan)])
-
+    # ---- forwards: with fixed shapes StackPool's (every bucket a forward); without, the cache's tensors
     def touches(self, name: str, plan: BatchPlan) -> bool:
         if self._fixed:
-            self._keys(plan)
-            return name in self._planned[2]
+            return super().touches(name, plan)
         return any(name in self.overrides[slot] for slot in plan.slot_set(self.family))
 
     def claims(self, name: str, plan: BatchPlan, num_tokens: int) -> list[int]:
