@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serve.errors import ConfigError, first_error
+from serve.store.manifest import TenantEntry
 
 
 class StrictModel(BaseModel):
@@ -40,6 +41,10 @@ class BatchConfig(StrictModel):
     max_model_len: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
     """Positions a causal row may hold, prompt and generated tokens together (at most the model's own): the
     length of each slot of the KV store, and the context a request is checked against."""
+    fairness: Literal["vtc", "fcfs"] = "vtc"
+    """The order waiting rows are taken in, per replica (serve/engine/fairness.py). "vtc": by tenant, the one served
+    fewest weighted tokens first (S-LoRA's Virtual Token Counter), so one tenant's flood cannot starve the rest;
+    with no tenants configured each model is a tenant. "fcfs": first come, first served."""
     kv_cache_mib: Annotated[float, Field(gt=0)] | None = None
     """Memory for a causal base's KV store, allocated once: its slots (rows) hold max_model_len positions each, at
     most max_batch_size of them. None: max_batch_size slots."""
@@ -127,12 +132,13 @@ class EngineConfig(StrictModel):
     "off": every step runs eagerly. Ignored on CPU."""
 
 
-class TenantConfig(StrictModel):
-    name: str
-    key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
-    """sha256 of each API key of this tenant (keys themselves are never stored)."""
-    models: list[str] = ["*"]
-    """Bases and variants this tenant may call; "*" is all."""
+class AdminConfig(StrictModel):
+    sources: list[str] = []
+    """Where POST /v1/admin/variants may read a variant from besides the store's own `incoming/` folder: local path
+    prefixes ("/data/adapters/") and object-storage prefixes ("s3://bucket/adapters/"). A path outside them is
+    refused (403) before anything is read."""
+    max_add_mib: Annotated[float, Field(gt=0)] = 8192
+    """The most one add may copy; a larger one is refused and leaves nothing in the store."""
 
 
 NEUZIP_DECODED_MIB = 0
@@ -149,8 +155,10 @@ class ServeConfig(StrictModel):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     device: str = "cpu"
-    tenants: list[TenantConfig] = []
-    """Empty: no authentication (loopback demos). Otherwise every request needs a tenant's key."""
+    tenants: list[TenantEntry] = []
+    """Empty, and none in the store: no authentication (loopback demos). Otherwise every request needs a tenant's
+    key. Tenants added at run time live in the store (POST /v1/admin/tenants); one of the same name replaces
+    the config's."""
     admin_key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = []
     """Keys allowed on /v1/admin routes."""
     deployment: DeploymentConfig = DeploymentConfig()
@@ -178,6 +186,7 @@ class ServeConfig(StrictModel):
     engine: EngineConfig = EngineConfig()
     slots: SlotsConfig = SlotsConfig()
     limits: LimitsConfig = LimitsConfig()
+    admin: AdminConfig = AdminConfig()
 
     @field_validator("store", mode="before")
     @classmethod

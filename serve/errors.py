@@ -78,6 +78,24 @@ class Overloaded(ManyfoldError):
     retry_after_s = 1
 
 
+class RateLimited(ManyfoldError):
+    """A tenant is past one of its limits (serve/http/tenant_limits.py): the message names the limit and its value;
+    Retry-After says when the request would be admitted."""
+
+    code = "rate_limited"
+    http_status = 429
+
+    def __init__(self, message: str, retry_after_s: float, limit: str):
+        super().__init__(message)
+        self.retry_after_s = max(1, int(retry_after_s + 0.999))
+        self.limit = limit
+
+
+class TenantNotFound(ManyfoldError):
+    code = "tenant_not_found"
+    http_status = 404
+
+
 class BadRequest(ManyfoldError):
     code = "bad_request"
     http_status = 400

@@ -131,6 +131,13 @@ class Metrics:
         self.tokens = Counter("manyfold_tokens", "Tokens processed", ["model", "kind"], registry=r)
         self.latency = Histogram("manyfold_request_latency_seconds", "Request latency", ["model", "route"],
                                  buckets=SECONDS_BUCKETS, registry=r)
+        self._tenants: set[str] = set()
+        self.tenant_requests = Counter("manyfold_tenant_requests", "HTTP requests by tenant", ["tenant", "status"],
+                                       registry=r)
+        self.tenant_tokens = Counter("manyfold_tenant_tokens", "Prompt and completion tokens served, by tenant",
+                                     ["tenant"], registry=r)
+        self.tenant_limited = Counter("manyfold_tenant_limited", "Requests refused at a tenant's limit",
+                                      ["tenant", "limit"], registry=r)
 
     def model_label(self, name: str | None, status: int = 200) -> str:
         if not name:
@@ -143,13 +150,26 @@ class Metrics:
             self._labelled.add(name)
         return name
 
+    def tenant_label(self, name: str | None) -> str:
+        """Bounded as model labels are: MAX_MODEL_LABELS tenants get their own series, the rest share "other"."""
+        if not name:
+            return "none"
+        if name not in self._tenants:
+            if len(self._tenants) >= MAX_MODEL_LABELS:
+                return "other"
+            self._tenants.add(name)
+        return name
+
     def time(self, model: str | None, route: str, status: int, started_s: float) -> None:
         """Latency to the start of the response (a stream's first byte, not its end)."""
         self.latency.labels(self.model_label(model, status), route).observe(time.perf_counter() - started_s)
 
-    def count(self, model: str | None, route: str, status: int) -> None:
-        """One request, once it has ended, under the status it ended with (499: the client left first)."""
+    def count(self, model: str | None, route: str, status: int, tenant: str | None = None) -> None:
+        """One request, once it has ended, under the status it ended with (499: the client left first), and under
+        its tenant's when it has one."""
         self.requests.labels(self.model_label(model, status), route, str(status)).inc()
+        if tenant is not None:
+            self.tenant_requests.labels(self.tenant_label(tenant), str(status)).inc()
 
     def render(self, snapshots: list[dict], models: list, in_flight: int = 0) -> bytes:
         """This process's metrics plus the engines' snapshots (every replica's; counters of replicas gone come as a

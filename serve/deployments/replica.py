@@ -14,7 +14,7 @@ from serve.config import parse_config
 from serve.deployments.board import Reporter
 from serve.engine import faults
 from serve.engine.engine import Engine
-from serve.engine.types import SamplingParams
+from serve.engine.types import SamplingParams, Tenant
 from serve.errors import ManyfoldError
 from serve.store.catalog import key_of
 
@@ -84,22 +84,24 @@ class EngineReplica:
                     raise
                 return e
 
-    async def classify(self, model: str, texts: list[str], truncate: bool = True):
-        return await self._answer(self.engine.classify(model, texts, truncate))
+    async def classify(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
+        return await self._answer(self.engine.classify(model, texts, truncate, tenant))
 
-    async def embed(self, model: str, texts: list[str], truncate: bool = True):
-        return await self._answer(self.engine.embed(model, texts, truncate))
+    async def embed(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
+        return await self._answer(self.engine.embed(model, texts, truncate, tenant))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict] | None = None):
-        return await self._answer(self.engine.complete(model, params, prompt=prompt, messages=messages))
+                       messages: list[dict] | None = None, tenant: Tenant | None = None):
+        return await self._answer(self.engine.complete(model, params, prompt=prompt, messages=messages,
+                                                       tenant=tenant))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                              messages: list[dict] | None = None):
+                              messages: list[dict] | None = None, tenant: Tenant | None = None):
         """Called with handle.options(stream=True): each TextDelta goes to the ingress as it comes."""
         async with self._serving():
             try:
-                async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages):
+                async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages,
+                                                               tenant=tenant):
                     yield delta
             except ManyfoldError as e:
                 if e.http_status >= 500:

@@ -12,7 +12,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from serve.deployments.health import BaseState, DeploymentHealth
-from serve.engine.types import ModelInfo, SamplingParams, TextDelta
+from serve.engine.types import ModelInfo, SamplingParams, Tenant, TextDelta
 from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable, VariantNotFound
 from serve.store.catalog import Catalog
 
@@ -61,21 +61,23 @@ class Router:
             raise result
         return result
 
-    async def classify(self, model: str, texts: list[str], truncate: bool = True):
-        return await self._call((await self._handle(model)).classify.remote(model, texts, truncate))
+    async def classify(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
+        return await self._call((await self._handle(model)).classify.remote(model, texts, truncate, tenant))
 
-    async def embed(self, model: str, texts: list[str], truncate: bool = True):
-        return await self._call((await self._handle(model)).embed.remote(model, texts, truncate))
+    async def embed(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
+        return await self._call((await self._handle(model)).embed.remote(model, texts, truncate, tenant))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict] | None = None):
+                       messages: list[dict] | None = None, tenant: Tenant | None = None):
         handle = await self._handle(model)
-        return await self._call(handle.complete.remote(model, params, prompt=prompt, messages=messages))
+        return await self._call(handle.complete.remote(model, params, prompt=prompt, messages=messages,
+                                                       tenant=tenant))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                              messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
+                              messages: list[dict] | None = None,
+                              tenant: Tenant | None = None) -> AsyncIterator[TextDelta]:
         handle = (await self._handle(model)).options(stream=True)
-        deltas = handle.complete_stream.remote(model, params, prompt=prompt, messages=messages)
+        deltas = handle.complete_stream.remote(model, params, prompt=prompt, messages=messages, tenant=tenant)
         try:
             with self._replica_errors():
                 async for delta in deltas:

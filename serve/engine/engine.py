@@ -25,7 +25,8 @@ from serve.engine.memory import MIB, MemoryPlan, reserved_bytes, resident_bytes,
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Op
 from serve.engine.scheduler import Scheduler
-from serve.engine.types import Classifications, Embeddings, Generation, ModelInfo, SamplingParams, TextDelta
+from serve.engine.types import (Classifications, Embeddings, Generation, ModelInfo, SamplingParams, Tenant,
+                                TextDelta)
 from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
 from serve.store.objects import fetched
 from serve.store.catalog import Catalog, Snapshot
@@ -256,7 +257,8 @@ class Engine:
         self._follow()
 
     # ---- requests
-    async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
+    async def classify(self, model: str, texts: list[str], truncate: bool = True,
+                       tenant: Tenant | None = None) -> Classifications:
         """Texts longer than the model reads are cut (and counted), or refused when truncate is False."""
         base, variant, key = await self.resolve(model)
         labels = self._followed.labels(variant) if variant else None
@@ -264,29 +266,32 @@ class Engine:
             raise BadRequest(f"model '{model}' is not a classifier")
         if not truncate:
             self.bases[base].prompts.check_inputs_fit(texts)
-        probs, tokens, truncated = await self._submit("classify", base, variant, key, texts)
+        probs, tokens, truncated = await self._submit("classify", base, variant, key, texts, tenant)
         return Classifications(labels, probs, tokens, truncated)
 
-    async def embed(self, model: str, texts: list[str], truncate: bool = True) -> Embeddings:
+    async def embed(self, model: str, texts: list[str], truncate: bool = True,
+                    tenant: Tenant | None = None) -> Embeddings:
         """One unit vector per text, and the tokens read; long texts as classify() treats them."""
         base, variant, key = await self.resolve(model)
         self.bases[base].require(model, encoder=True)
         if not truncate:
             self.bases[base].prompts.check_inputs_fit(texts)
-        return await self._submit("embed", base, variant, key, texts)
+        return await self._submit("embed", base, variant, key, texts, tenant)
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict] | None = None) -> Generation:
+                       messages: list[dict] | None = None, tenant: Tenant | None = None) -> Generation:
         """A text completion of `prompt`, or a chat completion of `messages` under the base's chat template."""
-        return await self._submit(*await self._generation_row(model, params, prompt, messages))
+        return await self._submit(*await self._generation_row(model, params, prompt, messages), tenant)
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                              messages: list[dict] | None = None) -> AsyncIterator[TextDelta]:
+                              messages: list[dict] | None = None,
+                              tenant: Tenant | None = None) -> AsyncIterator[TextDelta]:
         """complete(), as text pieces while the tokens come. Text that may yet turn out to be the start of a
         stop string is held back until it cannot (half characters never reach the text: it is decoded
         incrementally)."""
         updates: asyncio.Queue[tuple[str, int] | None] = asyncio.Queue()  # one per decode step: <= max_tokens + 1
-        row = self.scheduler.submit(*await self._generation_row(model, params, prompt, messages), stream=updates)
+        row = self.scheduler.submit(*await self._generation_row(model, params, prompt, messages), stream=updates,
+                                    tenant=tenant)
         held = max((len(s) for s in params.stop), default=1) - 1
         sent = sent_tokens = 0
         with_prompt = params.echo or params.logprobs is not None  # the first piece carries the prompt
@@ -321,8 +326,9 @@ class Engine:
             params = replace(params, max_tokens=min(self.config.limits.max_tokens, rt.max_length - len(ids)))
         return "generate", base, variant, key, (ids, params)
 
-    async def _submit(self, op: Op, base: str, variant: str | None, key: str | None, payload):
-        return await self.scheduler.result(self.scheduler.submit(op, base, variant, key, payload))
+    async def _submit(self, op: Op, base: str, variant: str | None, key: str | None, payload,
+                      tenant: Tenant | None = None):
+        return await self.scheduler.result(self.scheduler.submit(op, base, variant, key, payload, tenant=tenant))
 
     @property
     def batch_sizes(self):

@@ -41,6 +41,21 @@ class Row:
     """Generation: tokens generated as of the last step (the scheduler's latency figures)."""
     token_at: float = 0.0
     """Generation: time.monotonic() of its latest token."""
+    tenant: str = ""
+    """Whose row it is, as rows are ordered (serve/engine/fairness.py): the request's tenant, or else its model."""
+    weight: float = 1.0
+    """Its tenant's share of the engine."""
+    seq: int = 0
+    """Its place in arrival order."""
+    charged: bool = False
+    """Its prompt has been charged to its tenant (it joined a batch), or it left without: it waits no more."""
+
+    def prompt_tokens(self) -> int:
+        """What its prompt costs its tenant: a generation's prompt tokens; an encoder row's texts, at about four
+        characters a token (counted before they are tokenised)."""
+        if self.op == "generate":
+            return len(self.payload[0])
+        return sum(len(text) // 4 + 1 for text in self.payload)
 
     @property
     def entry(self) -> str:

@@ -2,8 +2,10 @@
 and dispatched to the forwards. Plain asyncio, no torch: the forwards (serve/engine/forwards.py) run on the one
 compute thread it is given, so the event loop keeps answering.
 
-The scheduler takes the first waiting row and gathers more for up to `batch_wait_timeout_s` or `max_batch_size`
-rows (beyond max_queue, Overloaded: HTTP 429). A row whose variant is on the fast tier is held and dispatched at
+The scheduler takes the waiting row that goes next and gathers more for up to `batch_wait_timeout_s` or
+`max_batch_size` rows (beyond max_queue, Overloaded: HTTP 429). Which row goes next, out of the queue and into a
+running generation, is the fairness policy's (serve/engine/fairness.py: by tenant, the least served first, or first
+come, first served); each row carries its tenant. A row whose variant is on the fast tier is held and dispatched at
 once; any other is acquired in its own task (a load, or a promotion from the cpu tier), so it never holds up
 the rest. Classify and embed rows of one gather and base are one forward; generate rows join their base's one
 running generation between decode steps.
@@ -24,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve.config import BatchConfig
+from serve.engine.fairness import Fairness, FairQueue
 from serve.engine.rows import Forwards, GenerationBatch, Holds, Op, Row, Step, row_error
 from serve.engine.stats import BATCH_BUCKETS, Distribution, Latencies, Seconds
+from serve.engine.types import Tenant
 from serve.errors import ManyfoldError, Overloaded
 
 log = logging.getLogger("manyfold.engine")
@@ -49,8 +53,9 @@ class Scheduler:
         self.batch_sizes = Distribution(BATCH_BUCKETS)
         self.seconds = Seconds()
         """"scheduling": event-loop time from one generation step's end to the next one's start."""
+        self.fairness = Fairness(config.fairness)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[Row] | None = None
+        self._queue: FairQueue | None = None
         self._in_flight: asyncio.Semaphore | None = None
         self._worker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -72,22 +77,40 @@ class Scheduler:
 
     # ---- requests
     def submit(self, op: Op, base: str, model: str | None, key: str | None, payload: Any,
-               stream: asyncio.Queue | None = None) -> Row:
-        """Queue a row of `model` (None: the base), whose entry has `key` in the cache (a group's for a member);
-        Overloaded when the queue is full or the server is stopping. Await its future."""
+               stream: asyncio.Queue | None = None, tenant: Tenant | None = None) -> Row:
+        """Queue a row of `model` (None: the base), whose entry has `key` in the cache (a group's for a member), for
+        `tenant` (None: the model is the tenant); Overloaded when the queue is full or the server is stopping.
+        Await its future."""
         if not self.accepting:
             raise Overloaded("server is shutting down")
         self._start()
         row = Row(op, base, key, payload, self._loop.create_future(), model=model, stream=stream,
-                  submitted_at=time.monotonic())
+                  submitted_at=time.monotonic(), tenant=tenant.name if tenant else model or base,
+                  weight=tenant.weight if tenant else 1.0)
+        self.fairness.arrive(row)
         try:
-            self._queue.put_nowait(row)
+            pushed = self._queue.put_nowait(row)
         except asyncio.QueueFull:
+            self.fairness.leave(row)
             raise Overloaded(f"{self._queue.maxsize} requests already waiting; retry later") from None
         if not self._open.total():
             self._progress_at = time.monotonic()  # the clock starts with the work
         self._open[base] += 1
+        if pushed is not None:
+            self._push_out(pushed)
         return row
+
+    def _push_out(self, row: Row) -> None:
+        """A row the full queue gave up for another tenant's (FairQueue): answered as if refused on arrival. It
+        never held a permit, and its queue place is already given back."""
+        row.done = True
+        self._open[row.base] -= 1
+        self.fairness.leave(row)
+        if not row.future.done():
+            row.future.set_exception(Overloaded(f"{self._queue.maxsize} requests already waiting, the most of "
+                                                f"them yours ('{row.tenant}'); retry later"))
+        if row.stream is not None:
+            row.stream.put_nowait(None)
 
     async def result(self, row: Row) -> Any:
         try:
@@ -114,7 +137,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._worker, self._generating, self._open = loop, None, {}, Counter()
-            self._queue = asyncio.Queue(maxsize=self.config.max_queue)
+            self.fairness = Fairness(self.config.fairness)
+            self._queue = FairQueue(self.fairness, maxsize=self.config.max_queue)
             self._in_flight = asyncio.Semaphore(self.config.max_batch_size * self.config.max_concurrent_groups)
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._gather_loop())
@@ -220,6 +244,7 @@ class Scheduler:
             elif r.op == "generate":
                 self._join_generation(r)
             else:
+                self.fairness.admit(r)
                 groups.setdefault((r.op, r.base), []).append(r)
         for group in groups.values():
             self._spawn(self._run_group(group))
@@ -244,6 +269,7 @@ class Scheduler:
             return
         row.done = True
         self._open[row.base] -= 1
+        self.fairness.leave(row)
         self._progress_at = now = time.monotonic()
         if error is None and not row.cancelled:
             self.latencies.setdefault(row.base, Latencies()).end_to_end.observe(now - row.submitted_at)
@@ -335,8 +361,8 @@ class Scheduler:
         return gone
 
     def _next_rows(self, g: _Generating) -> list[Row]:
-        room = max(0, self.config.max_batch_size - len(g.batch))
-        new, g.pending = g.pending[:room], g.pending[room:]
+        """The rows that join the batch at this step, in the fairness policy's order."""
+        new, g.pending = self.fairness.take(g.pending, max(0, self.config.max_batch_size - len(g.batch)))
         return new
 
     def _after_step(self, g: _Generating, new: list[Row], step: Step) -> None:
@@ -364,6 +390,7 @@ class Scheduler:
     def _tokens(self, row: Row, count: int, now: float) -> None:
         """A generation row's latencies as its tokens arrive (Latencies.arrived)."""
         if count > row.tokens_seen:
+            self.fairness.served(row, count - row.tokens_seen)
             self.latencies.setdefault(row.base, Latencies()).arrived(row.tokens_seen, count - row.tokens_seen,
                                                                      now - row.submitted_at, now - row.token_at)
             row.tokens_seen, row.token_at = count, now

@@ -12,6 +12,15 @@ cold, only on disk, to be loaded (and decoded) first. A base is hot while its re
 
 
 @dataclass(frozen=True)
+class Tenant:
+    """Whom a request is for, as the engine orders rows of many tenants (serve/engine/fairness.py)."""
+
+    name: str
+    weight: float = 1.0
+    """Its share of the engine when tenants wait for it."""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16
     """None: up to the end of the context, within the server's limit. 0: the prompt only (with echo)."""

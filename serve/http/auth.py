@@ -4,29 +4,38 @@ With no tenants configured every caller is served; with no admin key the admin r
 
 from fastapi import Request
 
-from serve.config import TenantConfig, key_digest
+from serve.config import key_digest
+from serve.engine.types import Tenant
 from serve.errors import Forbidden, Unauthorized
 from serve.http.state import State
+from serve.store.manifest import TenantEntry
 
 
-def tenant(request: Request, state: State) -> TenantConfig | None:
+def tenant(request: Request, state: State) -> TenantEntry | None:
     """Dependency: the caller's tenant, or None when the server has no tenants."""
-    if not state.tenants:
+    tenants = state.tenants()
+    if not tenants:
         return None
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    t = state.tenants.get(key_digest(key.strip()))
+    t = tenants.get(key_digest(key.strip()))
     if t is None:
         raise Unauthorized("invalid API key")
+    request.state.tenant = t.name
     return t
 
 
-def allow(request: Request, t: TenantConfig | None, model: str) -> None:
+def share(t: TenantEntry | None) -> Tenant | None:
+    """The tenant as the engine orders its rows (None: the engine takes the model as the tenant)."""
+    return Tenant(t.name, t.weight) if t is not None else None
+
+
+def allow(request: Request, t: TenantEntry | None, model: str) -> None:
     """Names the request's model (for metrics and logs), then refuses it if the tenant may not call it."""
     request.state.model = model
-    if t is not None and "*" not in t.models and model not in t.models:
+    if t is not None and not t.may_call(model):
         raise Forbidden(f"tenant '{t.name}' may not call model '{model}'")
 
 

@@ -6,23 +6,24 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from serve.config import LimitsConfig, TenantConfig
+from serve.config import LimitsConfig
 from serve.engine.types import SamplingParams, TextDelta, TokenLogprob
 from serve.errors import TooLarge
 from serve.http import schemas as S
-from serve.http.auth import allow, tenant
+from serve.http.auth import allow, share, tenant
 from serve.http.disconnect import while_connected
 from serve.http.limits import check_max_tokens, check_texts
 from serve.http.state import State
 from serve.http.streaming import Choice, gather_all, stream
 from serve.http.usage import count_tokens, usage
+from serve.store.manifest import TenantEntry
 
 router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=S.CompletionResponse)
 async def completions(body: S.CompletionRequest, request: Request, state: State,
-                      t: TenantConfig | None = Depends(tenant)):
+                      t: TenantEntry | None = Depends(tenant)):
     allow(request, t, body.model)
     prompts = body.prompts()
     if len(prompts) > state.limits.max_inputs:
@@ -30,12 +31,15 @@ async def completions(body: S.CompletionRequest, request: Request, state: State,
     check_texts(state.limits, [p for p in prompts if isinstance(p, str)])
     params = _sampling(state.limits, body, body.max_tokens, logprobs=body.logprobs, echo=body.echo)
     want = body.logprobs is not None
+    ticket = state.tenant_gate.admit(t)
     if body.stream:
-        streams = [state.backend.complete_stream(body.model, params, prompt=p) for p in prompts]
+        streams = [state.backend.complete_stream(body.model, params, prompt=p, tenant=share(t)) for p in prompts]
         return await stream(request, state.metrics, body, streams, S.CompletionChunk, "cmpl",
-                            _completion_chunks(body, len(prompts)))
-    gens = await while_connected(request, gather_all(state.backend.complete(body.model, params, prompt=p)
-                                                     for p in prompts))
+                            _completion_chunks(body, len(prompts)), ticket)
+    with ticket:
+        gens = await while_connected(request, gather_all(
+            state.backend.complete(body.model, params, prompt=p, tenant=share(t)) for p in prompts))
+        ticket.tokens = usage(*gens).total_tokens
     choices = []
     for i, gen in enumerate(gens):
         count_tokens(state.metrics, body.model, gen)
@@ -66,7 +70,7 @@ def _completion_chunks(body: S.CompletionRequest, n_prompts: int) -> Choice:
 
 @router.post("/v1/chat/completions", response_model=S.ChatCompletionResponse)
 async def chat(body: S.ChatCompletionRequest, request: Request, state: State,
-               t: TenantConfig | None = Depends(tenant)):
+               t: TenantEntry | None = Depends(tenant)):
     allow(request, t, body.model)
     check_texts(state.limits, [m.text() for m in body.messages])
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -74,15 +78,19 @@ async def chat(body: S.ChatCompletionRequest, request: Request, state: State,
     messages = [{k: v for k, v in {"role": m.role, "content": m.text(), "name": m.name,
                                     "tool_call_id": m.tool_call_id}.items() if v is not None}
                 for m in body.messages]
+    ticket = state.tenant_gate.admit(t)
     if body.stream:
         def chunk(i: int, d: TextDelta, head: bool, reason: str | None) -> S.ChatChunkChoice:
             return S.ChatChunkChoice(index=i, delta=S.ChatDelta(role="assistant" if head else None, content=d.text),
                                      logprobs=chat_logprobs(d.logprobs, top), finish_reason=reason)
 
         return await stream(request, state.metrics, body,
-                            [state.backend.complete_stream(body.model, params, messages=messages)],
-                            S.ChatCompletionChunk, "chatcmpl", chunk)
-    gen = await while_connected(request, state.backend.complete(body.model, params, messages=messages))
+                            [state.backend.complete_stream(body.model, params, messages=messages, tenant=share(t))],
+                            S.ChatCompletionChunk, "chatcmpl", chunk, ticket)
+    with ticket:
+        gen = await while_connected(request, state.backend.complete(body.model, params, messages=messages,
+                                                                    tenant=share(t)))
+        ticket.tokens = usage(gen).total_tokens
     count_tokens(state.metrics, body.model, gen)
     return S.ChatCompletionResponse(
         id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,

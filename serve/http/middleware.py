@@ -19,8 +19,8 @@ from serve.metrics import Metrics
 
 
 class Measured:
-    """Gives the request an id (the client's x-request-id, cut to 64 characters, or a fresh one) and a model
-    (None until a route names it), times it to the start of its response, counts it by status once it ends,
+    """Gives the request an id (the client's x-request-id, cut to 64 characters, or a fresh one), a model and a
+    tenant (None until a route names them), times it to the start of its response, counts it by status once it ends,
     and returns the id in x-request-id. A request whose client left before its response ended (its handler
     cancelled, as Ray Serve's proxy does, or a stream cut short) counts as 499, with one INFO line. Pure ASGI
     rather than BaseHTTPMiddleware, whose call_next turned a handler cut short into "RuntimeError: No response
@@ -35,7 +35,7 @@ class Measured:
         started = time.perf_counter()
         rid = Headers(scope=scope).get("x-request-id", "")[:64] or uuid.uuid4().hex[:16]
         request_state = scope.setdefault("state", {})  # what handlers see as request.state
-        request_state.update(model=None, request_id=rid)
+        request_state.update(model=None, tenant=None, request_id=rid)
         response = _Response()
 
         async def send_measured(message: Message) -> None:
@@ -55,7 +55,8 @@ class Measured:
         except ClientDisconnect:  # a server that says so by raising: nothing is left to send, and no error
             self._end(scope, response)
         except BaseException:  # the error handler answers 500, unless the response had ended
-            self.metrics.count(request_state["model"], _route(scope), response.status if response.ended else 500)
+            self.metrics.count(request_state["model"], _route(scope), response.status if response.ended else 500,
+                               request_state["tenant"])
             raise
         else:
             self._end(scope, response)
@@ -66,7 +67,7 @@ class Measured:
         status = response.status if response.ended else ClientGone.http_status
         if not response.ended:
             log_refused(Request(scope), status, GONE + (" mid-response" if response.status else ""))
-        self.metrics.count(scope["state"]["model"], _route(scope), status)
+        self.metrics.count(scope["state"]["model"], _route(scope), status, scope["state"]["tenant"])
 
 
 @dataclass

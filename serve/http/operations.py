@@ -6,11 +6,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, Response
 
-from serve.config import TenantConfig
 from serve.errors import BadRequest
 from serve.http import schemas as S
 from serve.http.auth import tenant
 from serve.http.state import State
+from serve.store.manifest import TenantEntry
 
 router = APIRouter()
 
@@ -40,13 +40,12 @@ async def prometheus(state: State):
 
 
 @router.get("/v1/models", response_model=S.ModelList)
-async def models(state: State, t: TenantConfig | None = Depends(tenant),
+async def models(state: State, t: TenantEntry | None = Depends(tenant),
                  limit: Annotated[int | None, Query(ge=1, le=MAX_MODELS_PAGE)] = None, after: str | None = None):
     """Every model the caller may call, in a stable order (bases, each followed by its variants as the store
     lists them). Without parameters, all of them (what OpenAI clients expect); `limit` and `after` page through
     them as OpenAI's cursor lists do: has_more says whether to ask again with after=last_id."""
-    allowed = None if t is None or "*" in t.models else set(t.models)
-    infos = [m for m in await state.backend.models() if allowed is None or m.name in allowed]
+    infos = [m for m in await state.backend.models() if t is None or t.may_call(m.name)]
     start = 0
     if after is not None:
         start = next((i + 1 for i, m in enumerate(infos) if m.name == after), None)

@@ -16,6 +16,7 @@ from serve.errors import ManyfoldError
 from serve.http import schemas as S
 from serve.http.disconnect import while_connected
 from serve.http.errors import internal_error, log_refused, manyfold_message, request_id
+from serve.http.tenant_limits import Ticket
 from serve.http.usage import count_tokens, usage
 from serve.metrics import Metrics
 
@@ -26,24 +27,25 @@ Choice = Callable[[int, TextDelta, bool, str | None], BaseModel]
 
 
 async def stream(request: Request, metrics: Metrics, body: S._Sampling, streams: list[AsyncIterator[TextDelta]],
-                 kind: type[BaseModel], prefix: str, choice: Choice) -> StreamingResponse:
+                 kind: type[BaseModel], prefix: str, choice: Choice, ticket: Ticket) -> StreamingResponse:
     """Server-sent events of `kind` chunks, each holding choice(index, delta, is_first, finish_reason) of one
     of the streams (one per prompt), as they come. The first piece of every stream is awaited before the
     response starts, so a refusal (404, 429, ...) is still an HTTP status; an error after that is a last
-    `error` event before [DONE]."""
+    `error` event before [DONE]. The tenant's ticket is given back when the last event is sent."""
     try:
         firsts = await while_connected(request, gather_all(anext(d) for d in streams))
     except BaseException:
+        ticket.done()
         await close_all(streams)
         raise
     chunk = partial(kind, id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=body.model)
-    events = _events(request, metrics, body, firsts, streams, chunk, choice)
+    events = _events(request, metrics, body, firsts, streams, chunk, choice, ticket)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
 async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts: list[TextDelta],
                   streams: list[AsyncIterator[TextDelta]], chunk: Callable[..., BaseModel],
-                  choice: Choice) -> AsyncIterator[str]:
+                  choice: Choice, ticket: Ticket) -> AsyncIterator[str]:
     pieces: asyncio.Queue = asyncio.Queue()  # at most one item per token of every stream
     pumps = [asyncio.create_task(_pump(pieces, i, d, s)) for i, (d, s) in enumerate(zip(firsts, streams))]
     open_, started, finals = len(streams), set(), []
@@ -59,6 +61,7 @@ async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts:
                 open_ -= 1
                 finals.append(d.final)
                 count_tokens(metrics, body.model, d.final)
+                ticket.tokens += d.final.prompt_tokens + d.final.completion_tokens
         if body.stream_options and body.stream_options.include_usage:
             yield sse(chunk(choices=[], usage=usage(*finals)))
         yield SSE_DONE
@@ -70,6 +73,7 @@ async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts:
         yield sse(S.ErrorBody(error=internal_error(request_id(request))))
         yield SSE_DONE
     finally:
+        ticket.done()
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)  # off the streams before they close

@@ -276,12 +276,54 @@ def _entry(name: str, data: object) -> VariantEntryBase:
                                   {"name": name, "problem": first_error(e)}) from None
 
 
+ModelPattern = Annotated[str, StringConstraints(pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9._/-]{0,128}\*?)$")]
+"""A model a tenant may call: a name ("support/topic"), a prefix ("acme-*"), or "*" for every model."""
+
+
+class TenantLimits(StrictModel):
+    """Past any of these a tenant's request is refused with 429 and Retry-After (serve/http/tenant_limits.py).
+    None: no limit of that kind."""
+
+    requests_per_s: Annotated[float, Field(gt=0)] | None = None
+    """Requests admitted per second, a token bucket holding one second's worth (at least one request)."""
+    tokens_per_min: Annotated[int, Field(ge=1)] | None = None
+    """Prompt and completion tokens per minute, a token bucket holding one minute's worth: a request is admitted
+    while the bucket is not empty and its tokens are taken when it is answered (so one request may overdraw it)."""
+    max_concurrent: Annotated[int, Field(ge=1)] | None = None
+    """Requests of the tenant in flight at once."""
+
+
+class TenantEntry(StrictModel):
+    """A tenant: the keys it calls with, what it may call, its share of the engine and its limits."""
+
+    name: Name
+    key_sha256: list[Sha256] = []
+    """sha256 of each API key of this tenant (keys themselves are never stored)."""
+    admin_key_sha256: list[Sha256] = []
+    """Keys that may add, replace and remove this tenant's own variants: those named "<tenant>-..."."""
+    models: list[ModelPattern] = ["*"]
+    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    """Its share of the engine when tenants wait for it: served tokens count 1/weight on its virtual counter
+    (serve/engine/fairness.py)."""
+    limits: TenantLimits = TenantLimits()
+
+    def may_call(self, model: str) -> bool:
+        return any(p == "*" or p == model or (p.endswith("*") and model.startswith(p[:-1])) for p in self.models)
+
+    def owns(self, variant: str) -> bool:
+        """Whether `variant` is this tenant's own, which its admin keys may change."""
+        return variant.startswith(f"{self.name}-")
+
+
 class StoreManifest(StrictModel):
     format: Literal["manyfold.store"] = "manyfold.store"
     version: Literal[1] = VERSION
     bases: dict[Name, BaseEntry] = {}
     variants: dict[Name, SerializeAsAny[VariantEntryBase]] = {}
     """Each read with the entry class its kind registered."""
+    tenants: dict[Name, TenantEntry] = {}
+    """Tenants added at run time (POST /v1/admin/tenants), seen by every process that follows the store; a config
+    file's tenants of the same name are replaced by these."""
 
     @field_validator("variants", mode="before")
     @classmethod

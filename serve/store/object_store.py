@@ -184,6 +184,9 @@ class ObjectStore(StoreView):
         self._swap(change)
         return result
 
+    def update(self, change: Callable[[StoreManifest], StoreManifest]) -> None:
+        self._swap(change)
+
     def remove(self, name: str) -> None:
         self._swap(lambda m: self._without(m, name)[0])
 

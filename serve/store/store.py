@@ -21,9 +21,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from serve.errors import ArtifactError, BadRequest, ManyfoldError, VariantNotFound
-from serve.store.manifest import (MANIFEST, MEMBER_SEP, BaseEntry, FileEntry, StoreManifest, VariantEntry,
-                                  read_manifest, write_manifest)
+from serve.errors import ArtifactError, BadRequest, ManyfoldError, TenantNotFound, VariantNotFound
+from serve.store.manifest import (MANIFEST, MEMBER_SEP, BaseEntry, FileEntry, StoreManifest, TenantEntry,
+                                  VariantEntry, read_manifest, write_manifest)
 from serve.store.node_cache import NodeCache
 from serve.store.writer import fsync_dir
 
@@ -163,6 +163,35 @@ class StoreView(ManifestView):
         if entry.kind != "base" and entry.base not in manifest.bases:
             raise VariantNotFound(f"store {self.root} has no base '{entry.base}'")
         return old
+
+    def update(self, change: Callable[[StoreManifest], StoreManifest]) -> None:
+        """Write change(the newest manifest) as the manifest, atomically against other writers; change raises
+        (BadRequest, ...) when the newest manifest refuses it, and nothing is written."""
+        raise NotImplementedError
+
+    def put_tenant(self, tenant: TenantEntry) -> bool:
+        """Add a tenant or replace the one of its name; -> whether it replaced one. A key that another tenant
+        holds is refused (a key names one tenant)."""
+        replaced: list[bool] = []
+
+        def change(m: StoreManifest) -> StoreManifest:
+            keys = set(tenant.key_sha256) | set(tenant.admin_key_sha256)
+            for other in m.tenants.values():
+                if other.name != tenant.name and keys & (set(other.key_sha256) | set(other.admin_key_sha256)):
+                    raise BadRequest(f"a key of tenant '{tenant.name}' is already a key of tenant '{other.name}'")
+            replaced[:] = [tenant.name in m.tenants]
+            return m.model_copy(update={"tenants": {**m.tenants, tenant.name: tenant}})
+
+        self.update(change)
+        return replaced[0]
+
+    def remove_tenant(self, name: str) -> None:
+        def change(m: StoreManifest) -> StoreManifest:
+            if name not in m.tenants:
+                raise TenantNotFound(f"store {self.root} has no tenant '{name}'")
+            return m.model_copy(update={"tenants": {k: t for k, t in m.tenants.items() if k != name}})
+
+        self.update(change)
 
     def _without(self, manifest: StoreManifest, name: str) -> tuple[StoreManifest, str, str]:
         """The manifest without entry `name` (a base only once no variant needs it); -> (it, its section, its
@@ -318,6 +347,12 @@ class Store(StoreView):
                 self.manifest = self.manifest.model_copy(update={"variants": variants})
                 write_manifest(self.root, self.manifest)
         return added, refused
+
+    def update(self, change: Callable[[StoreManifest], StoreManifest]) -> None:
+        with self._locked():
+            self.reload()
+            self.manifest = change(self.manifest)
+            write_manifest(self.root, self.manifest)
 
     def remove(self, name: str) -> None:
         """Drop an entry from the manifest first, then its files. A base goes only without variants."""

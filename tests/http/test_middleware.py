@@ -22,7 +22,7 @@ JSON = {"content-type": "application/json"}
 
 
 class FakeEngine:
-    async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
+    async def classify(self, model: str, texts: list[str], truncate: bool = True, tenant=None) -> Classifications:
         return Classifications(labels=["neg", "pos"], probs=[[0.25, 0.75]] * len(texts), prompt_tokens=len(texts))
 
 
@@ -108,7 +108,7 @@ class Stalled(FakeEngine):
     def __init__(self) -> None:
         self.entered = asyncio.Event()
 
-    async def classify(self, model: str, texts: list[str], truncate: bool = True) -> Classifications:
+    async def classify(self, model: str, texts: list[str], truncate: bool = True, tenant=None) -> Classifications:
         self.entered.set()
         await asyncio.Event().wait()
 
@@ -136,7 +136,7 @@ def test_a_handler_cancelled_when_its_client_left_is_a_499_and_one_info_line(tmp
 class Endless(FakeEngine):
     """A stream that never ends by itself."""
 
-    async def complete_stream(self, model: str, params, prompt=None, messages=None):
+    async def complete_stream(self, model: str, params, prompt=None, messages=None, tenant=None):
         while True:
             yield TextDelta("a")
             await asyncio.sleep(0)  # a turn of the event loop per piece

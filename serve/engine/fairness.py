@@ -1,0 +1,174 @@
+"""The order waiting rows are served in: by tenant with S-LoRA's Virtual Token Counter (arXiv 2401.00588), or first
+come, first served. Plain Python, no torch: the scheduler (serve/engine/scheduler.py) asks it which
+row goes next, where rows wait (its bounded queue, and a base's rows waiting to join the running generation), and
+tells it what each row was served.
+
+VTC keeps one counter per tenant: the tokens it has been served, prompt tokens at PROMPT_WEIGHT and generated
+tokens at OUTPUT_WEIGHT (S-LoRA's w_p = 1, w_q = 2: a generated token costs a decode step, a prompt token a share of
+one), divided by the tenant's weight. The next row is the oldest one of the waiting tenant with the smallest
+counter; its prompt is charged when it joins a batch, its tokens as they are generated. A tenant that starts
+waiting again after a spell with nothing waiting is lifted to the smallest counter of those waiting (with none
+waiting, to the counter of the last tenant whose wait ended), so idleness is not banked: a tenant back from idle
+competes from where the others stand, it does not take the engine over. Work-conserving: the policy only orders
+rows; a tenant alone is given every row it sends.
+
+S-LoRA's Theorem 4.4: two tenants backlogged over an interval are served within 2U weighted tokens of each other,
+U = max(PROMPT_WEIGHT * L_input + OUTPUT_WEIGHT * M) over the interval's rows, M the tokens a batch holds; the test
+in tests/engine/test_fairness.py checks it on the scheduler's own counters.
+
+Per replica: each replica orders its own rows (Ray Serve spreads a tenant's requests over replicas).
+"""
+
+import asyncio
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Literal, Protocol
+
+PROMPT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+
+
+class Waiting(Protocol):
+    """What the policy reads of a row (serve/engine/rows.py Row)."""
+
+    tenant: str
+    weight: float
+    seq: int
+    charged: bool
+
+    def prompt_tokens(self) -> int: ...
+
+
+@dataclass
+class Fairness:
+    policy: Literal["vtc", "fcfs"] = "vtc"
+    counters: dict[str, float] = field(default_factory=dict)
+    """Each tenant's weighted tokens served (VTC's c_i); kept for fcfs too, for the same figures."""
+    waiting: Counter[str] = field(default_factory=Counter)
+    """Rows of each tenant not yet in a batch (nor answered)."""
+    _last: float = 0.0
+    """The counter of the last tenant whose rows all joined a batch (VTC's l)."""
+    _seq: Iterator[int] = field(default_factory=count)
+
+    def arrive(self, row: Waiting) -> None:
+        """A row starts waiting: numbered in arrival order; its tenant lifted if it had nothing waiting."""
+        row.seq = next(self._seq)
+        t = row.tenant
+        if not self.waiting[t]:
+            active = [self.counters.get(u, 0.0) for u, n in self.waiting.items() if n]
+            floor = min(active) if active else self._last
+            self.counters[t] = max(self.counters.get(t, 0.0), floor)
+        self.waiting[t] += 1
+
+    def admit(self, row: Waiting) -> None:
+        """The row joins a batch (or an encoder forward): its prompt is charged and it waits no more."""
+        if row.charged:
+            return
+        row.charged = True
+        self.charge(row, PROMPT_WEIGHT * row.prompt_tokens())
+        self._stop_waiting(row)
+
+    def leave(self, row: Waiting) -> None:
+        """The row is answered without joining a batch (refused, failed, its caller gone): nothing to charge."""
+        if not row.charged:
+            row.charged = True
+            self._stop_waiting(row)
+
+    def served(self, row: Waiting, tokens: int) -> None:
+        """The row was given `tokens` more generated tokens."""
+        self.charge(row, OUTPUT_WEIGHT * tokens)
+
+    def charge(self, row: Waiting, cost: float) -> None:
+        self.counters[row.tenant] = self.counters.get(row.tenant, 0.0) + cost / row.weight
+
+    def _stop_waiting(self, row: Waiting) -> None:
+        t = row.tenant
+        self.waiting[t] -= 1
+        if not self.waiting[t]:
+            del self.waiting[t]
+            self._last = self.counters.get(t, 0.0)
+
+    def key(self, row: Waiting) -> tuple[float, int]:
+        """Smaller goes first: arrival order (fcfs), or the tenant's counter, then arrival (vtc)."""
+        return (0.0 if self.policy == "fcfs" else self.counters.get(row.tenant, 0.0), row.seq)
+
+    def take(self, rows: list, n: int) -> tuple[list, list]:
+        """The n rows of `rows` that go next, charged as each is taken (so that two rows of one tenant count
+        against each other), and the rest in their order. -> (taken, rest)."""
+        rest = list(rows)
+        taken = []
+        while rest and len(taken) < n:
+            row = min(rest, key=self.key)
+            rest.remove(row)
+            self.admit(row)
+            taken.append(row)
+        return taken, rest
+
+
+class FairQueue:
+    """The scheduler's bounded queue of rows not yet taken, in the policy's order: asyncio.Queue's put_nowait / get /
+    task_done / join / qsize, with get() giving the row that goes next rather than the oldest. One deque per
+    tenant, so taking a row costs the number of waiting tenants, not of rows.
+
+    Full, fcfs refuses the row arriving. Full, vtc refuses it only if its tenant already holds the most rows here;
+    otherwise the newest row of the tenant holding the most is pushed out (longest-queue drop), so that a flooding
+    tenant cannot fill the queue and have every other tenant's requests refused."""
+
+    def __init__(self, fairness: Fairness, maxsize: int):
+        self.fairness = fairness
+        self.maxsize = maxsize
+        self._by_tenant: dict[str, deque] = {}
+        self._size = 0
+        self._unfinished = 0
+        self._ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def qsize(self) -> int:
+        return self._size
+
+    def put_nowait(self, row: Waiting) -> Waiting | None:
+        """Queue `row`; -> a row pushed out to make room (the caller answers it), or None. QueueFull when `row`
+        itself is refused."""
+        pushed = None
+        if self._size >= self.maxsize:
+            longest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
+            mine = len(self._by_tenant.get(row.tenant, ()))
+            if self.fairness.policy == "fcfs" or mine + 1 >= len(self._by_tenant[longest]):
+                raise asyncio.QueueFull
+            pushed = self._pop(longest, newest=True)
+            self._task_done()
+        self._by_tenant.setdefault(row.tenant, deque()).append(row)
+        self._size += 1
+        self._unfinished += 1
+        self._idle.clear()
+        self._ready.set()
+        return pushed
+
+    async def get(self) -> Waiting:
+        while not self._size:
+            self._ready.clear()
+            await self._ready.wait()
+        head = min((q[0] for q in self._by_tenant.values()), key=self.fairness.key)
+        return self._pop(head.tenant)
+
+    def _pop(self, tenant: str, newest: bool = False) -> Waiting:
+        q = self._by_tenant[tenant]
+        row = q.pop() if newest else q.popleft()
+        if not q:
+            del self._by_tenant[tenant]
+        self._size -= 1
+        return row
+
+    def task_done(self) -> None:
+        self._task_done()
+
+    def _task_done(self) -> None:
+        self._unfinished -= 1
+        if not self._unfinished:
+            self._idle.set()
+
+    async def join(self) -> None:
+        await self._idle.wait()

@@ -1,0 +1,242 @@
+"""Fair scheduling across tenants (serve/engine/fairness.py) on the real Scheduler, over a generation that gives
+every running row one token a step: which rows join the batch, and what each tenant is served, step by step."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from serve.config import BatchConfig
+from serve.engine.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, Fairness, FairQueue
+from serve.engine.rows import Row, Step
+from serve.engine.scheduler import Scheduler
+from serve.engine.types import Generation, SamplingParams, Tenant
+from serve.errors import Overloaded
+
+PROMPT = 8
+MAX_TOKENS = 6
+SLOTS = 4
+
+
+class Batch:
+    """A running generation of SLOTS rows: every step gives each running row one token; a row ends at its
+    max_tokens. It records what each tenant was served (prompt tokens on joining, then each token, weighted as
+    VTC weighs them) and who was waiting after each step."""
+
+    def __init__(self, trace: "Trace"):
+        self.running: dict[Row, Generation] = {}
+        self.trace = trace
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def run(self, new: list[Row], gone: list[Row]) -> Step:
+        step = Step()
+        for r in new:
+            if len(self.running) < SLOTS:
+                self.running[r] = Generation(prompt_tokens=len(r.payload[0]))
+                self.trace.serve(r.tenant, PROMPT_WEIGHT * len(r.payload[0]))
+                self.trace.admitted.append(r.tenant)
+            else:
+                step.waiting.append(r)
+        for r, gen in list(self.running.items()):
+            gen.token_ids.append(1)
+            self.trace.serve(r.tenant, OUTPUT_WEIGHT)
+            if len(gen.token_ids) >= r.payload[1].max_tokens:
+                step.finished.append((r, gen))
+                del self.running[r]
+        self.trace.step(self.running)
+        return step
+
+    def rows(self) -> list[tuple[Row, Generation]]:
+        return list(self.running.items())
+
+    def close(self) -> None:
+        pass
+
+
+class Trace:
+    def __init__(self):
+        self.served: dict[str, float] = {}
+        self.admitted: list[str] = []
+        self.steps: list[dict[str, float]] = []
+        self.submitted: dict[str, int] = {}
+
+    def serve(self, tenant: str, cost: float) -> None:
+        self.served[tenant] = self.served.get(tenant, 0.0) + cost
+
+    def step(self, running: dict) -> None:
+        """After each step: each tenant's service so far, and whether it still had rows not yet in the batch."""
+        joined = {t: self.admitted.count(t) for t in self.submitted}
+        self.steps.append({"served": dict(self.served),
+                           "backlogged": {t for t, n in self.submitted.items() if joined[t] < n}})
+
+
+class Forwards:
+    def __init__(self, trace: Trace):
+        self.trace = trace
+
+    def generation(self, base: str) -> Batch:
+        return Batch(self.trace)
+
+    def encode(self, rows):
+        raise AssertionError("no encoder rows here")
+
+
+def serve(policy: str, waves: list[list[tuple[str, int]]], max_queue: int = 1024) -> Trace:
+    """Submit each wave's (tenant, rows) at once, the next wave once the one before is all answered... except that
+    a wave of None waits for nothing. Returns the trace of the run."""
+    trace = Trace()
+    config = BatchConfig(max_batch_size=SLOTS, max_queue=max_queue, fairness=policy, batch_wait_timeout_s=0)
+    with ThreadPoolExecutor(1) as compute:
+        scheduler = Scheduler(config, holds=None, forwards=Forwards(trace), compute=compute)
+
+        async def run() -> None:
+            pending = []
+            for wave in waves:
+                for tenant, n in wave:
+                    trace.submitted[tenant] = trace.submitted.get(tenant, 0) + n
+                    for _ in range(n):
+                        payload = ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
+                        row = scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
+                        pending.append(scheduler.result(row))
+                await _steps(trace, 3)
+            await asyncio.gather(*pending)
+
+        asyncio.run(run())
+    return trace
+
+
+async def _steps(trace: Trace, n: int) -> None:
+    """Until n more steps have run (the compute thread's progress, not a clock)."""
+    start = len(trace.steps)
+    for _ in range(100_000):
+        if len(trace.steps) >= start + n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the scheduler made no progress")
+
+
+BOUND = 2 * (PROMPT_WEIGHT * PROMPT + OUTPUT_WEIGHT * SLOTS * MAX_TOKENS)
+"""S-LoRA's Theorem 4.4: 2U, U = w_p * L_input + w_q * M, M the tokens a batch holds."""
+
+
+def _largest_gap(trace: Trace, a: str, b: str) -> float:
+    """The largest difference of service between a and b after any step at which both were backlogged."""
+    gaps = [abs(s["served"].get(a, 0) - s["served"].get(b, 0)) for s in trace.steps if {a, b} <= s["backlogged"]]
+    assert gaps, "the two tenants were never backlogged together"
+    return max(gaps)
+
+
+def test_two_backlogged_tenants_are_served_within_vtcs_bound():
+    """A sends 60 rows before B sends 60: first come, first served gives A the engine until its rows run out;
+    VTC keeps the two within 2U of each other for as long as both wait."""
+    waves = [[("a", 60), ("b", 60)]]
+    vtc = serve("vtc", waves)
+    assert _largest_gap(vtc, "a", "b") <= BOUND
+    fcfs = serve("fcfs", waves)
+    assert _largest_gap(fcfs, "a", "b") > BOUND  # what the bound guards against, on the same rows
+    assert vtc.admitted[:SLOTS * 4].count("b") >= SLOTS * 2 - 1
+    assert fcfs.admitted[:60] == ["a"] * 60
+
+
+def test_a_tenant_back_from_idle_does_not_take_the_engine_over():
+    """A and B are served for a while; C, idle until then, sends 60 rows. Lifted to the smallest counter of those
+    waiting, C competes from where they stand: it is not given the engine until it has caught up on the service
+    it missed while idle."""
+    trace = serve("vtc", [[("a", 60), ("b", 60)], [], [], [], [("c", 60)]])
+    first_c = trace.admitted.index("c")
+    after = trace.admitted[first_c:first_c + 12 * SLOTS]
+    assert after.count("c") <= len(after) // 3 + SLOTS  # a third of the engine, give or take one batch
+    for other in ("a", "b"):
+        assert _largest_gap(_since(trace, first_c), "c", other) <= BOUND
+
+
+def _since(trace: Trace, first_admission: int) -> Trace:
+    """The trace of the steps after admission number `first_admission`, service counted from there."""
+    out = Trace()
+    out.submitted = trace.submitted
+    start = next(s for s in trace.steps if sum(s["served"].values()) > 0 and s["served"].get("c"))
+    base = start["served"]
+    out.steps = [{"served": {t: v - base.get(t, 0) for t, v in s["served"].items()}, "backlogged": s["backlogged"]}
+                 for s in trace.steps[trace.steps.index(start):]]
+    return out
+
+
+def test_a_tenant_alone_gets_the_whole_engine():
+    """Work-conserving: one tenant's rows fill every slot at every step while it has rows waiting."""
+    trace = serve("vtc", [[("solo", 40)]])
+    full = [s for s in trace.steps if "solo" in s["backlogged"]]
+    assert full and len(trace.admitted) == 40
+
+
+def test_a_full_queue_pushes_out_the_flooding_tenants_newest_row():
+    """vtc: a light tenant's request still gets in when a flooding tenant has filled the queue (the flooder's
+    newest row is refused instead); fcfs refuses the light tenant's."""
+
+    async def fill(policy: str) -> tuple[list, BaseException | None]:
+        fairness = Fairness(policy)
+        queue = FairQueue(fairness, maxsize=4)
+        loop = asyncio.get_running_loop()
+        rows = [Row("generate", "base", None, ([0], None), loop.create_future(), tenant="heavy") for _ in range(4)]
+        for r in rows:
+            fairness.arrive(r)
+            assert queue.put_nowait(r) is None
+        light = Row("generate", "base", None, ([0], None), loop.create_future(), tenant="light")
+        fairness.arrive(light)
+        try:
+            pushed = queue.put_nowait(light)
+        except asyncio.QueueFull as e:
+            return rows, e
+        assert pushed is rows[-1] and queue.qsize() == 4
+        assert light in [await queue.get() for _ in range(4)]
+        return rows, None
+
+    assert asyncio.run(fill("vtc"))[1] is None
+    assert isinstance(asyncio.run(fill("fcfs"))[1], asyncio.QueueFull)
+
+
+def test_the_scheduler_answers_a_pushed_out_row_with_429():
+    trace = Trace()
+    config = BatchConfig(max_batch_size=SLOTS, max_queue=2, fairness="vtc", batch_wait_timeout_s=0,
+                         max_concurrent_groups=1)
+    with ThreadPoolExecutor(1) as compute:
+        scheduler = Scheduler(config, holds=None, forwards=Forwards(trace), compute=compute)
+
+        async def run() -> list:
+            def submit(tenant: str) -> Row:
+                payload = ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
+                return scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
+
+            trace.submitted["heavy"] = trace.submitted["light"] = 0
+            heavy = [submit("heavy") for _ in range(2)]  # the queue is full before the loop takes any
+            light = submit("light")
+            return await asyncio.gather(*(scheduler.result(r) for r in heavy + [light]), return_exceptions=True)
+
+        results = asyncio.run(run())
+    assert isinstance(results[1], Overloaded) and "'heavy'" in str(results[1])
+    assert not isinstance(results[0], BaseException) and not isinstance(results[2], BaseException)
+    assert scheduler.queue_depth == 0 and not scheduler.fairness.waiting
+
+
+@pytest.mark.parametrize("weights", [(1.0, 3.0)])
+def test_weights_share_the_engine_in_proportion(weights):
+    """A tenant of weight 3 beside one of weight 1, both backlogged: about three of its rows join for each of the
+    other's."""
+    trace = Trace()
+    config = BatchConfig(max_batch_size=SLOTS, fairness="vtc", batch_wait_timeout_s=0)
+    with ThreadPoolExecutor(1) as compute:
+        scheduler = Scheduler(config, holds=None, forwards=Forwards(trace), compute=compute)
+
+        async def run() -> None:
+            rows = []
+            for name, w in zip(("one", "three"), weights):
+                trace.submitted[name] = 80
+                for _ in range(80):
+                    payload = ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
+                    rows.append(scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(name, w)))
+            await asyncio.gather(*(scheduler.result(r) for r in rows))
+
+        asyncio.run(run())
+    first = trace.admitted[:60]
+    assert 2.0 <= first.count("three") / first.count("one") <= 4.5
