@@ -154,3 +154,18 @@ def test_a_neuzip_lane_length_for_a_gpu_server_and_bad_ones(files, capsys):
                      "--model", str(d / "basedir"), "--neuzip-bits", "7", "--neuzip-lane", "64")
     nzp = next((d / "store").rglob(NEUZIP_FILE))
     assert code == 0 and NzpFile(nzp).header.lane == 64
+
+
+@pytest.mark.parametrize("store", ["s3://bucket/store", "file:///srv/store", "gs://bucket/a/b"])
+def test_serve_keeps_an_object_storage_url_as_given(tmp_path, store):
+    """`manyfold serve --store s3://BUCKET/PREFIX` names the URL, not a path that folds s3:// into s3:/; with
+    --config the flag still overrides the file's store."""
+    from serve.cli import build_parser
+    from serve.cli.server import _serve_config
+
+    args = build_parser().parse_args(["serve", "--store", store])
+    assert _serve_config(args, args.store).store == store
+    config = tmp_path / "serve.yaml"
+    config.write_text("store: /elsewhere\nport: 8123\n")
+    args = build_parser().parse_args(["serve", "--store", store, "--config", str(config)])
+    assert _serve_config(args, args.store).store == store

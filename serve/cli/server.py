@@ -20,27 +20,29 @@ def cmd_demo(args: argparse.Namespace) -> None:
         return
     from serve.app import run_server
 
-    config = _serve_config(args, root)
+    config = _serve_config(args, str(root))
     run_server(config, ready=lambda url: _print_examples(url, config))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from serve.app import run_server
 
-    config = _serve_config(args, Path(args.store) if args.store else None)
+    config = _serve_config(args, args.store)
     run_server(config, ready=lambda url: _print_examples(url, config))
 
 
-def _serve_config(args: argparse.Namespace, store: Path | None):
+def _serve_config(args: argparse.Namespace, store: str | None):
+    """store as given: a local path or an object-storage URL (a pathlib.Path would fold s3:// into s3:/);
+    ServeConfig tells them apart."""
     from serve.config import load_config, parse_config
 
     address = getattr(args, "ray_address", None)
     if getattr(args, "config", None):
-        config = load_config(args.config, store=str(store) if store else None, port=args.port)
+        config = load_config(args.config, store=store, port=args.port)
         return config.model_copy(update={"ray_address": address}) if address else config
     if store is None:
         raise ConfigError("serve needs --store DIR or --config FILE")
-    return parse_config({"store": str(store), "port": args.port or 8000, "ray_address": address})
+    return parse_config({"store": store, "port": args.port or 8000, "ray_address": address})
 
 
 def _print_examples(url: str, config) -> None:
