@@ -34,19 +34,38 @@ VLLM_LATENCIES = (
     ("vllm:time_to_first_token_seconds", "first_token", "Seconds from a request's arrival to its first token"),
     ("vllm:inter_token_latency_seconds", "inter_token", "Seconds between two tokens of a request"),
     ("vllm:e2e_request_latency_seconds", "end_to_end", "Seconds from a request's arrival to its answer"),
+    ("vllm:request_queue_time_seconds", "queue", "Seconds from a request's arrival until it joined a running batch"),
 )
 """vLLM's names for what every dashboard built for vLLM reads, with its label `model_name` (here: the base)."""
 
 
 def _vllm(snapshots: list[dict]) -> list:
-    """vLLM-compatible families: latencies, running and waiting requests, the LoRA adapters of each."""
+    """vLLM-compatible families: latencies, tokens, running and waiting requests, the KV store's use, the LoRA
+    adapters of each. (No vllm:num_preemptions_total: this engine never preempts a row; it waits for a slot.)"""
     out = []
+    by_base = [s.get("latencies", {}) for s in snapshots]
+    bases = sorted({b for lat in by_base for b in lat})
     for name, key, doc in VLLM_LATENCIES:
         family = HistogramMetricFamily(name, doc, labels=["model_name"])
-        for base in sorted({b for s in snapshots for b in s.get("latencies", {})}):
-            dist = _merge([s["latencies"][base][key] for s in snapshots if base in s.get("latencies", {})])
-            family.add_metric([base], _cumulative(dist), sum_value=dist["total"])
+        for base in bases:
+            dists = [lat[base][key] for lat in by_base if key in lat.get(base, {})]
+            if dists:
+                dist = _merge(dists)
+                family.add_metric([base], _cumulative(dist), sum_value=dist["total"])
         out.append(family)
+    for name, key, doc in (("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens of requests that joined a batch"),
+                           ("vllm:generation_tokens", "generation_tokens", "Tokens generated")):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        for base in bases:
+            family.add_metric([base], sum(lat.get(base, {}).get(key, 0) for lat in by_base))
+        out.append(family)
+    kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV store's slots in use (1: every slot; a slot "
+                           "holds max_model_len positions)", labels=["model_name"])
+    slots = [s.get("kv_slots", {}) for s in snapshots]
+    for base in sorted({b for by in slots for b in by}):
+        total = sum(by[base]["slots"] for by in slots if base in by)
+        kv.add_metric([base], sum(by[base]["used"] for by in slots if base in by) / total if total else 0.0)
+    out.append(kv)
     running = GaugeMetricFamily("vllm:num_requests_running", "Requests in a generation batch", labels=["model_name"])
     waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests not yet answered nor in a generation batch",
                                 labels=["model_name"])

@@ -184,6 +184,8 @@ class Engine:
                 "memory_plan": self.memory_plan.to_dict() if self.memory_plan else None,
                 "base_bytes": {name: rt.nbytes for name, rt in self.bases.items()},
                 "kv_bytes": {name: rt.kv.nbytes for name, rt in self.bases.items() if rt.kv is not None},
+                "kv_slots": {name: {"used": rt.kv.slots - rt.kv.free_slots, "slots": rt.kv.slots}
+                             for name, rt in self.bases.items() if rt.kv is not None},
                 "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts},
                 "step_tokens": {name: dict(rt.token_counts) for name, rt in self.bases.items() if rt.token_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},

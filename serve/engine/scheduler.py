@@ -371,11 +371,16 @@ class Scheduler:
                 g.running.remove(r)
             self._fail(r, "its generation", e)
         waiting = {id(w) for w in step.waiting}
-        g.running += [r for r in new if id(r) not in waiting and not r.done]
+        joined = [r for r in new if id(r) not in waiting and not r.done]
+        g.running += joined
         g.pending = list(step.waiting) + g.pending
+        now = time.monotonic()
+        for r in joined:
+            lat = self.latencies.setdefault(r.base, Latencies())
+            lat.queue.observe(now - r.submitted_at)
+            lat.prompt_tokens += len(r.payload[0])
         if len(g.batch) or step.finished:
             self.batch_sizes.observe(len(g.batch) + len(step.finished))
-        now = time.monotonic()
         for row, gen in [*g.batch.rows(), *step.finished]:
             self._tokens(row, len(gen.token_ids), now)
         for row, gen in g.batch.rows():
@@ -385,14 +390,17 @@ class Scheduler:
         for row, gen in step.finished:
             if row in g.running:
                 g.running.remove(row)
+            if gen.end_token is not None:  # sampled, so generated, though in neither its tokens nor its text
+                self.latencies.setdefault(row.base, Latencies()).generation_tokens += 1
             self._finish(row, gen)
 
     def _tokens(self, row: Row, count: int, now: float) -> None:
         """A generation row's latencies as its tokens arrive (Latencies.arrived)."""
         if count > row.tokens_seen:
             self.fairness.served(row, count - row.tokens_seen)
-            self.latencies.setdefault(row.base, Latencies()).arrived(row.tokens_seen, count - row.tokens_seen,
-                                                                     now - row.submitted_at, now - row.token_at)
+            lat = self.latencies.setdefault(row.base, Latencies())
+            lat.arrived(row.tokens_seen, count - row.tokens_seen, now - row.submitted_at, now - row.token_at)
+            lat.generation_tokens += count - row.tokens_seen
             row.tokens_seen, row.token_at = count, now
 
     def load(self) -> dict[str, dict]:

@@ -37,11 +37,16 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 
 @dataclass
 class Latencies:
-    """A base's request latencies, as vLLM exports them: to the first token, between tokens, end to end."""
+    """A base's request latencies and token counts, as vLLM exports them: to the first token, between tokens, end
+    to end, waiting to join a batch; prompt and generated tokens."""
 
     first_token: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
     inter_token: Distribution = field(default_factory=lambda: Distribution(TOKEN_BUCKETS))
     end_to_end: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
+    queue: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
+    """From arrival until the request's row joined a running generation (vllm:request_queue_time_seconds)."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
     def arrived(self, seen: int, new: int, since_queued: float, since_last: float) -> None:
         """`new` tokens of a request that had `seen`: the first token is timed from the request's arrival, each

@@ -233,17 +233,18 @@ def test_metrics_are_prometheus_text(client):
 
 
 def test_vllm_latency_and_load_metrics_count_every_request_and_token(serving_store):
-    """vLLM's names, as dashboards built for vLLM read them: one time-to-first-token and one end-to-end figure a
-    request, one inter-token figure for every token after the first; nothing running or waiting once answered."""
+    """vLLM's names, as dashboards built for vLLM read them: one time-to-first-token, one end-to-end and one queue
+    figure a request, one inter-token figure for every token after the first, the prompt and generated tokens the
+    answers' usage counts; nothing running, waiting or holding a KV slot once answered."""
     from prometheus_client.parser import text_string_to_metric_families
 
     config = ServeConfig(store=serving_store[0])
     engine = Engine(config)
     with TestClient(build_http_app(engine, config)) as c:
-        tokens = [c.post("/v1/completions", json={"model": "tiny-lm", "prompt": "the cat", "max_tokens": n,
-                                                  "temperature": 0}).json()["usage"]
-                  ["completion_tokens"] for n in (1, 3, 5)]
+        usages = [c.post("/v1/completions", json={"model": "tiny-lm", "prompt": "the cat", "max_tokens": n,
+                                                  "temperature": 0}).json()["usage"] for n in (1, 3, 5)]
         families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    tokens = [u["completion_tokens"] for u in usages]
 
     def count(name: str) -> float:
         return next(s.value for s in families[name].samples
@@ -251,6 +252,14 @@ def test_vllm_latency_and_load_metrics_count_every_request_and_token(serving_sto
 
     assert count("vllm:time_to_first_token_seconds") == 3 and count("vllm:e2e_request_latency_seconds") == 3
     assert count("vllm:inter_token_latency_seconds") == sum(tokens) - 3
+    assert count("vllm:request_queue_time_seconds") == 3
+
+    def value(name: str) -> float:
+        return next(s.value for s in families[name].samples if s.labels == {"model_name": "tiny-lm"})
+
+    assert value("vllm:prompt_tokens") == sum(u["prompt_tokens"] for u in usages)
+    assert value("vllm:generation_tokens") == sum(tokens)
+    assert value("vllm:kv_cache_usage_perc") == 0.0  # every row answered: its slot given back
     load = {(f.name, s.labels["model_name"]): s.value for f in families.values() for s in f.samples
             if f.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
     assert load[("vllm:num_requests_running", "tiny-lm")] == load[("vllm:num_requests_waiting", "tiny-lm")] == 0
