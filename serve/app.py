@@ -5,6 +5,7 @@ a ResidencyBoard where the replicas say what they hold.
 with the ServeConfig fields as its arguments.
 """
 
+import asyncio
 import math
 import os
 from collections.abc import Callable
@@ -40,6 +41,9 @@ def _ingress(config: ServeConfig, bases: list[str]):
             from serve.http.drain import DrainGate
 
             self.gate = DrainGate()
+            self.id = serve.get_replica_context().replica_id.unique_id
+            self.board = serve.get_deployment_handle(BOARD)
+            self.metrics = None
 
         def __serve_build_asgi_app__(self):
             from serve.deployments.health import DeploymentHealth, ray_nodes, serve_status
@@ -52,8 +56,19 @@ def _ingress(config: ServeConfig, bases: list[str]):
             health = DeploymentHealth({b: deployment_name(b) for b in bases}, serve_status(app),
                                       may_idle=idle_bases(config, bases), nodes=ray_nodes)
             catalog = Catalog(config.store, config.store_refresh_s)
-            return build_http_app(Router(catalog, handles, serve.get_deployment_handle(BOARD), health), config,
-                                  self.gate)
+            app = build_http_app(Router(catalog, handles, self.board, health, self.id), config, self.gate)
+            self.metrics = app.state.http.metrics
+            return app
+
+        async def check_health(self) -> None:
+            """Serve calls this every health_check_period_s: the heartbeat of this ingress's request counters on
+            the board, so that a scrape reaching another ingress counts them too (bounded; never fails)."""
+            if self.metrics is not None:
+                await _bounded(self.board.ingress.remote(self.id, self.metrics.counters()))
+
+        async def __del__(self):
+            """Stopping: the board keeps this ingress's counters among those of ingresses gone."""
+            await _bounded(self.board.forget_ingress.remote(self.id))
 
         async def drain(self, timeout_s: float) -> tuple[str, int]:
             """Close this replica's gate and wait for its requests; -> (replica id, requests still running)."""
@@ -63,9 +78,23 @@ def _ingress(config: ServeConfig, bases: list[str]):
     return serve.deployment(Ingress, **ingress_options(config))
 
 
+async def _bounded(call, timeout_s: float = 2.0) -> None:
+    """A call to the board that may not hold up a health check or a stop (the board may be stopping too)."""
+    try:
+        await asyncio.wait_for(call, timeout_s)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+INGRESS_REPORT_S = 1.0
+"""How often an ingress's health check reports its request counters to the board: within this, a scrape that
+reaches another ingress counts them."""
+
+
 def ingress_options(config: ServeConfig) -> dict:
     return {"name": "Ingress", "num_replicas": config.ingress_replicas,
-            "max_ongoing_requests": config.ingress_max_ongoing_requests, "ray_actor_options": {"num_cpus": 0}}
+            "max_ongoing_requests": config.ingress_max_ongoing_requests, "ray_actor_options": {"num_cpus": 0},
+            "health_check_period_s": INGRESS_REPORT_S}
 
 
 def build_app(args: dict | ServeConfig) -> Application:

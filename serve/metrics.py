@@ -6,11 +6,12 @@ MAX_MODEL_LABELS model names get their own series; the rest share "other", unkno
 thousands of variants, the residency gauge shows those held in memory first, then others up to the same cap.
 """
 
+import json
 import time
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from serve.engine.stats import SECONDS_BUCKETS
 from serve.engine.types import Residency
@@ -141,6 +142,12 @@ def _steps(snapshots: list[dict]) -> list[CounterMetricFamily]:
     return [steps, tokens]
 
 
+def _sample_order(sample) -> tuple:
+    """A series' samples together, a histogram's buckets in the order of their bounds."""
+    labels = sorted((k, v) for k, v in sample.labels.items() if k != "le")
+    return labels, sample.name, float(sample.labels.get("le", 0))
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -190,9 +197,36 @@ class Metrics:
         if tenant is not None:
             self.tenant_requests.labels(self.tenant_label(tenant), str(status)).inc()
 
-    def render(self, snapshots: list[dict], models: list, in_flight: int = 0) -> bytes:
-        """This process's metrics plus the engines' snapshots (every replica's; counters of replicas gone come as a
-        snapshot of counters alone) and every model's residency."""
+    def counters(self) -> dict[str, float]:
+        """This ingress's counters and histograms as plain data, one entry a sample (the key names its family, type,
+        sample and labels), so that ingresses' counters add up key by key (serve/deployments/board.py)."""
+        out = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    key = json.dumps([family.name, family.type, sample.name, sorted(sample.labels.items())])
+                    out[key] = sample.value
+        return out
+
+    def _ingress_families(self, totals: dict[str, float]) -> list[Metric]:
+        """The families of `totals` (counters() of every ingress, added up), with this process's help texts."""
+        docs = {f.name: f.documentation for f in self.registry.collect()}
+        families: dict[str, Metric] = {}
+        for key, value in totals.items():
+            name, kind, sample, labels = json.loads(key)
+            family = families.get(name)
+            if family is None:
+                family = families[name] = Metric(name, docs.get(name, name), kind)
+            family.add_sample(sample, dict(labels), value)
+        for family in families.values():
+            family.samples.sort(key=_sample_order)
+        return list(families.values())
+
+    def render(self, snapshots: list[dict], models: list, in_flight: int = 0,
+               ingresses: dict[str, float] | None = None) -> bytes:
+        """The ingresses' request metrics (`ingresses`: every ingress's counters(), added up; None: this process's
+        alone) plus the engines' snapshots (every replica's; counters of replicas gone come as a snapshot of
+        counters alone) and every model's residency."""
         extra = CollectorRegistry()
         families = [GaugeMetricFamily("manyfold_requests_in_flight", "HTTP requests this ingress is answering "
                                       "(streams until their last event), this one included", value=in_flight)]
@@ -241,10 +275,11 @@ class Metrics:
             for tier in get_args(Residency):
                 resident.add_metric([m.name, tier], 1.0 if m.residency == tier else 0.0)
         families.append(resident)
+        families += self._ingress_families(self.counters() if ingresses is None else ingresses)
 
         class _Snapshot:
             def collect(self):
                 return families
 
         extra.register(_Snapshot())
-        return generate_latest(self.registry) + generate_latest(extra)
+        return generate_latest(extra)

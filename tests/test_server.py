@@ -72,6 +72,24 @@ def tight_server(server):
     serve.delete("tight")
 
 
+@pytest.fixture(scope="module")
+def two_ingresses(server):
+    """A third app on the same Ray, with two ingress replicas in front of tiny-lm's two (MiniLM starts none until
+    asked): a scrape of /metrics reaches either ingress."""
+    from ray import serve
+
+    from serve.app import build_app
+
+    url, _, root = server
+    config = ServeConfig(store=root, ingress_replicas=2, deployment={"num_cpus": 0.25},
+                         deployments={"tiny-lm": {"num_cpus": 0.25, "num_replicas": 2},
+                                      "minilm": {"autoscaling": {"min_replicas": 0, "max_replicas": 1}}},
+                         tenants=[{"name": "e2e", "key_sha256": [key_digest(KEY)]}])
+    serve.run(build_app(config), name="two-ingresses", route_prefix="/two")
+    yield f"{url}/two"
+    serve.delete("two-ingresses")
+
+
 @pytest.fixture
 def http(server):
     with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
@@ -306,9 +324,11 @@ def test_a_killed_replica_is_restarted_and_no_request_hangs(server):
             store.verify(entry)
 
 
-def test_metrics_scraped_during_a_load_over_two_replicas_never_go_backwards(server, http):
-    """tiny-lm runs two replicas; each reports its counters to the board, and /metrics sums them: twenty scrapes
-    taken while requests come in, every counter and histogram sample at least what it was the scrape before."""
+def test_metrics_scraped_during_a_load_over_two_replicas_never_go_backwards(two_ingresses):
+    """tiny-lm runs two replicas and the app two ingress replicas; each reports its counters to the board, and
+    /metrics sums them, whichever ingress a scrape reaches: twenty scrapes taken while requests come in, every
+    counter and histogram sample at least what it was the scrape before, and the requests counted by both
+    ingresses once the load has ended."""
     import threading
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -317,7 +337,7 @@ def test_metrics_scraped_during_a_load_over_two_replicas_never_go_backwards(serv
     answered: list[int] = []
 
     def load():
-        with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        with httpx.Client(base_url=two_ingresses, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
             for i in range(2000):  # bounded; ends when the scrapes do
                 if stop.is_set():
                     return
@@ -329,19 +349,35 @@ def test_metrics_scraped_during_a_load_over_two_replicas_never_go_backwards(serv
     for t in threads:
         t.start()
     scrapes = []
-    try:
-        while len(scrapes) < 20:
-            text = http.get("/metrics").text
-            scrapes.append({(s.name, tuple(sorted(s.labels.items()))): s.value
-                            for f in text_string_to_metric_families(text) if f.type in ("counter", "histogram")
-                            for s in f.samples})
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=300)
+    with httpx.Client(base_url=two_ingresses, timeout=120) as http:
+        try:
+            while len(scrapes) < 20:
+                text = http.get("/metrics").text
+                scrapes.append({(s.name, tuple(sorted(s.labels.items()))): s.value
+                                for f in text_string_to_metric_families(text) if f.type in ("counter", "histogram")
+                                for s in f.samples})
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=300)
+        finals = []
+        for _ in range(500):  # bounded: until the other ingress's health check has reported its last requests
+            finals.append(_completions_counted(http.get("/metrics").text))
+            if finals[-1] >= len(answered):
+                break
     for before, after in zip(scrapes, scrapes[1:]):
         went_back = [k for k, v in before.items() if after.get(k, 0.0) < v]
         assert not went_back, went_back
     assert answered and set(answered) == {200}
+    assert finals == sorted(finals) and finals[-1] >= len(answered)
     steps = [v for (name, labels), v in scrapes[-1].items() if name == "manyfold_generation_steps_total"]
     assert steps and sum(steps) > 0  # the replicas' counters reached /metrics through the board
+
+
+def _completions_counted(text: str) -> float:
+    """manyfold_requests_total of /v1/completions with status 200, over every model."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "manyfold_requests_total" and s.labels.get("route") == "/v1/completions"
+               and s.labels.get("status") == "200")

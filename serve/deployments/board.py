@@ -34,6 +34,9 @@ class ResidencyBoard:
         """replica -> its latest snapshot."""
         self._retired: dict = {}
         """The counters (COUNTERS) of replicas gone, added up."""
+        self._ingresses: dict[str, tuple[float, dict[str, float]]] = {}
+        """ingress replica -> (when, its latest request counters: Metrics.counters)."""
+        self._ingresses_retired: dict[str, float] = {}
 
     def report(self, replica: str, held: dict[str, str], snapshot: dict | None = None) -> None:
         self._reports[replica] = (time.monotonic(), dict(held))
@@ -60,6 +63,25 @@ class ResidencyBoard:
             for name, tier in held.items():
                 out[name] = best_tier(tier, out.get(name, "cold"))
         return out
+
+    def ingress(self, replica: str, counters: dict[str, float]) -> dict[str, float]:
+        """An ingress's request counters, reported before it renders /metrics (and at its health checks); -> every
+        ingress's latest, added up with those of ingresses gone. Each ingress's counters only grow and the board
+        answers one call at a time, so the sum never goes backwards, whichever ingress a scrape reaches."""
+        now = time.monotonic()
+        self._ingresses[replica] = (now, counters)
+        for other, (at, _) in list(self._ingresses.items()):
+            if now - at > self.stale_after_s:
+                self.forget_ingress(other)
+        total = dict(self._ingresses_retired)
+        for _, c in self._ingresses.values():
+            total = add_counters(total, c)
+        return total
+
+    def forget_ingress(self, replica: str) -> None:
+        gone = self._ingresses.pop(replica, None)
+        if gone is not None:
+            self._ingresses_retired = add_counters(self._ingresses_retired, gone[1])
 
     def snapshots(self) -> list[dict]:
         """Every live replica's latest snapshot, and the retired replicas' counters as one more."""

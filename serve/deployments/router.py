@@ -4,6 +4,7 @@ running (DeploymentHealth) is refused with 503 within a bound; /v1/models and /m
 beyond a bound: models come from the catalog's snapshot (serve/store/catalog.py), residency from the board."""
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
@@ -16,13 +17,17 @@ from serve.engine.types import ModelInfo, SamplingParams, Tenant, TextDelta
 from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable, VariantNotFound
 from serve.store.catalog import Catalog
 
+log = logging.getLogger("ray.serve")
+
 PEEK_TIMEOUT_S = 2.0
 """How long /v1/models and /metrics wait for the board or a replica's counters before answering without them."""
 
 
 class Router:
     def __init__(self, catalog: Catalog, handles: dict[str, DeploymentHandle], board: DeploymentHandle,
-                 health: DeploymentHealth):
+                 health: DeploymentHealth, ingress: str = "ingress"):
+        """ingress: this ingress replica's id, under which it reports its request counters to the board."""
+        self.ingress = ingress
         self.catalog = catalog
         self.handles = handles
         self.board = board
@@ -130,6 +135,15 @@ class Router:
             return await asyncio.wait_for(self._call(self.board.snapshots.remote()), PEEK_TIMEOUT_S)
         except Exception:  # noqa: BLE001
             return []
+
+    async def ingress_counters(self, own: dict[str, float]) -> dict[str, float]:
+        """Every ingress's request counters added up (the board's sum, this ingress's `own` reported first); a
+        board that does not answer in time costs this scrape the other ingresses' counters."""
+        try:
+            return await asyncio.wait_for(self._call(self.board.ingress.remote(self.ingress, own)), PEEK_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001
+            log.warning("the residency board did not add up the ingresses' counters (%s): this one's alone", e)
+            return own
 
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
         """Validated and stored by one of the base's replicas (the ingress runs no model code). The router then

@@ -34,8 +34,10 @@ async def readyz(state: State):
 
 @router.get("/metrics")
 async def prometheus(state: State):
+    ingresses = getattr(state.backend, "ingress_counters", None)  # a Ray app's ingresses add theirs up
+    totals = await ingresses(state.metrics.counters()) if ingresses is not None else None
     body = state.metrics.render(await state.backend.snapshots(), await state.backend.models(),
-                                in_flight=state.gate.in_flight)
+                                in_flight=state.gate.in_flight, ingresses=totals)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

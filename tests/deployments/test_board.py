@@ -108,3 +108,31 @@ def test_the_deployments_counters_never_go_backwards_as_replicas_come_and_go():
     assert hits == 3 + 9 + 1  # r1's and r2's last reports, retired, and r3's
     e2e = last[("vllm:e2e_request_latency_seconds_count", (("model_name", "lm"),))]
     assert e2e == 2 + 7 + 1
+
+
+def test_ingresses_request_counters_add_up_and_outlive_an_ingress():
+    """Each ingress reports its request counters (Metrics.counters) and gets every ingress's added up; an ingress
+    that stops leaves its counters in the total, so the sum a scrape shows never goes backwards."""
+    import time as clock
+
+    from serve.metrics import Metrics
+
+    a, b = Metrics(), Metrics()
+    a.count("lm", "/v1/completions", 200)
+    b.count("lm", "/v1/completions", 200)
+    b.count("lm", "/v1/completions", 200)
+    b.time("lm", "/v1/completions", 200, clock.perf_counter())
+    board = ResidencyBoard()
+    board.ingress("a", a.counters())
+    total = board.ingress("b", b.counters())
+
+    def requests(counters: dict) -> float:
+        text = a.render([], [], ingresses=counters).decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("manyfold_requests_total{"))
+
+    assert requests(total) == 3
+    board.forget_ingress("b")
+    assert requests(board.ingress("a", a.counters())) == 3
+    assert 'manyfold_request_latency_seconds_bucket{le="0.005",model="lm",route="/v1/completions"} 1.0' in \
+        a.render([], [], ingresses=total).decode()
