@@ -16,7 +16,8 @@ forward by forward, so a busy moment on a shared machine falls on both alike; me
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -93,13 +94,44 @@ def timed(rt: BaseModelRuntime, timer: LinearTimer, fn: Callable[[], torch.Tenso
     return {"step": step, "decode_wait": wait, "decode_busy": busy, "matmul": matmul, "other": step - wait - matmul}
 
 
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @torch.no_grad()
-def check_and_warm(fns: dict[str, Callable[[], torch.Tensor]], shape: str, warm: int) -> None:
-    """Check every NeuZip k7 forward's logits equal bf16's bit for bit, then run every forward `warm` more times
-    untimed, in turns (a served k7 times both ways over its first forwards of a size, then keeps one)."""
-    want = fns["bf16"]()
-    if not all(torch.equal(fn(), want) for c, fn in fns.items() if c.startswith("k7")):
-        raise RuntimeError(f"{shape}: NeuZip k7 logits differ from bf16's")
+def bf16_references(rt: BaseModelRuntime, rows: int) -> dict[str, list[torch.Tensor]]:
+    """bf16's logits of forward_of(rt, rows) as each NeuZip way computes them: decoding ahead runs torch on one
+    thread fewer, and a matmul split over fewer threads may sum in another order (on an Intel Xeon with 2 cores, 8
+    rows' logits move by up to 0.84 in bf16, through the prefilled cache). -> the way's name: the logits it must
+    equal bit for bit (inline: on every thread; ahead: on one fewer; as served: any of its prefill's and step's
+    choices)."""
+    full = torch.get_num_threads()
+    fewer = max(1, full - 1)
+    out = {}
+    for prefill, step in ((full, full), (fewer, fewer), (full, fewer)):
+        with _threads(prefill):
+            fn = forward_of(rt, rows)
+        with _threads(step):
+            out[prefill, step] = fn()
+    return {"k7 inline": [out[full, full]], "k7 ahead": [out[fewer, fewer]], "served": list(out.values())}
+
+
+@torch.no_grad()
+def check_and_warm(fns: dict[str, Callable[[], torch.Tensor]], shape: str, warm: int,
+                   want: dict[str, list[torch.Tensor]]) -> None:
+    """Check every NeuZip k7 forward's logits equal bf16's bit for bit, computed on as many threads
+    (bf16_references), then run every forward `warm` more times untimed, in turns (a served k7 times both ways
+    over its first forwards of a size, then keeps one)."""
+    differ = [c for c, fn in fns.items() if c.startswith("k7")
+              and not any(torch.equal(fn(), w) for w in want.get(c, want["served"]))]
+    if differ:
+        raise RuntimeError(f"{shape}: NeuZip logits of {', '.join(differ)} differ from bf16's on as many threads")
     for _ in range(warm):
         for fn in fns.values():
             fn()
@@ -127,7 +159,8 @@ def run_steps(dirs: dict[str, Path], repeats: int = 9, rows: tuple[int, ...] = R
         for n in (*rows, 0):
             shape = f"step {n}" if n else f"prefill {PREFILL[0]}x{PREFILL[1]}"
             fns = {c: forward_of(rt, n) for c, rt in rts.items()}
-            check_and_warm(fns, shape, warm=2 * TRIALS if n else 0)  # prefill: always inline, nothing to choose
+            check_and_warm(fns, shape, 2 * TRIALS if n else 0,  # prefill: always inline, nothing to choose
+                           bf16_references(rts["bf16"], n))
             runs: dict[str, list] = {c: [] for c in rts}
             for _ in range(repeats if n else repeats // 2 + 1):
                 for c, rt in rts.items():
@@ -180,7 +213,7 @@ def run_frontier(dirs: dict[str, Path], repeats: int = 7) -> dict:
     try:
         for n in FRONTIER_ROWS:
             fns = {c: forward_of(rt, n) for c, rt in rts.items()}
-            check_and_warm(fns, f"step {n}", warm=2 * TRIALS)
+            check_and_warm(fns, f"step {n}", 2 * TRIALS, bf16_references(rts["bf16"], n))
             runs: dict[str, list[float]] = {c: [] for c in rts}
             with torch.no_grad():
                 for _ in range(repeats):
