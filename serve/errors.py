@@ -128,3 +128,10 @@ class ClientGone(ManyfoldError):
 
     code = "client_closed_request"
     http_status = 499
+
+
+class SourceTooLarge(ManyfoldError):
+    """A variant's source holds more than one add may copy (admin.max_add_mib); nothing of it was copied."""
+
+    code = "source_too_large"
+    http_status = 413

@@ -3,7 +3,8 @@
 the app served from the bucket with a base of two replicas, one per node.
 
 Checked as a platform relies on it: both nodes serve adapters from S3, each through its own cache; an admin add
-is served by both nodes at once and a delete is a 404; two admins adding at once lose nothing; a variant being
+is served by both nodes at once and a delete is a 404; a tenant added through the API is served on both
+nodes without a restart; two admins adding at once lose nothing; a variant being
 replaced is answered as the old or the new, never a mix; a node removed under load leaves no request hanging and
 the base comes back on a new node, filling its cache from the store; a replica restarted where the cache is warm
 reads nothing from the store (the node-cache counters of /metrics, and the cache's files, say so)."""
@@ -93,6 +94,7 @@ def fleet(s3_server, tmp_path_factory):
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     config = ServeConfig(store=store, port=port, store_refresh_s=1.0, admin_key_sha256=[key_digest(ADMIN)],
+                         admin={"sources": [f"s3://{bucket}/uploads/"]},
                          deployment={"num_cpus": 0.25},
                          deployments={"lm": {"num_cpus": 0.25, "num_replicas": 2, "max_replicas_per_node": 1,
                                              "max_ongoing_requests": 1}})
@@ -105,18 +107,18 @@ def fleet(s3_server, tmp_path_factory):
     os.environ.pop("MANYFOLD_CACHE_DIR", None)
 
 
-def _complete(url: str, model: str) -> tuple[int, object]:
+def _complete(url: str, model: str, headers: dict | None = None) -> tuple[int, object]:
     """-> (status, the greedy answer's tokens and log probabilities, or the error)."""
-    with httpx.Client(base_url=url, timeout=120) as c:
+    with httpx.Client(base_url=url, timeout=120, headers=headers) as c:
         r = c.post("/v1/completions", json={"model": model, **PROMPT})
     body = r.json()
     return r.status_code, body["choices"][0]["logprobs"] if r.status_code == 200 else body["error"]["message"]
 
 
-def _together(url: str, model: str, n: int) -> list[tuple[int, object]]:
+def _together(url: str, model: str, n: int, headers: dict | None = None) -> list[tuple[int, object]]:
     """n requests for `model` at once: with one request at a time per replica, both replicas take some."""
     with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(lambda _: _complete(url, model), range(n)))
+        return list(pool.map(lambda _: _complete(url, model, headers), range(n)))
 
 
 def _entries(cache: Path, name: str) -> bool:
@@ -124,12 +126,13 @@ def _entries(cache: Path, name: str) -> bool:
     return any(d.name.rsplit("-", 1)[0] == name for d in (cache / "entries").glob(f"{name}-*"))
 
 
-def _served_by_every_node(fleet: Fleet, model: str, workers: list[str], rounds: int = 8) -> set:
+def _served_by_every_node(fleet: Fleet, model: str, workers: list[str], rounds: int = 8,
+                          headers: dict | None = None) -> set:
     """Requests for `model` until every worker's cache holds it (each replica has loaded it), at most `rounds`
     rounds of 8 at once; every answer must be a 200. -> the distinct answers."""
     answers = set()
     for _ in range(rounds):
-        for status, answer in _together(fleet.url, model, 8):
+        for status, answer in _together(fleet.url, model, 8, headers):
             assert status == 200, answer
             answers.add(repr(answer))
         if all(_entries(fleet.caches[w], model) for w in workers):
@@ -199,6 +202,27 @@ def test_an_admin_add_is_served_by_both_nodes_and_a_delete_is_a_404_on_both(flee
         assert admin.delete("/v1/admin/variants/lm-b").status_code == 200
     after = _together(fleet.url, "lm-b", 8)
     assert [s for s, _ in after] == [404] * 8, after
+
+
+def test_a_tenant_added_through_the_api_is_served_on_both_nodes_without_a_restart(fleet):
+    """The operator adds a tenant; its own admin key adds its adapter from the allowed bucket prefix; its API key
+    is served by the replicas on both nodes, and refused what it was not granted. Removed again, the fleet is
+    open as before (no tenants: no keys asked)."""
+    acme, acme_admin = {"Authorization": "Bearer sk-acme"}, {"Authorization": "Bearer sk-acme-admin"}
+    tenant = {"name": "acme", "key_sha256": [key_digest("sk-acme")], "admin_key_sha256": [key_digest("sk-acme-admin")],
+              "models": ["acme-*"]}
+    with _admin(fleet) as admin:
+        assert admin.post("/v1/admin/tenants", json=tenant).status_code == 201
+        try:
+            r = admin.post("/v1/admin/variants", headers=acme_admin, json={"name": "acme-a", "base": "lm",
+                                                                           "kind": "lora", "path": fleet.adapters[2]})
+            assert r.status_code == 201, r.text
+            assert len(_served_by_every_node(fleet, "acme-a", ["w1", "w2"], headers=acme)) == 1
+            assert _complete(fleet.url, "lm-a", acme)[0] == 403 and _complete(fleet.url, "acme-a")[0] == 401
+        finally:
+            admin.delete("/v1/admin/variants/acme-a", headers=acme_admin)
+            assert admin.delete("/v1/admin/tenants/acme").status_code == 200
+    assert _complete(fleet.url, "lm-a")[0] == 200
 
 
 def test_two_admins_adding_at_once_lose_nothing(fleet):

@@ -45,7 +45,8 @@ def server(serving_store, tmp_path_factory):
     config = ServeConfig(store=root, port=port, deployment={"num_cpus": 0.25},
                          deployments={"tiny-lm": {"num_cpus": 0.25, "num_replicas": 2}},
                          tenants=[{"name": "e2e", "key_sha256": [key_digest(KEY)]}],
-                         admin_key_sha256=[key_digest(ADMIN)], limits={"max_request_bytes": 65536})
+                         admin_key_sha256=[key_digest(ADMIN)], limits={"max_request_bytes": 65536},
+                         admin={"sources": [str(tmp_path_factory.getbasetemp())]})
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="manyfold", route_prefix="/")

@@ -362,7 +362,8 @@ def serve_and_drive(store, spec: SoakSpec, sources: list[dict]) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     key = secrets.token_urlsafe(24)
-    config = ServeConfig(store=store.root, port=port, admin_key_sha256=[key_digest(key)])
+    config = ServeConfig(store=store.root, port=port, admin_key_sha256=[key_digest(key)],
+                         admin={"sources": sorted({s["path"] for s in sources})})
     _log(f"starting Ray Serve on 127.0.0.1:{port} ({len(store.manifest.bases)} bases)")
     t = time.perf_counter()
     ray.init(include_dashboard=False, logging_level="ERROR")

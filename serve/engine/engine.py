@@ -225,12 +225,17 @@ class Engine:
             return ModelInfo(v.name, v.kind, v.base, self.cache.residency(self._followed.key(name)), None)
         raise VariantNotFound(f"model '{name}' does not exist")
 
+    @property
+    def _max_add_bytes(self) -> int:
+        """The most one add may copy (admin.max_add_mib): a larger source is refused before it is copied."""
+        return int(self.config.admin.max_add_mib * MIB)
+
     async def add_variant(self, name: str, base: str, path: str, kind: str = "full") -> ModelInfo:
         """Validate and store a variant of any registered kind, atomically, through the catalog; served at once,
         without restart (a replaced one is a new key: its old revision leaves the cache and slots).
         A file of the caller's that is missing or unreadable is the caller's error here (422), not the store's."""
         try:
-            with fetched([path]) as (local,):
+            with fetched([path], self._max_add_bytes) as (local,):
                 await self.catalog.write(
                     lambda store: variant_kind(kind).add(store, name, base, local, slots=self.config.slots))
         except ArtifactError as e:
@@ -244,7 +249,7 @@ class Engine:
         from serve.variants.base import add_batch
 
         try:
-            with fetched([p for _, _, p, _ in items]) as paths:
+            with fetched([p for _, _, p, _ in items], self._max_add_bytes) as paths:
                 local = [(n, b, str(p), k) for (n, b, _, k), p in zip(items, paths)]
                 outcomes = await self.catalog.write(lambda store: add_batch(store, local, self.config.slots))
         except ArtifactError as e:

@@ -1,12 +1,16 @@
 """Who may call what: tenants by API key (Authorization: Bearer <key>, compared as sha256) and the admin key.
 
-With no tenants configured every caller is served; with no admin key the admin routes are off."""
+With no tenants configured every caller is served; with no admin key (the operator's, or a tenant's) the admin
+routes are off."""
+
+from dataclasses import dataclass
 
 from fastapi import Request
 
 from serve.config import key_digest
 from serve.engine.types import Tenant
-from serve.errors import Forbidden, Unauthorized
+from serve.errors import Forbidden, ManyfoldError, Unauthorized
+from serve.http import audit
 from serve.http.state import State
 from serve.store.manifest import TenantEntry
 
@@ -39,11 +43,43 @@ def allow(request: Request, t: TenantEntry | None, model: str) -> None:
         raise Forbidden(f"tenant '{t.name}' may not call model '{model}'")
 
 
-def admin(request: Request, state: State) -> None:
-    """Dependency: refuses unless the request carries one of the configured admin keys."""
-    header = request.headers.get("authorization", "")
-    key = header.partition(" ")[2].strip()
-    if not state.config.admin_key_sha256:
-        raise Forbidden("admin routes are disabled (no admin key configured)")
-    if not key or key_digest(key) not in state.config.admin_key_sha256:
-        raise Unauthorized("admin key required")
+@dataclass(frozen=True)
+class Admin:
+    """Who called an admin route: the operator (one of ServeConfig.admin_key_sha256), who may do anything, or a
+    tenant by one of its admin keys, who may change only its own variants ("<tenant>-...") and no tenant."""
+
+    key_sha256: str
+    tenant: TenantEntry | None = None
+
+    @property
+    def tenant_name(self) -> str | None:
+        return self.tenant.name if self.tenant is not None else None
+
+    def may_change(self, variant: str) -> None:
+        """Forbidden unless this caller may add, replace or remove the variant named `variant`."""
+        if self.tenant is not None and not self.tenant.owns(variant):
+            raise Forbidden(f"tenant '{self.tenant.name}' may change only its own variants, named "
+                            f"'{self.tenant.name}-...'; not '{variant}'")
+
+    def may_manage_tenants(self) -> None:
+        if self.tenant is not None:
+            raise Forbidden(f"only the operator's admin key may manage tenants; this key is tenant "
+                            f"'{self.tenant.name}''s")
+
+
+def admin(request: Request, state: State) -> Admin:
+    """Dependency: the caller of an admin route, by its key; a call without a valid one is refused (and logged on
+    stdout by the audit log, never in the store: it changes nothing)."""
+    key = request.headers.get("authorization", "").partition(" ")[2].strip()
+    digest = key_digest(key) if key else ""
+    if digest and digest in state.config.admin_key_sha256:
+        return Admin(digest)
+    owner = state.tenant_admins().get(digest) if digest else None
+    if owner is not None:
+        return Admin(digest, owner)
+    if not state.config.admin_key_sha256 and not state.tenant_admins():
+        error: ManyfoldError = Forbidden("admin routes are disabled (no admin key configured)")
+    else:
+        error = Unauthorized("admin key required")
+    audit.refused(request, error)
+    raise error

@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from serve.engine.types import Residency
+from serve.store.manifest import TenantEntry
 
 Text = Annotated[str, Field(max_length=1_000_000)]
 
@@ -346,3 +347,25 @@ class AddVariantsResponse(BaseModel):
     object: Literal["list"] = "list"
     data: list[AddVariantOutcome]
     """In the order of the request's `variants`."""
+
+
+class TenantRequest(TenantEntry):
+    """POST /v1/admin/tenants: a tenant as the store keeps it. Its keys are sent as their sha256 digests
+    (`key_digest` in serve/config.py): a key itself never reaches the server's store or logs."""
+
+
+class TenantCard(BaseModel):
+    """A tenant as the admin routes show it: the entry, where it comes from, and its revision (as the audit log
+    records it)."""
+
+    object: Literal["tenant"] = "tenant"
+    tenant: TenantEntry
+    source: Literal["config", "store"]
+    """"config": read from the config file at start (a store tenant of its name would replace it); "store": added
+    through POST /v1/admin/tenants."""
+    revision: str
+
+
+class TenantList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TenantCard]

@@ -4,7 +4,11 @@ Readers (the ingress's router, a replica's engine) resolve model ids against `ca
 never changes once published; the catalog publishes another when the store changes. It looks for a change every
 refresh_s (on object storage one LIST of the manifest generations after the one held; locally one stat) and at
 once on a change notice: a request naming a revision of an entry that this process does not hold yet (the
-router resolved it against a newer snapshot) refreshes before it is answered. Every call to the store, reads and
+router resolved it against a newer snapshot) refreshes before it is answered. A model id the snapshot lacks is
+looked for again only when the latest look began refresh_s ago or more: within that window the snapshot is the
+negative cache (every name it lacks was unknown at that look), so a flood of random names costs the store at
+most one look per refresh_s per process, and another process's add is served here within refresh_s, as it would
+be anyway; an add made through this catalog is published at once. Every call to the store, reads and
 writes alike, runs on the catalog's one thread: the store object is never touched by two threads, and the writes
 of one process are serial.
 
@@ -82,15 +86,23 @@ def key_of(routed: str) -> str:
 
 
 class Catalog:
-    def __init__(self, location: str | Path, refresh_s: float = REFRESH_S, create: bool = False):
-        """refresh_s: seconds between looks for a change (0: only on a notice or after a write here)."""
+    def __init__(self, location: str | Path, refresh_s: float = REFRESH_S, create: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
+        """refresh_s: seconds between looks for a change (0: only on a notice or after a write here, and a miss
+        always looks). clock: monotonic seconds (a test's own clock moves the negative window without waiting)."""
+        self._clock = clock
+        self._started = clock()
+        """When the latest look for a change began (on the catalog's thread)."""
         self._store = open_store(location, create=create)
         self.root = self._store.root
         self.snapshot = Snapshot(self.root, self._store.manifest, 1)
         self.refresh_s = refresh_s
+        self.looks = 1
+        """Times this catalog has read the store's state (opening it included): on object storage each is a LIST
+        of the manifest generations, locally a stat."""
+        self._looked = self._started
+        """When the latest look that finished began: the time the snapshot's misses are known as of."""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-catalog")
-        self._started = time.monotonic()
-        """When the latest look for a change began (on the catalog's thread)."""
         self._closed = threading.Event()
         if refresh_s > 0:
             threading.Thread(target=_refresh_every, args=(weakref.ref(self), self._closed, refresh_s),
@@ -110,16 +122,22 @@ class Catalog:
         store out of reach keeps the snapshot held."""
         if (since is not None and self._started >= since) or (key is not None and self.snapshot.holds(key)):
             return self.snapshot
-        self._started = time.monotonic()
+        started = self._started = self._clock()
         try:
-            changed = self._store.refresh()
+            changed = self._look()
         except Exception as e:  # noqa: BLE001  (object storage away, a manifest being replaced: try next time)
             log.warning("store %s: refresh failed, serving snapshot %d (%s)", self.root, self.snapshot.number,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             return self.snapshot
+        finally:  # a failed look counts too: misses must not hammer a store that is out of reach
+            self._looked = started
         if changed:
             self._publish()
         return self.snapshot
+
+    def _look(self) -> bool:
+        self.looks += 1
+        return self._store.refresh()
 
     def _publish(self) -> None:
         if self._store.manifest is not self.snapshot.manifest:
@@ -128,22 +146,24 @@ class Catalog:
     async def refresh(self) -> Snapshot:
         """Look for a change now, unless a look has started since this call (a model id this process does not
         know may have just been added: requests that miss together share one look)."""
-        return await asyncio.wrap_future(self._thread.submit(self._refresh, time.monotonic()))
+        return await asyncio.wrap_future(self._thread.submit(self._refresh, self._clock()))
 
     async def notice(self, key: str) -> Snapshot:
         """A request names this revision of an entry: hold it before answering, looking once if it is new here
         (a key the store no longer has leaves the snapshot as it is: its request gets a 404)."""
         if self.snapshot.holds(key):
             return self.snapshot
-        return await asyncio.wrap_future(self._thread.submit(self._refresh, time.monotonic(), key))
+        return await asyncio.wrap_future(self._thread.submit(self._refresh, self._clock(), key))
 
     async def resolve(self, model: str) -> tuple[Snapshot, str, str | None]:
         """model id -> (the snapshot that has it, its base, the model id again or None for a base), looking once
-        more before a 404."""
+        more before a 404 unless the snapshot's look began less than refresh_s ago (the negative cache)."""
         snapshot = self.snapshot
         try:
             return snapshot, *snapshot.resolve(model)
         except VariantNotFound:
+            if self._clock() - self._looked < self.refresh_s:
+                raise
             snapshot = await self.refresh()
             return snapshot, *snapshot.resolve(model)
 
@@ -157,8 +177,13 @@ class Catalog:
         try:
             return change(self._store)
         finally:
-            self._store.refresh()
+            self._look()
             self._publish()
+
+    async def append_audit(self, line: dict) -> None:
+        """Keep an admin change's audit line in the store (StoreView.append_audit), on the catalog's thread as
+        every call to the store is; the manifest is not read again for it."""
+        await asyncio.wrap_future(self._thread.submit(self._store.append_audit, line))
 
     def close(self) -> None:
         self._closed.set()
@@ -172,7 +197,7 @@ def _refresh_every(catalog: "weakref.ref[Catalog]", closed: threading.Event, ref
         if held is None:
             return
         try:
-            future = held._thread.submit(held._refresh, time.monotonic())
+            future = held._thread.submit(held._refresh, held._clock())
         except RuntimeError:  # closed meanwhile
             return
         del held

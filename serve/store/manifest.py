@@ -314,6 +314,11 @@ class TenantEntry(StrictModel):
         """Whether `variant` is this tenant's own, which its admin keys may change."""
         return variant.startswith(f"{self.name}-")
 
+    @property
+    def revision(self) -> str:
+        """A digest of everything the entry says, as a variant entry's revision: what the audit log records."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
 
 class StoreManifest(StrictModel):
     format: Literal["manyfold.store"] = "manyfold.store"

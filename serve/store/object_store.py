@@ -2,6 +2,7 @@
 
     manifests/<generation, 20 digits>   the StoreManifest as of that generation
     objects/<sha256>                    a file's bytes, named by their digest
+    audit/<YYYY-MM-DD>/<time>-<random>.json   one admin change's audit line (serve/http/audit.py)
 
 An entry's files are objects: FileEntry.path is the file's path inside the entry's directory, and its sha256 the
 object's name, so the same bytes (a tokenizer many bases share, an adapter added twice) are one object. A write
@@ -18,7 +19,9 @@ holding an older generation can fetch its files for as long as the grace period 
 
 import contextlib
 import hashlib
+import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -32,7 +35,7 @@ from serve.errors import ArtifactError, ConfigError, ManyfoldError, first_error
 from serve.store.manifest import BaseEntry, FileEntry, StoreManifest, VariantEntry
 from serve.store.node_cache import NodeCache
 from serve.store.objects import Objects
-from serve.store.store import StoreView, file_sha256, named_twice
+from serve.store.store import AUDIT, StoreView, audit_day, file_sha256, named_twice
 
 GENERATIONS = "manifests"
 MAX_ATTEMPTS = 64
@@ -189,6 +192,13 @@ class ObjectStore(StoreView):
 
     def remove(self, name: str) -> None:
         self._swap(lambda m: self._without(m, name)[0])
+
+    def append_audit(self, line: dict) -> None:
+        """One object per line, audit/<YYYY-MM-DD>/<time>-<random>.json: object storage has no append, and
+        writers on many nodes never collide; the keys sort by time within a day."""
+        stamp = "".join(c for c in str(line.get("time", "")) if c.isalnum() or c == ".")
+        key = f"{AUDIT}/{audit_day(line)}/{stamp}-{secrets.token_hex(4)}.json"
+        self.objects.put_new(key, (json.dumps(line, separators=(",", ":")) + "\n").encode())
 
 
 GRACE_S = 3600.0

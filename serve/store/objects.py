@@ -26,10 +26,11 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError
 from obstore.store import LocalStore, from_url
 
-from serve.errors import ArtifactError, ConfigError
+from serve.errors import ArtifactError, ConfigError, SourceTooLarge
 
 SCHEMES = ("s3://", "gs://", "az://", "file://", "memory://")
 CHUNK = 8 << 20
+MIB = 1 << 20
 
 
 def is_url(location: str | Path) -> bool:
@@ -128,12 +129,15 @@ class Objects:
         sort after it."""
         return [key for key, _, _ in self.listing(prefix) if after is None or key > after]
 
-    def download_tree(self, dest: Path) -> int:
+    def download_tree(self, dest: Path, max_bytes: int | None = None) -> int:
         """Every object under this location into dest, at its key's path (a directory a caller put in object
-        storage: an adapter, a fine-tune); -> files written. Nothing there is an error naming the location."""
-        keys = self.keys()
-        if not keys:
+        storage: an adapter, a fine-tune); -> files written. Nothing there is an error naming the location; more
+        than max_bytes in all (as the listing says, before anything is downloaded) is SourceTooLarge."""
+        listed = self.listing()
+        if not listed:
             raise ArtifactError(f"{self.location}: nothing there")
+        refuse_over(self.location, sum(size for _, size, _ in listed), max_bytes)
+        keys = [key for key, _, _ in listed]
         for key in keys:
             if ".." in key.split("/"):
                 raise ArtifactError(f"{self.location}: object '{key}' would land outside the directory")
@@ -147,16 +151,41 @@ class Objects:
             pass
 
 
+def tree_bytes(path: Path) -> int:
+    """The bytes a copy of a local directory reads: every file under it, a symlink counted as what it points at
+    (shutil.copytree follows them)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except OSError:  # a dangling link or a file gone meanwhile: the copy will name it
+                continue
+    return total
+
+
+def refuse_over(where: str | Path, size: int, max_bytes: int | None) -> None:
+    """SourceTooLarge when a source's `size` bytes pass the cap on one add (None: no cap)."""
+    if max_bytes is not None and size > max_bytes:
+        raise SourceTooLarge(f"{where}: {size / MIB:.1f} MiB, more than one add may copy "
+                             f"(admin.max_add_mib = {max_bytes / MIB:g})")
+
+
 @contextmanager
-def fetched(paths: list[str]) -> Iterator[list[Path]]:
+def fetched(paths: list[str], max_bytes: int | None = None) -> Iterator[list[Path]]:
     """Local directories for variant sources: a path on this machine as it is, an object-storage URL (s3://...)
-    downloaded into a temporary directory for the block."""
+    downloaded into a temporary directory for the block. With max_bytes, every source is measured first (a local
+    tree's file sizes, a URL's listing) and one larger than it is refused before anything is copied, so a refused
+    add leaves nothing behind."""
+    for p in paths:
+        if max_bytes is not None and not is_url(p) and Path(p).is_dir():
+            refuse_over(p, tree_bytes(Path(p)), max_bytes)
     with tempfile.TemporaryDirectory(prefix="manyfold-fetch-") as tmp:
         out = []
         for i, p in enumerate(paths):
             if is_url(p):
                 dest = Path(tmp) / str(i)
-                Objects(p).download_tree(dest)
+                Objects(p).download_tree(dest, max_bytes)
                 out.append(dest)
             else:
                 out.append(Path(p))

@@ -3,6 +3,8 @@
     root/manifest.json             StoreManifest
     root/bases/<name>/...          a HF model directory (config, tokenizer, safetensors)
     root/variants/<name>/...       a variant's files (for kind "full": config.json + delta.fmd)
+    root/incoming/...              where an admin may put a variant's source to add it over HTTP
+    root/audit/<YYYY-MM-DD>.jsonl  admin changes, one JSON line each (serve/http/audit.py)
 
 Writers stage files in a temp directory, fsync them, rename the directory into place, then rewrite the
 manifest atomically, all under an exclusive lock; a crash at any point leaves the previous state readable.
@@ -19,6 +21,7 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 from serve.errors import ArtifactError, BadRequest, ManyfoldError, TenantNotFound, VariantNotFound
@@ -193,6 +196,11 @@ class StoreView(ManifestView):
 
         self.update(change)
 
+    def append_audit(self, line: dict) -> None:
+        """Keep one admin change's audit line (serve/http/audit.py) in the store, beside what it changed, where
+        every node's changes land together; line["time"] (ISO 8601, UTC) files it by day and order."""
+        raise NotImplementedError
+
     def _without(self, manifest: StoreManifest, name: str) -> tuple[StoreManifest, str, str]:
         """The manifest without entry `name` (a base only once no variant needs it); -> (it, its section, its
         directory)."""
@@ -354,6 +362,17 @@ class Store(StoreView):
             self.manifest = change(self.manifest)
             write_manifest(self.root, self.manifest)
 
+    def append_audit(self, line: dict) -> None:
+        """Appended to audit/<YYYY-MM-DD>.jsonl under the store's lock (two processes' lines never interleave) and
+        fsynced before this returns."""
+        folder = self.root / AUDIT
+        folder.mkdir(exist_ok=True)
+        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        with self._locked(), open(folder / f"{audit_day(line)}.jsonl", "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
     def remove(self, name: str) -> None:
         """Drop an entry from the manifest first, then its files. A base goes only without variants."""
         with self._locked():
@@ -361,6 +380,16 @@ class Store(StoreView):
             self.manifest, section, directory = self._without(self.manifest, name)
             write_manifest(self.root, self.manifest)
             shutil.rmtree(self.root / section / directory, ignore_errors=True)
+
+
+AUDIT = "audit"
+"""The store's folder (or key prefix) of admin audit lines."""
+
+
+def audit_day(line: dict) -> str:
+    """The UTC day an audit line is filed under: its own time's, so a line and its file agree."""
+    stamp = str(line.get("time") or datetime.now(UTC).isoformat())
+    return stamp[:10]
 
 
 def open_store(location: str | Path, create: bool = False) -> StoreView:

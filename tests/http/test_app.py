@@ -14,13 +14,13 @@ KEYS = {"alice": "sk-alice", "bob": "sk-bob", "admin": "sk-admin"}
 
 
 @pytest.fixture(scope="module")
-def client(serving_store):
+def client(serving_store, tmp_path_factory):
     root, _ = serving_store
     config = ServeConfig(
         store=root,
         tenants=[{"name": "alice", "key_sha256": [key_digest(KEYS["alice"])], "models": ["*"]},
                  {"name": "bob", "key_sha256": [key_digest(KEYS["bob"])], "models": ["tiny-lm"]}],
-        admin_key_sha256=[key_digest(KEYS["admin"])],
+        admin_key_sha256=[key_digest(KEYS["admin"])], admin={"sources": [str(tmp_path_factory.getbasetemp())]},
         limits={"max_request_bytes": 4096, "max_tokens": 32, "max_inputs": 4})
     with TestClient(build_http_app(Engine(config), config)) as c:
         yield c

@@ -3,6 +3,7 @@ a notice that looks once, misses that share one look, a timer that looks every r
 serves a replaced adapter's new weights, never the old, with the old key gone from its cache."""
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -137,3 +138,61 @@ def test_a_replaced_adapter_is_served_new_and_its_old_key_leaves_the_cache(store
     fresh = Engine(ServeConfig(store=store.root))
     assert after == answer(fresh) and after != before
     assert engine.cache.residency(old) == "cold" and engine.cache.residency(engine.catalog.snapshot.key("a")) == "hot"
+
+
+class _Clock:
+    """Monotonic seconds that a test moves on; a microsecond passes between two readings, as on a real clock."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def test_random_unknown_names_cost_at_most_one_look_per_refresh_period(store, models):
+    """1,000 requests for random names: answered 404 from the negative cache (the snapshot, as of a look begun
+    less than refresh_s ago), at most one store look per period; a write here and a notice still look at once."""
+    import random
+
+    clock = _Clock()
+    catalog = Catalog(store.root, refresh_s=60, clock=clock)  # the timer never fires within the test
+    rng = random.Random(0)
+
+    async def flood(n: int) -> int:
+        misses = 0
+        for _ in range(n):
+            try:
+                await catalog.resolve(f"x{rng.getrandbits(64):016x}")
+            except VariantNotFound:
+                misses += 1
+        return misses
+
+    opened = catalog.looks
+    assert asyncio.run(flood(1000)) == 1000 and catalog.looks == opened  # the open was the period's look
+    clock.now += 60
+    assert asyncio.run(flood(1000)) == 1000 and catalog.looks == opened + 1  # one look, the first miss's
+    variant_kind("lora").add(store, "b", "lm", models[1][2])  # another process adds: known here within refresh_s
+    with pytest.raises(VariantNotFound):
+        asyncio.run(catalog.resolve("b"))
+    assert catalog.looks == opened + 1
+    clock.now += 60
+    assert asyncio.run(catalog.resolve("b"))[1:] == ("lm", "b") and catalog.looks == opened + 2
+    variant_kind("lora").add(store, "c", "lm", models[1][3])  # a new revision named by a router: looked for at once
+    assert asyncio.run(catalog.notice(store.manifest.variants["c"].key)).holds(store.manifest.variants["c"].key)
+    asyncio.run(catalog.write(lambda s: s.remove("a")))  # a write here is published at once
+    assert "a" not in catalog.snapshot.manifest.variants and catalog.looks == opened + 4
+    with pytest.raises(VariantNotFound):
+        asyncio.run(catalog.resolve("a"))
+    assert catalog.looks == opened + 4
+
+
+def test_the_audit_line_goes_through_the_catalog_without_a_look(store):
+    catalog = Catalog(store.root, refresh_s=0)
+    looks = catalog.looks
+    line = {"time": "2025-01-02T03:04:05.678Z", "key": "ab" * 6, "tenant": None, "route": "DELETE /v1/admin/variants",
+            "name": "a", "revision": None, "outcome": {"status": 200, "error": None}}
+    asyncio.run(catalog.append_audit(line))
+    assert catalog.looks == looks
+    assert [json.loads(x) for x in (store.root / "audit" / "2025-01-02.jsonl").read_text().splitlines()] == [line]

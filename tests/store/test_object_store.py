@@ -136,7 +136,8 @@ def test_an_admin_add_from_an_s3_directory_is_served_and_an_empty_one_is_one_lin
     for f in adapter.rglob("*"):
         if f.is_file():
             upload.put_file(str(f.relative_to(adapter)), f)
-    config = ServeConfig(store=f"{s3_bucket}/store", admin_key_sha256=[key_digest("sk-admin")])
+    config = ServeConfig(store=f"{s3_bucket}/store", admin_key_sha256=[key_digest("sk-admin")],
+                         admin={"sources": [f"{s3_bucket}/uploads/"]})
     admin = {"Authorization": "Bearer sk-admin"}
     with TestClient(build_http_app(Engine(config), config)) as c:
         added = c.post("/v1/admin/variants", headers=admin, json={"name": "tenant-a", "base": "lm", "kind": "lora",
@@ -147,3 +148,17 @@ def test_an_admin_add_from_an_s3_directory_is_served_and_an_empty_one_is_one_lin
         empty = c.post("/v1/admin/variants", headers=admin, json={"name": "tenant-b", "base": "lm", "kind": "lora",
                                                                   "path": f"{s3_bucket}/uploads/nobody"})
     assert empty.status_code == 422 and "nothing there" in empty.json()["error"]["message"]
+
+
+def test_audit_lines_are_one_object_each_sorted_by_time(s3_bucket, tmp_path):
+    import json
+
+    store = ObjectStore(f"{s3_bucket}/store", create=True, cache=NodeCache(tmp_path / "cache", 1 << 30))
+    lines = [{"time": f"2025-01-01T00:00:0{s}.000Z", "name": f"n{s}"} for s in (3, 1, 2)] + \
+            [{"time": "2025-01-01T00:00:01.000Z", "name": "same time"}]
+    for line in lines:
+        store.append_audit(line)
+    keys = store.objects.keys("audit")
+    assert len(keys) == 4 and all(k.startswith("audit/2025-01-01/20250101T00000") for k in keys)
+    read = [json.loads(store.objects.read(k)) for k in keys]
+    assert [x["time"] for x in read] == sorted(x["time"] for x in lines)

@@ -123,3 +123,29 @@ def test_the_least_recently_used_go_first_and_the_budget_holds(tmp_path):
     cache.object(objects, big.sha256, big.bytes)  # room only once the entry's directory goes too
     assert not (tmp_path / "node" / "entries" / "a@1").exists()
     assert {p.name for p in (tmp_path / "node" / "objects").iterdir()} == {big.sha256}
+
+
+def test_a_source_over_the_cap_is_refused_before_anything_is_copied(objects, tmp_path, monkeypatch):
+    """fetched(max_bytes) measures first (a local tree's files, an object listing's sizes): a source one byte
+    over the cap downloads nothing and its block never runs; one at the cap is fetched whole."""
+    from serve.errors import SourceTooLarge
+    from serve.store.objects import fetched
+
+    local = tmp_path / "adapter"
+    local.mkdir()
+    (local / "a.bin").write_bytes(bytes(600))
+    (local / "b.bin").write_bytes(bytes(424))
+    for f in local.iterdir():
+        objects.put_file(f"upload/{f.name}", f)
+    remote = f"{objects.location}/upload" if objects.location.startswith("s3://") else None  # memory:// is per object
+    downloads = []
+    real = Objects.download
+    monkeypatch.setattr(Objects, "download", lambda self, *a, **kw: downloads.append(a) or real(self, *a, **kw))
+    for source in filter(None, (str(local), remote)):
+        with pytest.raises(SourceTooLarge, match=r"more than one add may copy \(admin.max_add_mib = "), \
+                fetched([source], max_bytes=1023):
+            raise AssertionError("the block ran")
+        assert downloads == []
+        with fetched([source], max_bytes=1024) as (got,):
+            assert sorted(p.name for p in got.iterdir()) == ["a.bin", "b.bin"]
+    assert len(downloads) == (2 if remote else 0)

@@ -113,3 +113,12 @@ def test_missing_model_dir_is_reported(tmp_path):
     (tmp_path / "m" / "config.json").write_text("{}")
     with pytest.raises(ArtifactError, match="no model.safetensors"):
         store.add_base("x", tmp_path / "m")
+
+
+def test_audit_lines_are_appended_one_per_change_and_filed_by_day(tmp_path):
+    store = Store(tmp_path / "store", create=True)
+    lines = [{"time": f"2025-01-0{d}T0{h}:00:00.000Z", "name": f"n{d}{h}"} for d, h in ((1, 1), (1, 2), (2, 1))]
+    for line in lines:
+        store.append_audit(line)
+    read = {f.name: [json.loads(x) for x in f.read_text().splitlines()] for f in (store.root / "audit").iterdir()}
+    assert read == {"2025-01-01.jsonl": lines[:2], "2025-01-02.jsonl": lines[2:]}

@@ -98,7 +98,8 @@ def test_bad_adapter_is_one_line_at_the_cli_and_nothing_is_added(setup, tmp_path
 
 def test_bad_adapters_are_4xx_at_the_admin_api_and_the_rest_keeps_serving(setup, tmp_path):
     _, root, _ = setup
-    config = ServeConfig(store=root, admin_key_sha256=[key_digest(ADMIN)], slots={"max_rank": 3})
+    config = ServeConfig(store=root, admin_key_sha256=[key_digest(ADMIN)], slots={"max_rank": 3},
+                         admin={"sources": [str(tmp_path)]})
     headers = {"Authorization": f"Bearer {ADMIN}"}
     with TestClient(build_http_app(Engine(config), config)) as c:
         for case, (_, words) in sorted(BAD.items()):
@@ -119,7 +120,7 @@ def test_bad_adapters_are_4xx_at_the_admin_api_and_the_rest_keeps_serving(setup,
 
 def test_an_adapter_added_over_http_is_served_without_restart(setup, tmp_path):
     root_dir, root, _ = setup
-    config = ServeConfig(store=root, admin_key_sha256=[key_digest(ADMIN)])
+    config = ServeConfig(store=root, admin_key_sha256=[key_digest(ADMIN)], admin={"sources": [str(tmp_path)]})
     new = write_lora(root_dir / "tiny-lm", tmp_path / "new", seed=5, r=3, targets=["o_proj"])
     with TestClient(build_http_app(Engine(config), config)) as c:
         prompt = {"prompt": "the big red", "max_tokens": 6, "temperature": 0}

@@ -167,7 +167,7 @@ def test_commit_many_refuses_a_name_the_batch_holds_twice(store, tmp_path):
 
 def test_the_admin_batch_route_answers_per_item(made, store, tmp_path):
     src = adapters(made, tmp_path / "src", ["a-1", "a-2", "a-bad"], bad=("a-bad",))
-    config = ServeConfig(store=store.root, admin_key_sha256=[key_digest(ADMIN)])
+    config = ServeConfig(store=store.root, admin_key_sha256=[key_digest(ADMIN)], admin={"sources": [str(tmp_path)]})
     headers = {"Authorization": f"Bearer {ADMIN}"}
 
     def item(name, path, base="tiny-lm"):

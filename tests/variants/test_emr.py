@@ -59,7 +59,7 @@ def test_merge_add_serve_and_replace_a_group_over_http(setup, tmp_path, capsys):
     assert main(["store", "add", "--store", str(store_root), "--kind", "emr", "--name", "grp", "--base", "tiny-lm",
                  "--model", str(tmp_path / "ab")]) == 0
     assert main(["store", "extract", "--store", str(store_root), "--name", "grp/b", "--out", str(tmp_path / "b")]) == 0
-    config = ServeConfig(store=store_root, admin_key_sha256=[key_digest(ADMIN)])
+    config = ServeConfig(store=store_root, admin_key_sha256=[key_digest(ADMIN)], admin={"sources": [str(tmp_path)]})
     with TestClient(build_http_app(Engine(config), config)) as c:
         cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
         assert cards["grp/a"]["kind"] == "emr" and cards["grp/b"]["parent"] == "tiny-lm" and "grp" not in cards
@@ -124,7 +124,7 @@ def test_a_bad_bundle_is_one_line_at_the_cli_and_a_4xx_over_http_and_nothing_is_
     err = capsys.readouterr().err.strip()
     assert code == 1 and BAD[case] in err and "\n" not in err, err
     assert (store_root / "manifest.json").read_bytes() == before
-    config = ServeConfig(store=store_root, admin_key_sha256=[key_digest(ADMIN)])
+    config = ServeConfig(store=store_root, admin_key_sha256=[key_digest(ADMIN)], admin={"sources": [str(tmp_path)]})
     with TestClient(build_http_app(Engine(config), config)) as c:
         r = c.post("/v1/admin/variants", json={"name": f"bad-{case}", "kind": "emr", "base": "tiny-lm",
                                                  "path": str(bad)}, headers={"Authorization": f"Bearer {ADMIN}"})
