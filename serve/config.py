@@ -161,6 +161,10 @@ class ServeConfig(StrictModel):
     the config's."""
     admin_key_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = []
     """Keys allowed on /v1/admin routes."""
+    auth_file: Path | None = None
+    """A YAML file of `tenants` and `admin_key_sha256` (a Kubernetes Secret mounted in every pod), added to the
+    lists above when the config is parsed, so that keys stay out of a Serve config anyone may read. Read once:
+    the parsed config carries its entries and None here, so replicas that parse it again read nothing."""
     deployment: DeploymentConfig = DeploymentConfig()
     """Defaults for every base's model deployment."""
     deployments: dict[str, DeploymentConfig] = {}
@@ -187,6 +191,26 @@ class ServeConfig(StrictModel):
     slots: SlotsConfig = SlotsConfig()
     limits: LimitsConfig = LimitsConfig()
     admin: AdminConfig = AdminConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_auth_file(cls, data: object) -> object:
+        if not isinstance(data, dict) or data.get("auth_file") is None:
+            return data
+        path = Path(data["auth_file"]).expanduser()
+        import yaml
+
+        try:
+            extra = yaml.safe_load(path.read_text()) or {}
+        except OSError as e:
+            raise ValueError(f"auth_file {path}: cannot read ({e.strerror})") from e
+        except yaml.YAMLError as e:
+            raise ValueError(f"auth_file {path}: not valid YAML ({str(e).splitlines()[0]})") from e
+        if not isinstance(extra, dict) or set(extra) - {"tenants", "admin_key_sha256"}:
+            raise ValueError(f"auth_file {path}: expected a mapping of tenants and admin_key_sha256 only")
+        return {**data, "auth_file": None,
+                "tenants": [*data.get("tenants", []), *extra.get("tenants", [])],
+                "admin_key_sha256": [*data.get("admin_key_sha256", []), *extra.get("admin_key_sha256", [])]}
 
     @field_validator("store", mode="before")
     @classmethod

@@ -18,12 +18,6 @@ def test_serve_config_yaml_args_are_a_valid_serve_config():
     assert config.deployments["minilm"].autoscaling.max_replicas == 2
 
 
-def test_rayservice_embeds_a_valid_serve_config():
-    doc = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
-    inner = yaml.safe_load(doc["spec"]["serveConfigV2"])
-    parse_config(inner["applications"][0]["args"])
-
-
 @pytest.mark.parametrize("data,fragment", [
     ({}, "store: Field required"),
     ({"store": "/s", "bogus": 1}, "bogus: Extra inputs are not permitted"),
