@@ -275,10 +275,12 @@ def test_every_dashboard_panel_reads_a_metric_the_server_exposes(serving_store):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    config = ServeConfig(store=serving_store[0])
+    config = ServeConfig(store=serving_store[0], tenants=[
+        {"name": "dash", "key_sha256": [key_digest("sk-dash")], "limits": {"requests_per_s": 1}}])
+    key = {"Authorization": "Bearer sk-dash"}
     with TestClient(build_http_app(Engine(config), config)) as c:
-        c.post("/v1/completions", json={"model": "tiny-lm-top", "prompt": "the cat", "max_tokens": 2})
-        c.post("/v1/classify", json={"model": "minilm-clf", "input": "x"})
+        c.post("/v1/completions", json={"model": "tiny-lm-top", "prompt": "the cat", "max_tokens": 2}, headers=key)
+        assert c.post("/v1/classify", json={"model": "minilm-clf", "input": "x"}, headers=key).status_code == 429
         text = c.get("/metrics").text
     exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text())
@@ -286,6 +288,22 @@ def test_every_dashboard_panel_reads_a_metric_the_server_exposes(serving_store):
                for name in re.findall(r"\b(?:manyfold_|vllm:)[a-zA-Z0-9_:]+", target["expr"])}
     assert len(dashboard["panels"]) >= 12 and queried
     assert queried <= exposed, sorted(queried - exposed)
+
+
+def test_every_dashboard_panel_title_says_what_its_queries_show():
+    """A title that names quantiles ("(p50, p95)") has a query for each and no other; a panel of several queries
+    tells them apart in its legend."""
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    for panel in dashboard["panels"]:
+        named = {float(p) / 100 for p in re.findall(r"\bp(\d{2})\b", panel["title"])}
+        queried = {float(q) for t in panel["targets"] for q in re.findall(r"histogram_quantile\(([0-9.]+)", t["expr"])}
+        assert named == queried, panel["title"]
+        legends = [t["legendFormat"] for t in panel["targets"]]
+        assert len(set(legends)) == len(legends), panel["title"]
 
 
 def test_admin_add_and_remove_without_restart(client, serving_store, tmp_path):
