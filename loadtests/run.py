@@ -4,11 +4,17 @@
     python -m loadtests.run --scenario tenants [--tenants 5,100,1000,2000] [--systems manyfold,peft,multiplex] ...
     python -m loadtests.run --scenario neuzip [--tenants 8] [--duration 45] [--decoded-mib 0|N|auto] ...
     python -m loadtests.run --scenario fleet [--adapters 8] [--repeats 3]
+    python -m loadtests.run --scenario fairness [--duration 60] [--seed 0] [--out bench-results/fairness]
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
 a budget of 4, most of the variant set is always cold. Scenario "mixed" (52 variants by default) is about 3/4 LoRA
 adapters and 1/4 top-two-layer full fine-tunes; the baselines load each adapter merged into a full model.
+
+Scenario "fairness" (loadtests/fairness.py) measures whether one tenant's flood starves the others: eight tenants by
+API key on their own LoRA adapters of SmolLM2 behind `manyfold serve`, seven light ones at 70% of saturation in all,
+alone and beside a heavy one at ten times a light one's rate, under `batch.fairness: fcfs` and `vtc`; per tenant its
+time to first token (p50/p99), tokens/s and refusals, and its tokens received per second.
 """
 
 import argparse
@@ -137,13 +143,19 @@ def main(argv: list[str] | None = None) -> list[dict] | dict:
         from loadtests.neuzip import main as neuzip_main
 
         return neuzip_main(argv)
+    if pre.parse_known_args(argv)[0].scenario == "fairness":  # a tenant's flood, FCFS and VTC: loadtests/fairness.py
+        from loadtests.fairness import main as fairness_main
+
+        return fairness_main(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", type=int, default=None, help="default: 20, or 52 for mixed")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="full",
                    help="variants train every weight (full), only the top two layers and the head (top2), or "
                         "mixed: 3/4 LoRA adapters, 1/4 top2 full fine-tunes; tenants: LoRA tenants of SmolLM2 "
                         "(its own options: --scenario tenants --help); neuzip: SmolLM2 plain against NeuZip "
-                        "(--scenario neuzip --help); fleet: cold and warm starts from S3 (--scenario fleet --help)")
+                        "(--scenario neuzip --help); fleet: cold and warm starts from S3 (--scenario fleet --help); "
+                        "fairness: a heavy tenant beside seven light ones, FCFS against VTC (--scenario fairness "
+                        "--help)")
     p.add_argument("--rate", type=float, default=None, help="offered requests per second (default: 8, or "
                    f"{SCENARIOS['mixed'].rate_rps:g} for mixed)")
     p.add_argument("--max-chars", type=int, default=None, help="each input is the start of a test text, at most "

@@ -28,7 +28,7 @@ def documented() -> list[tuple[str, str]]:
     for doc in DOCS:
         text = (ROOT / doc).read_text()
         out += [(doc, re.sub(r"\s*\\?\|\s*", "|", m)) for m in INLINE.findall(text)]
-        for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL):
             for line in block.replace("\\\n", " ").splitlines():
                 words = line.strip().lstrip("$ ").split(" #")[0].split()
                 if len(words) > 1 and words[0] == "manyfold" and (words[1] in commands or words[1][0] == "-"):
@@ -69,7 +69,7 @@ def _subparser(parser: argparse.ArgumentParser, words: list[str]) -> tuple[argpa
 def _value(action: argparse.Action, shown: str) -> str:
     """The value shown, or a value of the flag's type where the docs show a placeholder."""
     if action.choices is not None:
-        return shown if shown in [str(c) for c in action.choices] else str(list(action.choices)[0])
+        return shown if shown in [str(c) for c in action.choices] else str(next(iter(action.choices)))
     if PLACEHOLDER.match(shown) and action.type in (int, float):
         return "1"
     return shown

@@ -1,0 +1,262 @@
+"""`python -m loadtests.run --scenario fairness`: does one tenant's flood starve the others? (issue 48)
+
+Eight tenants by API key share one `manyfold serve` of SmolLM2-135M on 127.0.0.1, each calling its own LoRA
+adapter (q,v rank 8: the tenants scenario's trained adapter, perturbed per tenant) with streamed greedy
+completions of 16 tokens. A closed loop first finds the saturation rate (completed requests/s). Then open-loop
+Poisson arrivals, the same seeds in every run: seven light tenants at 70% of saturation in all, alone (baseline),
+then beside an eighth, heavy tenant sending ten times a light tenant's rate, under `batch.fairness: fcfs` and
+then `vtc` (the server restarted between the two: it is a config setting). Per tenant: p50/p99 time to first
+token, tokens/s served, requests ok / 429 / errors / timed out; each run's total tokens/s; each tenant's tokens
+received per second. The checks: VTC's light p99 TTFT against the baseline's (goal <= 2x), VTC's total tokens/s
+against FCFS's (goal >= 0.95x). Table on stdout; bench-results/fairness.json and fairness.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import httpx
+
+from loadtests.fairness_load import Caller, log, open_loop, plan_arrivals, saturation
+from loadtests.fairness_report import HEAVY, RUNS, checks, run_summary, write_report
+from loadtests.generator import free_port
+from loadtests.tenant_load import fortune_prompts
+
+BASE = "smollm2"
+RANK = 8
+LIGHT_TENANTS = tuple(f"light{i}" for i in range(1, 8))
+TENANTS = (*LIGHT_TENANTS, HEAVY)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.run --scenario fairness", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", choices=["fairness"], default="fairness")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (each run then waits "
+                   "at most --timeout for what is in flight)")
+    p.add_argument("--runs", default=",".join(RUNS), help="of baseline,fcfs,vtc (the checks need all three)")
+    p.add_argument("--load", type=float, default=0.7, help="the light tenants' rate in all, times saturation")
+    p.add_argument("--heavy-factor", type=float, default=10.0, help="the heavy tenant's rate, times a light one's")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--probe-s", type=float, default=30.0, help="seconds of the closed-loop saturation probe")
+    p.add_argument("--probe-concurrency", type=int, default=None, help="requests in flight in the probe (default: "
+                   "twice --max-batch, so that rows always wait to join a batch)")
+    p.add_argument("--saturation-rps", type=float, default=None, help="skip the probe and take this rate")
+    p.add_argument("--max-batch", type=int, default=16, help="the server's batch.max_batch_size")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take in all (counted)")
+    p.add_argument("--max-in-flight", type=int, default=512, help="arrivals beyond this are shed (counted)")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/fairness", help="writes OUT.json and OUT.png")
+    args = p.parse_args(argv)
+    args.runs = [r for r in RUNS if r in args.runs.split(",")]
+    args.probe_concurrency = args.probe_concurrency or 2 * args.max_batch
+    if not args.runs:
+        p.error(f"--runs names none of {', '.join(RUNS)}")
+    return args
+
+
+def build_store(seed: int) -> Path:
+    """SmolLM2 and one adapter per tenant ("<tenant>-lora"), built once under MANYFOLD_HOME/fairness/: the
+    tenants scenario's trained q,v rank-8 adapter (trained once, shared with it), perturbed per tenant so that no
+    two tenants share weights."""
+    from loadtests import tenant_adapters as adapters
+    from serve.data.cache import home
+    from serve.data.models import smollm2_dir
+    from serve.store.store import Store
+
+    root = home() / "fairness" / f"r{RANK}-seed{seed}"
+    if (root / "built.json").is_file():
+        return root / "store"
+    workload = adapters.WORKLOADS["S1"]
+    source = adapters.train_source(smollm2_dir(), workload, RANK, adapters.trained_dir(workload, RANK), log=log)
+    shutil.rmtree(root, ignore_errors=True)
+    store = Store(root / "store", create=True)
+    store.add_base(BASE, smollm2_dir())
+    for tenant in TENANTS:
+        seed_of = zlib.crc32(f"fairness/{tenant}/{seed}".encode())
+        adapters.derive_adapter(source, root / "sources" / model_of(tenant), seed_of)
+    reg = adapters.register(store.root, root / "sources")
+    shutil.rmtree(root / "sources")
+    log(f"store {store.root}: {reg['output']}")
+    (root / "built.json").write_text(json.dumps({"tenants": list(TENANTS), "seed": seed, "rank": RANK,
+                                                 "built_at": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
+    return store.root
+
+
+def model_of(tenant: str) -> str:
+    """A tenant's adapter, named under its prefix (what a tenant's own admin key may change)."""
+    return f"{tenant}-lora"
+
+
+def server_config(store: Path, port: int, callers: list[Caller], fairness: str, max_batch: int) -> dict:
+    """What `manyfold serve --config` reads: the tenants by key digest, each allowed its own adapter alone."""
+    from serve.config import ServeConfig, key_digest
+
+    config = {"store": str(store), "host": "127.0.0.1", "port": port, "drain_timeout_s": 5,
+              "tenants": [{"name": c.tenant, "key_sha256": [key_digest(c.key)], "models": [c.model]} for c in callers],
+              "batch": {"fairness": fairness, "max_batch_size": max_batch},
+              "deployment": {"graceful_shutdown_timeout_s": 2}}
+    ServeConfig.model_validate(config)  # a wrong config fails here, not in a child's log
+    return config
+
+
+class Server:
+    """`manyfold serve --config` as a child process with its own Ray (a private RAY_TMPDIR, so it joins no other
+    Ray on the machine), ready when /readyz answers 200. Stopped with SIGTERM, as an operator stops it (drain,
+    then Serve and Ray shut down); whatever of its process tree outlives that is ended by pid."""
+
+    def __init__(self, config: dict, start_timeout_s: float):
+        self.config, self.start_timeout_s = config, start_timeout_s
+        self.url = f"http://127.0.0.1:{config['port']}"
+        self.work = Path(tempfile.mkdtemp(prefix="mf-fair-"))  # short: Ray's socket paths live under it
+        self.log_path = self.work / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        (self.work / "config.json").write_text(json.dumps(self.config))
+        env = {**os.environ, "RAY_TMPDIR": str(self.work), "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("RAY_ADDRESS", None)
+        env.pop("TRITON_INTERPRET", None)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--config",
+                                          str(self.work / "config.json")], cwd=REPO, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _wait_ready(self) -> None:
+        t, deadline = time.perf_counter(), time.perf_counter() + self.start_timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"manyfold serve exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
+                    log(f"server ready at {self.url} in {time.perf_counter() - t:.0f} s")
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"manyfold serve not ready after {self.start_timeout_s:g} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        import psutil
+
+        if self.proc is None:
+            return
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            log(f"manyfold serve (pid {self.proc.pid}) still running 120 s after SIGTERM: killing it")
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(tree, timeout=15)
+        for p in alive:  # its Ray's daemons and workers, by pid: never another run's
+            p.kill()
+        psutil.wait_procs(alive, timeout=10)
+        self.proc = None
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def warm(url: str, callers: list[Caller], prompt: str) -> None:
+    """One short request per tenant, so every adapter is resident before anything is measured."""
+    with httpx.Client(base_url=url, timeout=300) as http:
+        for c in callers:
+            http.post("/v1/completions", json={"model": c.model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+                      headers={"authorization": f"Bearer {c.key}"}).raise_for_status()
+
+
+def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float], prompts: list[str],
+            args: argparse.Namespace) -> dict:
+    """One open-loop run: the light tenants, and the heavy one unless this is the baseline."""
+    chosen = {c: rates[HEAVY if c.tenant == HEAVY else "light"] for c in callers
+              if name != "baseline" or c.tenant != HEAVY}
+    plan = plan_arrivals(chosen, prompts, args.duration, args.seed)
+    log(f"{name}: {len(plan)} requests over {args.duration:g} s")
+    t = time.perf_counter()
+    records = asyncio.run(open_loop(url, plan, args.max_tokens, args.timeout, args.max_in_flight))
+    wall_s = time.perf_counter() - t
+    horizon = max([args.duration, *(c for r in records for c in r.chunk_s)])
+    summary = run_summary(records, args.duration, math.ceil(horizon))
+    a = summary["all"]
+    log(f"{name}: {a['ok']} ok, {a['429']} 429, {a['timeouts']} timed out, {a['errors']} errors; "
+         f"{a['tokens_per_s']:.1f} tok/s; light p99 TTFT {summary['light']['ttft_p99_s']:.2f} s")
+    return {**summary, "wall_s": wall_s, "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens]
+                                                      for r in records]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Build (cached), then one server per fairness setting in turn: probe on the first, measure its runs."""
+    from serve.bench.report import machine
+
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    store = build_store(args.seed)
+    prompts = fortune_prompts()
+    callers = [Caller(t, secrets.token_urlsafe(24), model_of(t)) for t in TENANTS]
+    settings = {"baseline": "fcfs", "fcfs": "fcfs", "vtc": "vtc"}
+    runs, configs, sat, rates = {}, {}, None, {}
+    for fairness in dict.fromkeys(settings[r] for r in args.runs):
+        config = server_config(store, free_port(), callers, fairness, args.max_batch)
+        configs[fairness] = config
+        log(f"starting manyfold serve, batch.fairness {fairness}")
+        with Server(config, args.start_timeout) as url:
+            warm(url, callers, prompts[0])
+            if sat is None:
+                sat = probe(url, callers, prompts, args)
+                light = args.load * sat["completed_rps"] / len(LIGHT_TENANTS)
+                rates = {"light": light, HEAVY: args.heavy_factor * light}
+            for name in [r for r in args.runs if settings[r] == fairness]:
+                runs[name] = measure(name, url, callers, rates, prompts, args)
+        log("server stopped")
+    report = {"machine": machine(), "command": "python -m loadtests.run " + " ".join(sys.argv[1:] if argv is None
+                                                                                    else argv),
+              "spec": {**vars(args), "rank": RANK, "tenants": list(TENANTS)}, "configs": configs,
+              "seeds": {"arrivals": f"random.Random('{args.seed}/<tenant>')", "probe": f"{args.seed}/probe"},
+              "saturation": sat, "rates_rps": rates, "runs": runs, "wall_s": time.perf_counter() - t0}
+    report["checks"] = checks(runs)
+    return write_report(report, Path(args.out))
+
+
+def probe(url: str, callers: list[Caller], prompts: list[str], args: argparse.Namespace) -> dict:
+    """The saturation rate: measured by a closed loop, or as --saturation-rps gives it."""
+    if args.saturation_rps is not None:
+        return {"completed_rps": args.saturation_rps, "given": True}
+    log(f"saturation probe: closed loop, {args.probe_concurrency} in flight, {args.probe_s:g} s")
+    sat = asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
+                                 args.timeout, args.seed))
+    log(f"saturation {sat['completed_rps']:.2f} req/s ({sat['not_ok']} of {sat['requests']} not ok)")
+    if sat["completed_rps"] <= 0:
+        raise RuntimeError("the saturation probe completed no request: nothing to scale the load by")
+    return sat

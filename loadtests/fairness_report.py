@@ -1,0 +1,210 @@
+"""The fairness scenario's arithmetic and output: per-tenant figures from request records, service per 1-second
+bin, the must-show ratios, the table and the plot. Pure functions over records, so tests need no server."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serve.bench.report import percentile
+
+RUNS = ("baseline", "fcfs", "vtc")
+"""Measured in this order; the plot puts FCFS, VTC and the baseline side by side."""
+HEAVY = "heavy"
+LIGHT = "light"
+ALL = "all"
+P99_RATIO_GOAL = 2.0
+"""VTC's light p99 TTFT at most this many times the baseline's (issue 48)."""
+THROUGHPUT_RATIO_GOAL = 0.95
+"""VTC's total tokens/s at least this share of FCFS's."""
+
+
+@dataclass
+class Record:
+    """One request as the client saw it; times in seconds since its run started."""
+
+    tenant: str
+    sent_s: float
+    outcome: str = "unanswered"
+    """"200" (streamed to [DONE]), another HTTP status, "timeout", "stream-error", a transport error's name, or
+    "shed" (not sent: the client's in-flight bound was reached)."""
+    ttft_s: float | None = None
+    """Sent until the first chunk that carries text."""
+    tokens: int = 0
+    """Completion tokens: the usage chunk's count, else the content chunks received."""
+    chunk_s: list[float] = field(default_factory=list)
+    """Arrival of every content chunk."""
+
+    def chunk_tokens(self) -> float:
+        """Tokens each content chunk stands for: a chunk is a piece of text, usually one token, and the usage
+        chunk gives the true count, so service over time sums to the tokens served."""
+        return self.tokens / len(self.chunk_s) if self.chunk_s else 0.0
+
+
+def waited(r: Record) -> bool:
+    """Whether a request belongs in TTFT percentiles: taken by the server (answered, or still waiting when it
+    timed out), not refused outright. A wait that never saw a token counts as an infinite TTFT: dropping it
+    would make an overloaded tenant look fast."""
+    return r.ttft_s is not None or r.outcome in ("200", "timeout", "unanswered")
+
+
+def ttfts(records: list[Record]) -> list[float]:
+    return [r.ttft_s if r.ttft_s is not None else math.inf for r in records if waited(r)]
+
+
+def served_tokens(records: list[Record], window_s: float) -> float:
+    """Tokens whose chunks arrived inside [0, window_s): what the server gave while arrivals were offered; the
+    drain after it is left out, so every run's throughput covers the same load."""
+    return sum(r.chunk_tokens() for r in records for t in r.chunk_s if 0 <= t < window_s)
+
+
+def service_bins(records: list[Record], horizon_s: float, bin_s: float = 1.0) -> list[float]:
+    """Tokens received per bin of bin_s seconds over [0, horizon_s); later chunks are left out."""
+    bins = [0.0] * max(1, math.ceil(horizon_s / bin_s))
+    for r in records:
+        share = r.chunk_tokens()
+        for t in r.chunk_s:
+            if 0 <= t < horizon_s:
+                bins[int(t // bin_s)] += share
+    return bins
+
+
+def summarize(records: list[Record], window_s: float) -> dict:
+    """One tenant's (or a pool's) figures: outcomes, TTFT p50/p99 (s; inf when the share that never got a
+    token reaches that rank), served tokens/s inside the window."""
+    counts = Counter(r.outcome for r in records)
+    ok, refused = counts.get("200", 0), counts.get("429", 0)
+    timeouts = counts.get("timeout", 0) + counts.get("unanswered", 0)
+    shed = counts.get("shed", 0)
+    waits = ttfts(records)
+    return {"sent": len(records) - shed, "ok": ok, "429": refused, "timeouts": timeouts, "shed": shed,
+            "errors": len(records) - ok - refused - timeouts - shed, "outcomes": dict(counts),
+            "no_first_token": sum(math.isinf(w) for w in waits),
+            "ttft_p50_s": percentile(waits, 0.5), "ttft_p99_s": percentile(waits, 0.99),
+            "tokens": served_tokens(records, window_s), "tokens_per_s": served_tokens(records, window_s) / window_s}
+
+
+def run_summary(records: list[Record], window_s: float, horizon_s: float) -> dict:
+    """Per tenant, the light tenants pooled and every tenant pooled; service per second per tenant."""
+    tenants = sorted({r.tenant for r in records}, key=lambda t: (t == HEAVY, t))
+    by = {t: [r for r in records if r.tenant == t] for t in tenants}
+    light = [r for r in records if r.tenant != HEAVY]
+    return {"tenants": {t: summarize(rs, window_s) for t, rs in by.items()},
+            LIGHT: summarize(light, window_s), ALL: summarize(records, window_s),
+            "service_per_s": {t: service_bins(rs, horizon_s) for t, rs in by.items()}}
+
+
+def ratio(a: float | None, b: float | None) -> float:
+    """a / b, nan when either is missing or b is zero; inf over a finite b stays inf (the goal is then missed)."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+        return math.nan
+    return a / b
+
+
+def checks(runs: dict[str, dict]) -> dict:
+    """The issue's must-show figures from the runs measured (those missing give nan)."""
+    p99 = {name: runs[name][LIGHT]["ttft_p99_s"] for name in runs}
+    total = {name: runs[name][ALL]["tokens_per_s"] for name in runs}
+    light_p99 = ratio(p99.get("vtc"), p99.get("baseline"))
+    throughput = ratio(total.get("vtc"), total.get("fcfs"))
+    return {"vtc_light_p99_over_baseline": light_p99, "goal_light_p99": P99_RATIO_GOAL,
+            "light_p99_ok": None if math.isnan(light_p99) else light_p99 <= P99_RATIO_GOAL,
+            "fcfs_light_p99_over_baseline": ratio(p99.get("fcfs"), p99.get("baseline")),
+            "vtc_total_over_fcfs": throughput, "goal_total": THROUGHPUT_RATIO_GOAL,
+            "total_ok": None if math.isnan(throughput) else throughput >= THROUGHPUT_RATIO_GOAL}
+
+
+def finite(value):
+    """value with every non-finite float made None: strict JSON has no inf or nan."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def _s(x: float) -> str:
+    return "-" if math.isnan(x) else "never" if math.isinf(x) else f"{x:.2f}"
+
+
+def print_table(report: dict) -> None:
+    """One row per run and tenant, then the light tenants pooled and every tenant pooled, then the checks."""
+    s = report["spec"]
+    print(f"machine: {report['machine']}")
+    print(f"SmolLM2-135M, 8 tenants by API key, each on its own LoRA adapter (q,v r{s['rank']}); streamed greedy "
+          f"completions of {s['max_tokens']} tokens, Debian fortunes as prompts; saturation "
+          f"{report['saturation']['completed_rps']:.2f} req/s ({_probe(report)}); "
+          f"light tenants {report['rates_rps']['light']:.3f} req/s each, heavy {report['rates_rps']['heavy']:.3f} "
+          f"req/s; Poisson arrivals for {s['duration']:g} s, seed {s['seed']}, request timeout {s['timeout']:g} s")
+    cols = ("run", "tenant", "req/s", "sent", "ok", "429", "err", "t/o", "p50 TTFT", "p99 TTFT", "tok/s")
+    print(f"{cols[0]:<9}{cols[1]:<9}" + "".join(f"{c:>9}" for c in cols[2:]))
+    for name in [n for n in RUNS if n in report["runs"]]:
+        run = report["runs"][name]
+        rows = [*run["tenants"].items(), (f"{LIGHT}*", run[LIGHT]), (f"{ALL}*", run[ALL])]
+        for tenant, r in rows:
+            rate = report["rates_rps"].get(HEAVY if tenant == HEAVY else LIGHT) if "*" not in tenant else None
+            print(f"{name:<9}{tenant:<9}{'' if rate is None else f'{rate:.3f}':>9}{r['sent']:>9}{r['ok']:>9}"
+                  f"{r['429']:>9}{r['errors'] + r['shed']:>9}{r['timeouts']:>9}{_s(r['ttft_p50_s']):>9}"
+                  f"{_s(r['ttft_p99_s']):>9}{r['tokens_per_s']:>9.1f}")
+    print("light*: the seven light tenants pooled; all*: every tenant pooled (tok/s: the run's total). TTFT: sent to "
+          "first text chunk, s; a request that timed out before its first token counts as never. tok/s: tokens "
+          "received while arrivals were offered / that time. err: other statuses, transport errors, shed.")
+    c = report["checks"]
+    print(f"check: VTC light p99 TTFT / baseline light p99 = {c['vtc_light_p99_over_baseline']:.2f} (goal <= "
+          f"{c['goal_light_p99']:g}: {_verdict(c['light_p99_ok'])}); FCFS beside it: "
+          f"{c['fcfs_light_p99_over_baseline']:.2f}")
+    print(f"check: VTC total tok/s / FCFS total tok/s = {c['vtc_total_over_fcfs']:.3f} (goal >= "
+          f"{c['goal_total']:g}: {_verdict(c['total_ok'])})")
+
+
+def _probe(report: dict) -> str:
+    if report["saturation"].get("given"):
+        return "given by --saturation-rps"
+    return f"closed loop, {report['spec']['probe_concurrency']} in flight"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else "met" if ok else "NOT met"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Each tenant's tokens per second over the run, one panel per run (FCFS, VTC, baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("fcfs", "vtc", "baseline") if n in report["runs"]]
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), sharey=True, squeeze=False)
+    window = report["spec"]["duration"]
+    for ax, name in zip(axes[0], names):
+        bins = report["runs"][name]["service_per_s"]
+        for i, (tenant, series) in enumerate(bins.items()):
+            style = {"color": "#c33", "linewidth": 2.0} if tenant == HEAVY else \
+                {"color": plt.cm.Blues(0.4 + 0.08 * i), "linewidth": 0.9}
+            ax.plot(range(len(series)), series, label=tenant, **style)
+        ax.axvline(window, color="#888", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{name}: light p99 TTFT {_s(report['runs'][name][LIGHT]['ttft_p99_s'])} s")
+        ax.set_xlabel("seconds since the run started (dashed: arrivals stop)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("tokens received per second")
+    axes[0][0].legend(fontsize=7, ncol=2)  # the first run has the heavy tenant when any has
+    fig.suptitle(f"service per tenant, {report['saturation']['completed_rps']:.2f} req/s saturation; "
+                 f"{report['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_report(report: dict, out: Path) -> dict:
+    """The table on stdout, then OUT.json (non-finite figures as null) and OUT.png."""
+    print_table(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(finite(report), indent=1) + "\n")
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return report

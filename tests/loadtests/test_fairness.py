@@ -1,0 +1,159 @@
+"""The fairness scenario's report math on synthetic records (percentiles, service per second, the ratios), its
+arrival plan and its stream reading; no server, no timing."""
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from loadtests.fairness_load import Caller, plan_arrivals, stream_one
+from loadtests.fairness_report import (
+    ALL,
+    HEAVY,
+    LIGHT,
+    Record,
+    checks,
+    finite,
+    run_summary,
+    served_tokens,
+    service_bins,
+    summarize,
+    write_report,
+)
+
+
+def answered(tenant: str, sent_s: float, ttft_s: float, tokens: int = 4, gap_s: float = 0.5) -> Record:
+    """A request streamed to its end: `tokens` text chunks gap_s apart from its first one."""
+    first = sent_s + ttft_s
+    return Record(tenant, sent_s, "200", ttft_s, tokens, [first + i * gap_s for i in range(tokens)])
+
+
+def test_ttft_percentiles_count_a_wait_that_never_saw_a_token_as_infinite_and_leave_refusals_out():
+    records = [answered("a", i, 0.1 * (i + 1)) for i in range(98)]
+    records += [Record("a", 99, "429"), Record("a", 99, "503")]
+    s = summarize(records, 100)
+    assert s["ttft_p50_s"] == pytest.approx(5.0) and s["ttft_p99_s"] == pytest.approx(9.8)
+    assert (s["ok"], s["429"], s["errors"], s["timeouts"]) == (98, 1, 1, 0)
+    s = summarize(records + [Record("a", 99, "timeout"), Record("a", 99, "timeout")], 100)
+    assert s["ttft_p99_s"] == math.inf and s["timeouts"] == 2 and s["no_first_token"] == 2
+
+
+def test_a_request_cut_after_its_first_token_keeps_its_ttft():
+    r = Record("a", 0, "timeout", 0.4, 2, [0.4, 0.9])
+    s = summarize([r], 10)
+    assert s["ttft_p50_s"] == 0.4 and s["timeouts"] == 1 and s["no_first_token"] == 0
+
+
+def test_service_bins_sum_to_the_tokens_served_and_place_each_chunk_in_its_second():
+    r = Record("a", 0, "200", 0.2, 6, [0.2, 0.7, 1.1, 2.5])  # 4 text chunks, 6 tokens by usage
+    bins = service_bins([r], 3)
+    assert bins == pytest.approx([3.0, 1.5, 1.5])
+    assert sum(bins) == pytest.approx(r.tokens)
+    assert service_bins([r], 2) == pytest.approx([3.0, 1.5])  # chunks past the horizon are left out
+    assert service_bins([r], 3, bin_s=0.5) == pytest.approx([1.5, 1.5, 1.5, 0, 0, 1.5])
+
+
+def test_served_tokens_count_only_the_window():
+    records = [answered("a", 0, 0.5, tokens=4, gap_s=1.0)]  # chunks at 0.5, 1.5, 2.5, 3.5
+    assert served_tokens(records, 2.0) == 2
+    assert summarize(records, 2.0)["tokens_per_s"] == 1.0
+
+
+def test_run_summary_pools_the_light_tenants_apart_from_the_heavy_one():
+    records = [answered("light1", 0, 0.2), answered("light2", 1, 0.4), answered(HEAVY, 0, 3.0),
+               answered(HEAVY, 1, 4.0)]
+    run = run_summary(records, 10, 10)
+    assert list(run["tenants"]) == ["light1", "light2", HEAVY]
+    assert run[LIGHT]["sent"] == 2 and run[LIGHT]["ttft_p99_s"] == pytest.approx(0.4)
+    assert run[ALL]["sent"] == 4 and run[ALL]["ttft_p99_s"] == pytest.approx(4.0)
+    assert run[ALL]["tokens_per_s"] == pytest.approx(1.6)
+    assert set(run["service_per_s"]) == {"light1", "light2", HEAVY}
+    assert all(len(b) == 10 for b in run["service_per_s"].values())
+
+
+def test_checks_divide_vtc_by_the_baseline_and_by_fcfs():
+    base = run_summary([answered("light1", i, 0.5) for i in range(10)], 10, 10)
+    fcfs = run_summary([answered("light1", i, 8.0) for i in range(10)] + [answered(HEAVY, i, 0.5) for i in range(20)],
+                       40, 40)
+    vtc = run_summary([answered("light1", i, 0.75) for i in range(10)] + [answered(HEAVY, i, 2.0) for i in range(19)],
+                      40, 40)
+    c = checks({"baseline": base, "fcfs": fcfs, "vtc": vtc})
+    assert c["vtc_light_p99_over_baseline"] == pytest.approx(1.5) and c["light_p99_ok"] is True
+    assert c["fcfs_light_p99_over_baseline"] == pytest.approx(16.0)
+    assert c["vtc_total_over_fcfs"] == pytest.approx(29 / 30) and c["total_ok"] is True
+    missing = checks({"vtc": vtc})
+    assert math.isnan(missing["vtc_light_p99_over_baseline"]) and missing["light_p99_ok"] is None
+
+
+def test_an_infinite_vtc_p99_misses_the_goal():
+    base = run_summary([answered("light1", 0, 0.5)], 10, 10)
+    vtc = run_summary([Record("light1", 0, "timeout")], 10, 10)
+    c = checks({"baseline": base, "vtc": vtc})
+    assert c["vtc_light_p99_over_baseline"] == math.inf and c["light_p99_ok"] is False
+
+
+def test_finite_makes_strict_json():
+    out = finite({"a": math.inf, "b": [math.nan, 1.0], "c": {"d": 2}})
+    assert out == {"a": None, "b": [None, 1.0], "c": {"d": 2}}
+    json.dumps(out, allow_nan=False)
+
+
+def test_a_light_tenants_arrivals_are_the_same_with_or_without_the_heavy_one():
+    light, heavy = Caller("light1", "k1", "light1-lora"), Caller(HEAVY, "k2", "heavy-lora")
+    alone = plan_arrivals({light: 0.5}, ["p", "q", "r"], 60, seed=3)
+    beside = plan_arrivals({light: 0.5, heavy: 5.0}, ["p", "q", "r"], 60, seed=3)
+    assert [(p.at_s, p.prompt) for p in beside if p.caller == light] == [(p.at_s, p.prompt) for p in alone]
+    assert sum(p.caller == heavy for p in beside) > 100
+    assert [p.at_s for p in beside] == sorted(p.at_s for p in beside)
+    assert plan_arrivals({light: 0.5}, ["p", "q", "r"], 60, seed=4) != alone
+
+
+def _sse(*events) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+
+def _stream(handler) -> Record:
+    async def go() -> Record:
+        rec = Record("light1", 0)
+        async with httpx.AsyncClient(base_url="http://127.0.0.1", transport=httpx.MockTransport(handler)) as c:
+            await stream_one(c, Caller("light1", "key", "light1-lora"), "hi", 16, rec, 0.0, 5)
+        return rec
+
+    return asyncio.run(go())
+
+
+def test_stream_reading_takes_text_chunks_and_the_usage_count():
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["stream"] and request.headers["authorization"] == "Bearer key"
+        chunks = [{"choices": [{"text": t}]} for t in ("", "Hello", " wor", "ld")]
+        return httpx.Response(200, content=_sse(*chunks, {"choices": [], "usage": {"completion_tokens": 4}},
+                                                "[DONE]"))
+
+    rec = _stream(handler)
+    assert rec.outcome == "200" and rec.tokens == 4 and len(rec.chunk_s) == 3 and rec.ttft_s is not None
+
+
+def test_stream_reading_counts_refusals_errors_and_streams_cut_short():
+    assert _stream(lambda r: httpx.Response(429, json={"error": {}})).outcome == "429"
+    error = _stream(lambda r: httpx.Response(200, content=_sse({"error": {"code": "x"}}, "[DONE]")))
+    assert error.outcome == "stream-error"
+    cut = _stream(lambda r: httpx.Response(200, content=_sse({"choices": [{"text": "a"}]})))
+    assert cut.outcome == "incomplete" and cut.tokens == 1
+
+
+def test_the_report_prints_and_writes_json_and_png(tmp_path, capsys):
+    base = run_summary([answered("light1", i, 0.5) for i in range(5)], 10, 10)
+    vtc = run_summary([answered("light1", i, 0.6) for i in range(5)] + [Record(HEAVY, 1, "timeout")], 10, 10)
+    report = {"machine": "test", "spec": {"rank": 8, "max_tokens": 16, "probe_concurrency": 16, "duration": 10,
+                                          "seed": 0, "timeout": 60},
+              "saturation": {"completed_rps": 3.0}, "rates_rps": {LIGHT: 0.3, HEAVY: 3.0},
+              "runs": {"baseline": base, "vtc": vtc}}
+    report["checks"] = checks(report["runs"])
+    write_report(report, tmp_path / "fairness")
+    out = capsys.readouterr().out
+    assert "light*" in out and "never" in out and "not measured" in out
+    assert json.loads((tmp_path / "fairness.json").read_text())["runs"]["vtc"][ALL]["ttft_p99_s"] is None
+    assert (tmp_path / "fairness.png").stat().st_size > 0
