@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
                 sat = probe(url, callers, prompts, args)
                 light = args.load * sat["completed_rps"] / len(LIGHT_TENANTS)
                 rates = {"light": light, HEAVY: args.heavy_factor * light}
+            else:  # the same closed loop, unmeasured: this server as warm as the first when its runs start
+                log(f"warm-up: the probe's closed loop again, {args.probe_s:g} s")
+                asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
+                                       args.timeout, args.seed))
             for name in [r for r in args.runs if settings[r] == fairness]:
                 runs[name] = measure(name, url, callers, rates, prompts, args)
         log("server stopped")
