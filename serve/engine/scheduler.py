@@ -57,6 +57,9 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: FairQueue | None = None
         self._in_flight: asyncio.Semaphore | None = None
+        self._permits = config.max_batch_size * config.max_concurrent_groups
+        self._out = 0
+        """Rows the gather has taken out of the queue (each with a permit) and not yet resolved."""
         self._worker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._generating: dict[str, _Generating] = {}
@@ -139,7 +142,8 @@ class Scheduler:
             self._loop, self._worker, self._generating, self._open = loop, None, {}, Counter()
             self.fairness = Fairness(self.config.fairness)
             self._queue = FairQueue(self.fairness, maxsize=self.config.max_queue)
-            self._in_flight = asyncio.Semaphore(self.config.max_batch_size * self.config.max_concurrent_groups)
+            self._in_flight = asyncio.Semaphore(self._permits)
+            self._out = 0
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._gather_loop())
             self._worker.add_done_callback(self._supervise)
@@ -170,19 +174,19 @@ class Scheduler:
         wait there (and beyond max_queue are refused). Each row taken holds one permit until it is resolved."""
         rows: list[Row] = []
         try:
-            await self._in_flight.acquire()
+            await self._permit()
             try:
                 rows.append(await self._queue.get())
             except BaseException:
-                self._in_flight.release()
+                self._give_back()
                 raise
             deadline = time.perf_counter() + self.config.batch_wait_timeout_s
             while len(rows) < self.config.max_batch_size and not self._in_flight.locked():
-                await self._in_flight.acquire()
+                await self._permit()
                 try:
                     rows.append(await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.perf_counter())))
                 except BaseException:
-                    self._in_flight.release()
+                    self._give_back()
                     raise
         except TimeoutError:
             pass
@@ -190,6 +194,14 @@ class Scheduler:
             self._shut_out(rows)
             raise
         return rows
+
+    async def _permit(self) -> None:
+        await self._in_flight.acquire()
+        self._out += 1
+
+    def _give_back(self) -> None:
+        self._out -= 1
+        self._in_flight.release()
 
     def _spawn(self, coro: Coroutine) -> None:
         """Every task the scheduler starts is kept (not garbage-collected mid-flight) and its failure logged."""
@@ -290,7 +302,7 @@ class Scheduler:
             if row.stream is not None:
                 row.stream.put_nowait(None)
             self._queue.task_done()
-            self._in_flight.release()
+            self._give_back()
 
     def _fail(self, row: Row, stage: str, e: BaseException) -> None:
         self._finish(row, error=row_error(row, stage, e))
@@ -328,6 +340,7 @@ class Scheduler:
         ended: float | None = None
         try:
             while g.pending or len(g.batch):
+                await self._let_in()
                 gone = self._gone(g)
                 new = self._next_rows(g)
                 if ended is not None:
@@ -345,6 +358,16 @@ class Scheduler:
         finally:
             self._retire(base, g)
             self._shut_out(g.running + new + g.pending)
+
+    async def _let_in(self) -> None:
+        """Before a step's rows are chosen: the rows that permits given back by the last step let out of the queue
+        are gathered and waiting to join first (bounded), so that the slot a finished row frees goes to the row
+        the fairness policy picks among all that wait, not only among those already out of the queue (a tenant's
+        flood holds every permit, and another tenant's row would otherwise wait for a second finished row)."""
+        for _ in range(4 * self.config.max_batch_size):
+            if not self._queue.qsize() or self._out >= self._permits:
+                return
+            await asyncio.sleep(0)
 
     def _retire(self, base: str, g: _Generating) -> None:
         """g stops taking rows: those dispatched from now on start a new batch."""

@@ -37,6 +37,7 @@ class Batch:
                 self.running[r] = Generation(prompt_tokens=len(r.payload[0]))
                 self.trace.serve(r.tenant, PROMPT_WEIGHT * len(r.payload[0]))
                 self.trace.admitted.append(r.tenant)
+                self.trace.joined[r.tenant] = len(self.trace.steps)
             else:
                 step.waiting.append(r)
         for r, gen in list(self.running.items()):
@@ -59,6 +60,8 @@ class Trace:
     def __init__(self):
         self.served: dict[str, float] = {}
         self.admitted: list[str] = []
+        self.joined: dict[str, int] = {}
+        """Tenant -> the step its latest row joined at."""
         self.steps: list[dict[str, float]] = []
         self.submitted: dict[str, int] = {}
 
@@ -240,3 +243,30 @@ def test_weights_share_the_engine_in_proportion(weights):
         asyncio.run(run())
     first = trace.admitted[:60]
     assert 2.0 <= first.count("three") / first.count("one") <= 4.5
+
+
+def test_the_slot_a_finished_row_frees_goes_to_the_row_the_policy_picks_from_all_that_wait():
+    """A flood holds every permit (its rows run and wait to join); another tenant's row waits in the queue. The
+    first heavy row to finish gives back a permit and a slot at once: the waiting row is let out of the queue and
+    takes that slot, rather than waiting for a second row to finish (here eight steps later)."""
+    trace = Trace()
+    config = BatchConfig(max_batch_size=SLOTS, max_concurrent_groups=2, fairness="vtc", batch_wait_timeout_s=0)
+    with ThreadPoolExecutor(1) as compute:
+        scheduler = Scheduler(config, holds=None, forwards=Forwards(trace), compute=compute)
+
+        async def run() -> int:
+            def submit(tenant: str, max_tokens: int) -> Row:
+                trace.submitted[tenant] = trace.submitted.get(tenant, 0) + 1
+                payload = ([0] * PROMPT, SamplingParams(max_tokens=max_tokens))
+                return scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
+
+            rows = [submit("heavy", n) for n in (8, 16, 24, 32)] + [submit("heavy", 60) for _ in range(12)]
+            await _steps(trace, 1)
+            asked = len(trace.steps)
+            rows.append(submit("light", 2))
+            await asyncio.gather(*(scheduler.result(r) for r in rows))
+            return asked
+
+        asked = asyncio.run(run())
+    assert asked < 8 and trace.admitted[:SLOTS] == ["heavy"] * SLOTS  # the batch was full when it came
+    assert trace.joined["light"] <= 9  # the first heavy row finishes at step 8, the second at 16
