@@ -142,6 +142,15 @@ def _steps(snapshots: list[dict]) -> list[CounterMetricFamily]:
     return [steps, tokens]
 
 
+def _bounded(seen: set[str], name: str) -> str:
+    """`name`, or "other" once MAX_MODEL_LABELS names have series of their own: a label's cardinality is bounded."""
+    if name not in seen:
+        if len(seen) >= MAX_MODEL_LABELS:
+            return "other"
+        seen.add(name)
+    return name
+
+
 def _sample_order(sample) -> tuple:
     """A series' samples together, a histogram's buckets in the order of their bounds."""
     labels = sorted((k, v) for k, v in sample.labels.items() if k != "le")
@@ -170,21 +179,11 @@ class Metrics:
             return "none"
         if status == 404:
             return "unknown"
-        if name not in self._labelled:
-            if len(self._labelled) >= MAX_MODEL_LABELS:
-                return "other"
-            self._labelled.add(name)
-        return name
+        return _bounded(self._labelled, name)
 
     def tenant_label(self, name: str | None) -> str:
         """Bounded as model labels are: MAX_MODEL_LABELS tenants get their own series, the rest share "other"."""
-        if not name:
-            return "none"
-        if name not in self._tenants:
-            if len(self._tenants) >= MAX_MODEL_LABELS:
-                return "other"
-            self._tenants.add(name)
-        return name
+        return _bounded(self._tenants, name) if name else "none"
 
     def time(self, model: str | None, route: str, status: int, started_s: float) -> None:
         """Latency to the start of the response (a stream's first byte, not its end)."""
