@@ -145,6 +145,7 @@ def test_stream_reading_counts_refusals_errors_and_streams_cut_short():
 
 
 def test_the_report_prints_and_writes_json_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the PNG needs the loadtest extra")
     base = run_summary([answered("light1", i, 0.5) for i in range(5)], 10, 10)
     vtc = run_summary([answered("light1", i, 0.6) for i in range(5)] + [Record(HEAVY, 1, "timeout")], 10, 10)
     report = {"machine": "test", "spec": {"rank": 8, "max_tokens": 16, "probe_concurrency": 16, "duration": 10,
