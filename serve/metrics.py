@@ -142,6 +142,17 @@ def _steps(snapshots: list[dict]) -> list[CounterMetricFamily]:
     return [steps, tokens]
 
 
+def _residency(models: list) -> GaugeMetricFamily:
+    """Bounded as model labels are: the models held in memory first, then others, up to MAX_MODEL_LABELS."""
+    resident = GaugeMetricFamily("manyfold_variant_resident", "1 at the tier where a model's weights are: hot "
+                                 "(the fast tier), warm (host memory), cold (on disk only)", labels=["model", "tier"])
+    held_first = sorted(models, key=lambda m: m.residency == "cold")  # stable: the store's order within each
+    for m in held_first[:MAX_MODEL_LABELS]:
+        for tier in get_args(Residency):
+            resident.add_metric([m.name, tier], 1.0 if m.residency == tier else 0.0)
+    return resident
+
+
 def _bounded(seen: set[str], name: str) -> str:
     """`name`, or "other" once MAX_MODEL_LABELS names have series of their own: a label's cardinality is bounded."""
     if name not in seen:
@@ -266,14 +277,7 @@ class Metrics:
                 plan.add_metric([part], sum(p[part] for p in plans))
             families.append(plan)
         families += _engine_histograms(snapshots)
-        resident = GaugeMetricFamily("manyfold_variant_resident", "1 at the tier where a model's weights are: hot "
-                                     "(the fast tier), warm (host memory), cold (on disk only)",
-                                     labels=["model", "tier"])
-        held_first = sorted(models, key=lambda m: m.residency == "cold")  # stable: the store's order within each
-        for m in held_first[:MAX_MODEL_LABELS]:
-            for tier in get_args(Residency):
-                resident.add_metric([m.name, tier], 1.0 if m.residency == tier else 0.0)
-        families.append(resident)
+        families.append(_residency(models))
         families += self._ingress_families(self.counters() if ingresses is None else ingresses)
 
         class _Snapshot:

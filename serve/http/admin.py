@@ -26,8 +26,7 @@ TENANTS = "/v1/admin/tenants"
 
 def _revision(state: HttpState, name: str) -> str | None:
     """The revision of the variant entry `name` in the backend's newest snapshot (None: it has none)."""
-    catalog = getattr(state.backend, "catalog", None)
-    entry = catalog.snapshot.manifest.variants.get(name) if catalog is not None else None
+    entry = state.catalog.snapshot.manifest.variants.get(name) if state.catalog is not None else None
     return entry.revision if entry is not None else None
 
 

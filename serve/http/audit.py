@@ -74,11 +74,10 @@ async def record(state: HttpState, caller: Caller, change: Change) -> None:
     """Log the change's line and keep it in the store; a store that refuses it costs a warning, not the answer."""
     entry = line(caller.key_sha256, caller.tenant_name, change)
     log.info(json.dumps(entry, separators=(",", ":")))
-    catalog = getattr(state.backend, "catalog", None)
-    if catalog is None:
+    if state.catalog is None:
         return
     try:
-        await catalog.append_audit(entry)
+        await state.catalog.append_audit(entry)
     except Exception as e:  # noqa: BLE001  (the change is made; its record on stdout stands)
         logging.getLogger("manyfold.http").warning("audit line for %s %s not kept in the store: %s", change.route,
                                                    change.name, str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -10,6 +10,7 @@ from serve.config import LimitsConfig, ServeConfig
 from serve.http.drain import DrainGate
 from serve.http.tenant_limits import TenantGate
 from serve.metrics import Metrics
+from serve.store.catalog import Catalog
 from serve.store.manifest import TenantEntry
 
 
@@ -32,12 +33,16 @@ class HttpState:
     def __post_init__(self) -> None:
         self.tenant_gate = TenantGate(self.metrics)
 
+    @property
+    def catalog(self) -> Catalog | None:
+        """The backend's view of the store (the Engine's or the Router's); None for a backend without one."""
+        return getattr(self.backend, "catalog", None)
+
     def _follow_tenants(self) -> None:
         """The config's tenants, replaced by name by the store's as of the catalog's snapshot (the backend's, when
         it has one): rebuilt once per snapshot, so a tenant added on any node is served here within
         store_refresh_s."""
-        catalog = getattr(self.backend, "catalog", None)
-        snapshot = catalog.snapshot if catalog is not None else None
+        snapshot = self.catalog.snapshot if self.catalog is not None else None
         if snapshot is self._tenants_of:
             return
         stored = snapshot.manifest.tenants if snapshot is not None else {}
