@@ -204,16 +204,46 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
               if name != "baseline" or c.tenant != HEAVY}
     plan = plan_arrivals(chosen, prompts, args.duration, args.seed)
     log(f"{name}: {len(plan)} requests over {args.duration:g} s")
+    before = engine_counters(url)
     t = time.perf_counter()
     records = asyncio.run(open_loop(url, plan, args.max_tokens, args.timeout, args.max_in_flight))
     wall_s = time.perf_counter() - t
+    engine = engine_delta(before, engine_counters(url))
     horizon = max([args.duration, *(c for r in records for c in r.chunk_s)])
     summary = run_summary(records, args.duration, math.ceil(horizon))
     a = summary["all"]
     log(f"{name}: {a['ok']} ok, {a['429']} 429, {a['timeouts']} timed out, {a['errors']} errors; "
-         f"{a['tokens_per_s']:.1f} tok/s; light p99 TTFT {summary['light']['ttft_p99_s']:.2f} s")
-    return {**summary, "wall_s": wall_s, "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens]
+         f"{a['tokens_per_s']:.1f} tok/s; light p99 TTFT {summary['light']['ttft_p99_s']:.2f} s; engine {engine}")
+    return {**summary, "wall_s": wall_s, "engine": engine, "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens]
                                                       for r in records]}
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's generation counters now (/metrics): steps, their decode and prompt tokens, step seconds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+        for s in family.samples:
+            if s.name == "manyfold_generation_steps_total":
+                out["steps"] = out.get("steps", 0.0) + s.value
+            elif s.name == "manyfold_generation_step_tokens_total":
+                key = f"{s.labels['kind']}_tokens"
+                out[key] = out.get(key, 0.0) + s.value
+            elif s.name == "manyfold_engine_seconds_total" and s.labels["part"] in ("step", "scheduling"):
+                out[f"{s.labels['part']}_s"] = s.value
+    return out
+
+
+def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the engine did during a run: steps, decode and prompt tokens a step, ms a step (on the compute thread)
+    and between steps: where a run's throughput went."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = max(d.get("steps", 0.0), 1.0)
+    return {"steps": int(d.get("steps", 0)), "decode_per_step": round(d.get("decode_tokens", 0) / steps, 2),
+            "prompt_per_step": round(d.get("prompt_tokens", 0) / steps, 2),
+            "step_ms": round(1e3 * d.get("step_s", 0) / steps, 1),
+            "between_steps_ms": round(1e3 * d.get("scheduling_s", 0) / steps, 1)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -41,8 +41,8 @@ VLLM_LATENCIES = (
 
 
 def _vllm(snapshots: list[dict]) -> list:
-    """vLLM-compatible families: latencies, tokens, running and waiting requests, the KV store's use, the LoRA
-    adapters of each. (No vllm:num_preemptions_total: this engine never preempts a row; it waits for a slot.)"""
+    """vLLM-compatible families: latencies, tokens, preemptions, running and waiting requests, the KV store's use,
+    the LoRA adapters of each."""
     out = []
     by_base = [s.get("latencies", {}) for s in snapshots]
     bases = sorted({b for lat in by_base for b in lat})
@@ -60,6 +60,12 @@ def _vllm(snapshots: list[dict]) -> list:
         for base in bases:
             family.add_metric([base], sum(lat.get(base, {}).get(key, 0) for lat in by_base))
         out.append(family)
+    preempted = CounterMetricFamily("vllm:num_preemptions", "Running requests parked for another tenant's (their "
+                                    "keys and values kept, resumed later: batch.fairness vtc)", labels=["model_name"])
+    counts = [s.get("preemptions", {}) for s in snapshots]
+    for base in sorted(set(bases) | {b for c in counts for b in c}):
+        preempted.add_metric([base], sum(c.get(base, 0) for c in counts))
+    out.append(preempted)
     kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV store's slots in use (1: every slot; a slot "
                            "holds max_model_len positions)", labels=["model_name"])
     slots = [s.get("kv_slots", {}) for s in snapshots]

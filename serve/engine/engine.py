@@ -11,7 +11,7 @@ has a key frees its memory when the engine follows it.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -30,7 +30,7 @@ from serve.engine.types import (Classifications, Embeddings, Generation, ModelIn
 from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
 from serve.store.objects import fetched
 from serve.store.catalog import Catalog, Snapshot
-from serve.store.manifest import REVISION_SEP
+from serve.store.manifest import REVISION_SEP, BaseEntry, VariantEntry
 from serve.store.tensors import Alloc
 from serve.variants import variant_kind
 from serve.variants.base import LoadedVariant
@@ -41,11 +41,14 @@ log = logging.getLogger("manyfold.engine")
 class Engine:
     """Results are plain Python values (lists, dataclasses), so they cross process boundaries as they are."""
 
-    def __init__(self, config: ServeConfig, bases: list[str] | None = None, memory_target: int | None = None):
+    def __init__(self, config: ServeConfig, bases: list[str] | None = None, memory_target: int | None = None,
+                 on_fetch: Callable[[BaseEntry | VariantEntry, int, int], None] | None = None):
         """memory_target: bytes the engine may hold in all (a replica's Ray memory); None: the memory_target_mib of
-        its bases' deployments. Only `neuzip_decoded_mib: auto` reads it."""
+        its bases' deployments. Only `neuzip_decoded_mib: auto` reads it. on_fetch: told how far a fetch of an
+        entry from object storage has come (StoreView.on_fetch), the bases' included."""
         self.config = config
         self.catalog = Catalog(config.store, config.store_refresh_s)
+        self.catalog.files.on_fetch = on_fetch
         self._followed = self.catalog.snapshot
         """The snapshot whose keys the cache and slots hold (older keys have been retired)."""
         self.bases: dict[str, BaseModelRuntime] = {}
@@ -189,6 +192,7 @@ class Engine:
                 "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts},
                 "step_tokens": {name: dict(rt.token_counts) for name, rt in self.bases.items() if rt.token_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},
+                "preemptions": dict(self.scheduler.preemptions),
                 "load": self._load(), "max_batch_size": self.config.batch.max_batch_size,
                 "node_cache": self._node_cache()}
 

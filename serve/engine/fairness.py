@@ -37,6 +37,7 @@ class Waiting(Protocol):
     weight: float
     seq: int
     charged: bool
+    tokens_seen: int
 
     def prompt_tokens(self) -> int: ...
 
@@ -106,6 +107,39 @@ class Fairness:
             taken.append(row)
         return taken, rest
 
+    def outranked(self, row: Waiting, holding: Counter[str], weights: dict[str, float]) -> str | None:
+        """The tenant a running row is to be parked from for `row` (holding: running rows by tenant; weights: by
+        tenant): the one holding the most for its weight, if it would still hold at least as many for its weight
+        as row's tenant once one row moved (so no row moves back: max-min over the slots, weighted)."""
+        most = max(holding, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)), default=None)
+        if most is None or most == row.tenant or \
+                (holding[most] - 1) / weights[most] < (holding[row.tenant] + 1) / row.weight:
+            return None
+        return most
+
+    def preempt(self, running: list, waiting: list, holding: Counter[str]) -> tuple[list, list]:
+        """With every slot taken: for each waiting tenant, in the policy's order, whose next row outranks a running
+        row (outranked), the latest decoding row of the tenant holding the most is to be parked and that row is
+        to take its slot; holding is updated. Without it a flood holding every slot keeps a light tenant waiting
+        until its rows finish, all at once if they started at once; and a light tenant's burst would be served
+        no faster than the flood's counter advances. -> (rows to park, rows to join)."""
+        weights = {r.tenant: r.weight for r in [*running, *waiting]}
+        park, new, seen = [], [], set()
+        for row in sorted(waiting, key=self.key):
+            if row.tenant in seen:
+                continue
+            seen.add(row.tenant)
+            most = self.outranked(row, holding, weights)
+            victim = max((r for r in running if r.tenant == most and r.tokens_seen and r not in park),
+                         key=lambda r: r.seq, default=None)
+            if victim is None:
+                continue
+            park.append(victim)
+            new.append(row)
+            holding[most] -= 1
+            holding[row.tenant] += 1
+        return park, new
+
 
 class FairQueue:
     """The scheduler's bounded queue of rows not yet taken, in the policy's order: asyncio.Queue's put_nowait / get /
@@ -153,6 +187,15 @@ class FairQueue:
             await self._ready.wait()
         head = min((q[0] for q in self._by_tenant.values()), key=self.fairness.key)
         return self._pop(head.tenant)
+
+    def heads(self) -> list[Waiting]:
+        """Each waiting tenant's next row, in the policy's order."""
+        return sorted((q[0] for q in self._by_tenant.values()), key=self.fairness.key)
+
+    def take(self, row: Waiting) -> None:
+        """Take `row`, one of heads(), out of the queue now (what get() would give once it came first)."""
+        assert self._by_tenant[row.tenant][0] is row
+        self._pop(row.tenant)
 
     def _pop(self, tenant: str, newest: bool = False) -> Waiting:
         q = self._by_tenant[tenant]

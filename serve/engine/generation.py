@@ -122,6 +122,8 @@ class DecodeBatch:
         """Admitted rows whose prompt is still being written, in admission order."""
         self.inflight: _Launched | None = None
         """The step launched last and not read yet (see run)."""
+        self.parked: list[tuple[_Seq, list]] = []
+        """Rows taken out of the batch for now (run's park), each with its keys and values."""
         self._failed: list[tuple[Any, BaseException]] = []
 
     def __len__(self) -> int:
@@ -132,10 +134,16 @@ class DecodeBatch:
         return [(s.tag, s.gen) for s in self.decoding.values()]
 
     @torch.no_grad()
-    def run(self, new: Sequence[NewRow], abort: Sequence[Any] = ()) -> Step:
-        """Drop the rows tagged in abort, admit new rows that get a variant slot and a KV slot, then one step for
-        every row; -> the tags of the rows that finished (with their Generation), of new rows left waiting for a
-        free slot, and of rows that failed alone. If the step raises, the batch is to be closed.
+    def run(self, new: Sequence[NewRow], abort: Sequence[Any] = (), park: Sequence[Any] = ()) -> Step:
+        """Drop the rows tagged in abort, park the decoding rows tagged in park, admit new rows that get a variant
+        slot and a KV slot, then one step for every row; -> the tags of the rows that finished (with their
+        Generation), were parked, were left waiting for a free slot (new rows), and failed alone. If the step
+        raises, the batch is to be closed.
+
+        A parked row (preempted: the scheduler gives its slots to another tenant's row) keeps its keys and values
+        in host memory (KVStore.save) and all its state, and gives back both its slots; passed again in `new`
+        (its tag, its variant) it resumes at whatever KV slot is free, as if it had never left: nothing is
+        computed twice (vLLM's swap, not its recompute). A row still writing its prompt is not parked.
 
         A decode step that replays a graph is followed at once by the next one, launched on the device from its
         sampled tokens before the host reads them (`_continue`): while the host detokenises a step, the GPU runs
@@ -144,7 +152,14 @@ class DecodeBatch:
         if abort:
             for s in self._all():
                 s.done = s.done or any(s.tag is t for t in abort)
+            self.parked = [p for p in self.parked if not any(p[0].tag is t for t in abort)]
         step = Step()
+        if park:
+            if self.inflight is not None:  # settled first: the step in flight writes the slots being given up
+                inflight, self.inflight = self.inflight, None
+                self._read(inflight)
+            step.finished += self._drop_finished()
+            step.parked = self._park(park)
         for row in new:
             try:
                 slot = self.rt.attach(row.variant)
@@ -156,6 +171,10 @@ class DecodeBatch:
                 if slot is not None:
                     self.rt.detach(slot)
                 step.waiting.append(row.tag)
+                continue
+            parked = next((p for p in self.parked if p[0].tag is row.tag), None)
+            if parked is not None:
+                self._resume(*parked, slot, kv)
                 continue
             name = row.variant.entry if row.variant is not None else self.rt.name
             self.prefilling.append(_Seq.start(row, slot, kv, name))
@@ -182,7 +201,7 @@ class DecodeBatch:
         given back even if another's raises, and the first error is raised after. A step still in flight only
         writes slots given back here, before any later step can write them."""
         errors = []
-        self.inflight = None
+        self.inflight, self.parked = None, []
         for s in self._all():
             try:
                 self._release(s)
@@ -192,6 +211,23 @@ class DecodeBatch:
         self.decoding, self.prefilling = {}, []
         if errors:
             raise errors[0]
+
+    def _park(self, tags: Sequence[Any]) -> list[Any]:
+        """The decoding rows tagged out of the batch, their keys and values kept; -> the tags parked."""
+        out = []
+        for kv, s in list(self.decoding.items()):
+            if not s.done and any(s.tag is t for t in tags):
+                self.parked.append((s, self.rt.kv.save(kv, s.written)))
+                del self.decoding[kv]
+                self._release(s)
+                out.append(s.tag)
+        return out
+
+    def _resume(self, s: _Seq, saved: list, slot: RowSlot, kv: int) -> None:
+        self.rt.kv.restore(kv, saved)
+        s.slot, s.kv = slot, kv
+        self.decoding[kv] = s
+        self.parked = [p for p in self.parked if p[0] is not s]
 
     def _all(self) -> list[_Seq]:
         return list(self.decoding.values()) + self.prefilling

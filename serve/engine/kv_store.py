@@ -138,6 +138,25 @@ class KVStore(Cache):
             raise RuntimeError(f"KV slot {slot} given back twice or never taken")
         self._free.append(slot)
 
+    def save(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of the first `length` positions of a slot's keys and values, every layer, in host memory: what a
+        parked row keeps while its slot serves another (vLLM's swap-out). A GPU's copies are pinned, so a restore
+        is one transfer each."""
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            part = t[slot, :, :length]
+            if not part.is_cuda:
+                return part.clone()
+            return torch.empty(part.shape, dtype=part.dtype, pin_memory=True).copy_(part)
+
+        return [(copy(layer.keys), copy(layer.values)) for layer in self.layers]
+
+    def restore(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """What save kept, written into `slot` (any free one) at the same positions."""
+        for layer, (k, v) in zip(self.layers, saved):
+            layer.keys[slot, :, :k.shape[1]].copy_(k, non_blocking=True)
+            layer.values[slot, :, :v.shape[1]].copy_(v, non_blocking=True)
+
     def stepping(self, layout: StepLayout) -> "KVStore":
         """The cache for a forward laid out as `layout`."""
         self.layout = layout

@@ -49,6 +49,9 @@ class Row:
     """Its place in arrival order."""
     charged: bool = False
     """Its prompt has been charged to its tenant (it joined a batch), or it left without: it waits no more."""
+    parked: bool = False
+    """Generation: taken out of its batch for another tenant's row (preempted), its state kept there, waiting to
+    rejoin."""
 
     def prompt_tokens(self) -> int:
         """What its prompt costs its tenant: a generation's prompt tokens; an encoder row's texts, at about four
@@ -96,6 +99,8 @@ class Step:
     finished: list[tuple[Row, Generation]] = field(default_factory=list)
     waiting: list[Row] = field(default_factory=list)
     """New rows left for a later step (no free slot)."""
+    parked: list[Row] = field(default_factory=list)
+    """Running rows taken out of the batch for now (preempted), to resume when passed in again."""
     failed: list[tuple[Row, BaseException]] = field(default_factory=list)
     """Rows that failed alone (their attach, their detokenising); the others went on."""
 
@@ -105,7 +110,7 @@ class GenerationBatch(Protocol):
 
     def __len__(self) -> int: ...
 
-    def run(self, new: list[Row], gone: list[Row]) -> Step: ...
+    def run(self, new: list[Row], gone: list[Row], park: list[Row]) -> Step: ...
 
     def rows(self) -> list[tuple[Row, Generation]]: ...
 

@@ -60,11 +60,16 @@ class Scheduler:
         self._permits = config.max_batch_size * config.max_concurrent_groups
         self._out = 0
         """Rows the gather has taken out of the queue (each with a permit) and not yet resolved."""
+        self._borrowed = 0
+        """Rows taken out of the queue past the permits, to take a parked row's slot (_pull): the next permits
+        given back are not released, so the rows out stay bounded."""
         self._worker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._generating: dict[str, _Generating] = {}
         self._open: Counter[str] = Counter()
         """Rows submitted and not yet answered, by base."""
+        self.preemptions: Counter[str] = Counter()
+        """Running rows parked for another tenant's (_preempt), by base."""
         self.latencies: dict[str, Latencies] = {}
         """By base: each answered request's time to first token, between tokens, end to end."""
         self._progress_at = time.monotonic()
@@ -143,7 +148,7 @@ class Scheduler:
             self.fairness = Fairness(self.config.fairness)
             self._queue = FairQueue(self.fairness, maxsize=self.config.max_queue)
             self._in_flight = asyncio.Semaphore(self._permits)
-            self._out = 0
+            self._out = self._borrowed = 0
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._gather_loop())
             self._worker.add_done_callback(self._supervise)
@@ -201,7 +206,10 @@ class Scheduler:
 
     def _give_back(self) -> None:
         self._out -= 1
-        self._in_flight.release()
+        if self._borrowed:
+            self._borrowed -= 1
+        else:
+            self._in_flight.release()
 
     def _spawn(self, coro: Coroutine) -> None:
         """Every task the scheduler starts is kept (not garbage-collected mid-flight) and its failure logged."""
@@ -342,10 +350,12 @@ class Scheduler:
             while g.pending or len(g.batch):
                 await self._let_in()
                 gone = self._gone(g)
-                new = self._next_rows(g)
+                self._pull(base, g)
+                park, new = self._preempt(g)
+                new += self._next_rows(g)
                 if ended is not None:
                     self.seconds.add("scheduling", time.perf_counter() - ended)
-                step = await self._loop.run_in_executor(self.compute, g.batch.run, new, gone)
+                step = await self._loop.run_in_executor(self.compute, g.batch.run, new, gone, park)
                 ended = time.perf_counter()
                 self._progress_at = time.monotonic()
                 self._after_step(g, new, step)
@@ -376,12 +386,52 @@ class Scheduler:
 
     def _gone(self, g: _Generating) -> list[Row]:
         """Rows whose callers have gone: answered now, dropped from the batch at this step."""
-        gone = [r for r in g.running if r.cancelled]
-        for r in gone + [r for r in g.pending if r.cancelled]:
+        gone = [r for r in g.running if r.cancelled] + [r for r in g.pending if r.cancelled and r.parked]
+        for r in gone + [r for r in g.pending if r.cancelled and not r.parked]:
             self._finish(r)
         g.running = [r for r in g.running if not r.cancelled]
         g.pending = [r for r in g.pending if not r.cancelled]
         return gone
+
+    def _crowded(self, g: _Generating) -> Counter[str] | None:
+        """VTC with every slot of the batch taken: the running rows by tenant (None: no row is to be parked)."""
+        if self.fairness.policy != "vtc" or len(g.batch) < self.config.max_batch_size:
+            return None
+        return Counter(r.tenant for r in g.running)
+
+    def _pull(self, base: str, g: _Generating) -> None:
+        """With every permit out (a flood's rows waiting to join hold them all), rows still in the queue that
+        would take a parked row's slot (_preempt) are taken out of it past the permits, at most max_batch_size
+        borrowed at once; they reach g.pending through admission like any row."""
+        holding = self._crowded(g)
+        if holding is None or not self._in_flight.locked():
+            return
+        pulled = []
+        for row in self._queue.heads():
+            if self._borrowed >= self.config.max_batch_size:
+                break
+            weights = {r.tenant: r.weight for r in g.running} | {row.tenant: row.weight}
+            if row.op != "generate" or row.base != base or any(r.tenant == row.tenant for r in g.pending) \
+                    or self.fairness.outranked(row, holding, weights) is None:
+                continue
+            self._queue.take(row)
+            self._borrowed += 1
+            self._out += 1
+            pulled.append(row)
+        if pulled:
+            self._admit(pulled)
+
+    def _preempt(self, g: _Generating) -> tuple[list[Row], list[Row]]:
+        """VTC, with every slot of the batch taken: running rows parked (DecodeBatch.run) for rows of tenants
+        holding fewer (Fairness.preempt); those rows join in their place. -> (rows to park, rows to join)."""
+        holding = self._crowded(g)
+        if holding is None:
+            return [], []
+        park, new = self.fairness.preempt(g.running, g.pending, holding)
+        for row in new:
+            g.pending.remove(row)
+            self.fairness.admit(row)
+        return park, new
 
     def _next_rows(self, g: _Generating) -> list[Row]:
         """The rows that join the batch at this step, in the fairness policy's order."""
@@ -396,9 +446,16 @@ class Scheduler:
         waiting = {id(w) for w in step.waiting}
         joined = [r for r in new if id(r) not in waiting and not r.done]
         g.running += joined
-        g.pending = list(step.waiting) + g.pending
+        for r in step.parked:
+            g.running.remove(r)
+            r.parked = True
+            self.preemptions[r.base] += 1
+        g.pending = list(step.parked) + list(step.waiting) + g.pending
         now = time.monotonic()
         for r in joined:
+            if r.parked:  # resumed: its wait and its prompt were counted when it first joined
+                r.parked = False
+                continue
             lat = self.latencies.setdefault(r.base, Latencies())
             lat.queue.observe(now - r.submitted_at)
             lat.prompt_tokens += len(r.payload[0])
@@ -446,8 +503,8 @@ class Scheduler:
             await self._loop.run_in_executor(self.compute, g.batch.close)
         except Exception:
             log.exception("closing the failed generation of base '%s' failed too", base)
-        for r in g.running + new:
+        for r in g.running + new + [r for r in g.pending if r.parked]:  # a parked row's keys went with the batch
             self._fail(r, "its generation", e)
-        waiting, g.pending = g.pending, []
+        waiting, g.pending = [r for r in g.pending if not r.parked], []
         for r in waiting:
             self._join_generation(r)

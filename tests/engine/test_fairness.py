@@ -25,15 +25,22 @@ class Batch:
 
     def __init__(self, trace: "Trace"):
         self.running: dict[Row, Generation] = {}
+        self.parked: dict[Row, Generation] = {}
         self.trace = trace
 
     def __len__(self) -> int:
         return len(self.running)
 
-    def run(self, new: list[Row], gone: list[Row]) -> Step:
+    def run(self, new: list[Row], gone: list[Row], park: list[Row] = ()) -> Step:
         step = Step()
+        for r in park:
+            self.parked[r] = self.running.pop(r)
+            step.parked.append(r)
+            self.trace.parked.append(r.tenant)
         for r in new:
-            if len(self.running) < SLOTS:
+            if len(self.running) < SLOTS and r in self.parked:
+                self.running[r] = self.parked.pop(r)
+            elif len(self.running) < SLOTS:
                 self.running[r] = Generation(prompt_tokens=len(r.payload[0]))
                 self.trace.serve(r.tenant, PROMPT_WEIGHT * len(r.payload[0]))
                 self.trace.admitted.append(r.tenant)
@@ -64,6 +71,8 @@ class Trace:
         """Tenant -> the step its latest row joined at."""
         self.steps: list[dict[str, float]] = []
         self.submitted: dict[str, int] = {}
+        self.parked: list[str] = []
+        """The tenant of each row parked, in turn."""
 
     def serve(self, tenant: str, cost: float) -> None:
         self.served[tenant] = self.served.get(tenant, 0.0) + cost
@@ -270,3 +279,37 @@ def test_the_slot_a_finished_row_frees_goes_to_the_row_the_policy_picks_from_all
         asked = asyncio.run(run())
     assert asked < 8 and trace.admitted[:SLOTS] == ["heavy"] * SLOTS  # the batch was full when it came
     assert trace.joined["light"] <= 9  # the first heavy row finishes at step 8, the second at 16
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_a_flood_holding_every_slot_and_permit_gives_a_slot_to_another_tenant_at_the_next_step(policy):
+    """A flood's rows hold every slot and every permit (their next rows wait to join, the rest in the queue) and
+    finish all at once, far off; a light tenant's row comes. VTC takes it out of the queue past the permits and
+    parks the flood's latest row for it: it joins at the next step, and the parked row resumes later and ends
+    with every token it asked for. FCFS leaves it waiting until the flood's rows finish."""
+    trace = Trace()
+    config = BatchConfig(max_batch_size=SLOTS, max_concurrent_groups=2, fairness=policy, batch_wait_timeout_s=0)
+    with ThreadPoolExecutor(1) as compute:
+        scheduler = Scheduler(config, holds=None, forwards=Forwards(trace), compute=compute)
+
+        async def run() -> tuple[int, list]:
+            def submit(tenant: str, max_tokens: int) -> Row:
+                trace.submitted[tenant] = trace.submitted.get(tenant, 0) + 1
+                payload = ([0] * PROMPT, SamplingParams(max_tokens=max_tokens))
+                return scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
+
+            heavy = [submit("heavy", 40) for _ in range(16)]
+            await _steps(trace, 2)
+            asked = len(trace.steps)
+            light = submit("light", 2)
+            results = await asyncio.gather(*(scheduler.result(r) for r in heavy + [light]))
+            return asked, results
+
+        asked, results = asyncio.run(run())
+    assert [len(g.token_ids) for g in results] == [40] * 16 + [2]
+    assert scheduler.queue_depth == 0 and scheduler._out == scheduler._borrowed == 0
+    if policy == "vtc":
+        assert trace.joined["light"] <= asked + 2 and trace.parked == ["heavy"]
+        assert scheduler.preemptions["base"] == 1
+    else:
+        assert trace.joined["light"] >= 40 and not trace.parked and not scheduler.preemptions

@@ -167,10 +167,12 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.sampled_
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=REQUESTS, arrivals=st.lists(st.integers(0, 3), min_size=7, max_size=7),
-       cancels=st.lists(st.booleans(), min_size=7, max_size=7), fixed=st.booleans())
-def test_any_schedule_gives_every_request_the_tokens_it_gives_alone(rt, requests, arrivals, cancels, fixed):
+       cancels=st.lists(st.booleans(), min_size=7, max_size=7), parks=st.lists(st.booleans(), min_size=7, max_size=7),
+       fixed=st.booleans())
+def test_any_schedule_gives_every_request_the_tokens_it_gives_alone(rt, requests, arrivals, cancels, parks, fixed):
     """Requests arrive at random steps (several in one, prefills cut by a 7-token budget), some are cancelled
-    mid-flight, slots are reused; every request that finishes gives the greedy tokens it gives alone."""
+    mid-flight, some parked (preempted) and resumed two steps later at whatever slot is free, slots are reused;
+    every request that finishes gives the greedy tokens it gives alone."""
     variants = {"base": None, "a": lora(rt, "a", 4, 1), "b": lora(rt, "b", 8, 2), "f": full(rt, "f", 3),
                 "e": random_emr_group(rt, "g", 2, 5)[1]}
     rows = [NewRow(i, [(7 * i + j) % 40 + 3 for j in range(n)], SamplingParams(max_tokens=m), variants[v])
@@ -184,21 +186,25 @@ def test_any_schedule_gives_every_request_the_tokens_it_gives_alone(rt, requests
                 step = batch.run([r] if not batch and r.tag not in alone else [])
                 alone.update(step.finished)
         batch, waiting, got, step_no = DecodeBatch(rt), list(rows), {}, 0
-        cancelled = set()
-        while waiting or len(batch):
+        cancelled, parked = set(), []
+        while waiting or len(batch) or parked:
             due = [r for r in waiting if arrivals[r.tag % len(arrivals)] <= step_no]
             waiting = [r for r in waiting if r not in due]
             gone = [r.tag for r in rows if cancels[r.tag % len(cancels)] and r.tag not in got
                     and r.tag not in cancelled and step_no == 2 and r not in waiting + due]
             cancelled.update(gone)
-            step = batch.run(due, gone)
+            park = [r.tag for r in rows if parks[r.tag % len(parks)] and step_no == 3]
+            if step_no == 5:
+                due, parked = due + parked, []
+            step = batch.run(due, gone, park)
+            parked += [r for r in rows if r.tag in step.parked]
             waiting = [r for r in rows if r.tag in step.waiting] + waiting
             assert not step.failed
             got.update(step.finished)
             step_no += 1
             assert step_no < 200
         batch.close()
-        assert rt.kv.free_slots == rt.kv.slots and rt.slot_refs() == {}
+        assert rt.kv.free_slots == rt.kv.slots and rt.slot_refs() == {} and not batch.parked
     finally:
         rt.use_fixed_shapes(False)
     for tag, gen in got.items():
@@ -245,7 +251,8 @@ class EagerGraphs(StepGraphs):
 def test_steps_replayed_from_static_inputs_give_every_row_the_tokens_of_eager_steps(rt):
     """With graphs, prompt chunks included, each call reads one step while the next runs; rows of the base, of
     adapters, of full fine-tunes and of EMR tasks, finishing at different steps and joining mid-flight (their
-    prompts beside running rows), give the tokens they give with every step run eagerly and read at once."""
+    prompts beside running rows), give the tokens they give with every step run eagerly and read at once; so does
+    a row parked while a step is in flight and resumed later."""
     a, b = lora(rt, "a", 4, 1), lora(rt, "b", 8, 2)
     f = full(rt, "f", 3)
     t0, t1 = random_emr_group(rt, "g", 2, 5)
@@ -254,12 +261,17 @@ def test_steps_replayed_from_static_inputs_give_every_row_the_tokens_of_eager_st
     later = [NewRow(10 + i, [4, 6 + i, 8, 2, 5][: 2 + i], SamplingParams(max_tokens=4 + i, temperature=0.8, seed=i), v)
              for i, v in enumerate([t1, None, f])]
 
-    def generate() -> tuple[dict, list]:
-        batch, got, calls = DecodeBatch(rt), {}, 0
+    def generate(park: bool = False) -> tuple[dict, list]:
+        """park: the last of `first` parked at the eighth call (a step in flight then) and resumed at the ninth."""
+        batch, got, calls, parked = DecodeBatch(rt), {}, 0, []
         batch.run(first)
-        while len(batch):
+        while len(batch) or parked:
             calls += 1
-            step = batch.run(later if calls == 3 else [])
+            new = later if calls == 3 else parked if calls == 9 else []
+            in_flight = batch.inflight is not None
+            step = batch.run(new, park=[first[-1].tag] if park and calls == 8 else [])
+            assert not park or calls != 8 or (step.parked == [first[-1].tag] and in_flight)
+            parked = [first[-1]] if step.parked else [] if calls == 9 else parked
             assert not step.failed and not step.waiting
             got.update(step.finished)
         batch.close()
@@ -272,11 +284,14 @@ def test_steps_replayed_from_static_inputs_give_every_row_the_tokens_of_eager_st
         rt.step_counts.clear()
         rt.token_counts.clear()
         graphed, steps, tokens = generate()
+        continued = graphs.continued
+        parked_once, _, _ = generate(park=True)
     finally:
         rt.graphs = None
         rt.use_fixed_shapes(False)
     assert graphed == eager and len(graphed) == 8
     assert set(steps) == {"graphed"}  # prompt chunks and every kind of row: no step ran eagerly
     assert tokens["prompt:graphed"] == sum(len(r.prompt) for r in first + later)
-    assert graphs.continued > 3  # steps launched from the last one's tokens, read a call later
+    assert continued > 3  # steps launched from the last one's tokens, read a call later
+    assert parked_once == eager  # a row parked while a step was in flight resumes as if it had never left
     assert rt.kv.free_slots == rt.kv.slots and rt.slot_refs() == {}
