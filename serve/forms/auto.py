@@ -169,7 +169,8 @@ def add_auto(store: Store, name: str, base: str, finetuned: Path, tolerance: flo
     progress = progress or (lambda _: None)
     finetuned = Path(finetuned)
     given = read_calibration(calibration) if calibration is not None else None  # a bad file fails first
-    with store.stage() as staged_full, tempfile.TemporaryDirectory(dir=store.root / "staging") as work:
+    # work beside the staged entry: a store on object storage stages on this node, and its root is a URL
+    with store.stage() as staged_full, tempfile.TemporaryDirectory(dir=staged_full.parent) as work:
         full_entry, exact = exact_candidate(store, name, base, finetuned, staged_full)
         candidates, chosen, reference, factors = [exact], exact, None, None
         if tolerance > 0:
