@@ -185,12 +185,12 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
     import ray
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     if config.ray_address:  # a cluster that runs without us: join it, and leave it as it was
         ray.init(address=config.ray_address, logging_level="WARNING", configure_logging=True)
     else:
         ray.init(include_dashboard=False, logging_level="WARNING", configure_logging=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose own SIGTERM handler exits at once (no drain)
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         target = serve.RunTarget(target=build_app(config), name=APP, route_prefix="/",

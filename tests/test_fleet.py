@@ -1,6 +1,7 @@
 """Manyfold as a fleet, on this machine: the store on an S3 server on loopback (moto's server mode), a Ray cluster
 (ray.cluster_utils.Cluster) of a CPU-less head and worker nodes that each have their own MANYFOLD_CACHE_DIR, and
-the app served from the bucket with a base of two replicas, one per node.
+the app deployed onto it as an operator does, by `manyfold serve --ray-address ADDR --store s3://BUCKET/store
+--config fleet.yaml`, serving the bucket with a base of two replicas, one per node.
 
 Checked as a platform relies on it: both nodes serve adapters from S3, each through its own cache; an admin add
 is served by both nodes at once and a delete is a 404; a tenant added through the API is served on both
@@ -9,17 +10,24 @@ replaced is answered as the old or the new, never a mix; a node removed under lo
 the base comes back on a new node, filling its cache from the store; a replica restarted where the cache is warm
 reads nothing from the store (the node-cache counters of /metrics, and the cache's files, say so)."""
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.config import ServeConfig, key_digest
+from serve.config import key_digest
 from tests.models import write_lora, write_tiny_causal
 from tests.test_server import free_port
 
@@ -57,9 +65,47 @@ def _upload(local: Path, url: str) -> str:
     return url
 
 
+@contextmanager
+def _serving(args: list[str], env: dict[str, str], timeout_s: float = 300.0,
+             stop_timeout_s: float = 120.0) -> Iterator[list[str]]:
+    """`manyfold serve ARGS` (the console script beside this Python) until it prints `serving ... at http://...`
+    -> its output so far and to come. Bounded: if it exits first, or says nothing of the kind in timeout_s, this
+    fails with its output. On leaving: SIGTERM (as Kubernetes stops a pod), and within stop_timeout_s it must have
+    drained and exited 0 (it removes its app and leaves the cluster running)."""
+    cli = subprocess.Popen([str(Path(sys.executable).parent / "manyfold"), "serve", *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"})
+    log: list[str] = []
+    said = threading.Event()
+
+    def read() -> None:
+        for line in cli.stdout:  # ends when the CLI exits
+            log.append(line)
+            if line.startswith("serving "):
+                said.set()
+        said.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        said.wait(timeout_s)
+        assert any(line.startswith("serving ") for line in log), \
+            f"`manyfold serve` did not say it serves in {timeout_s:g} s (exit code {cli.poll()}):\n{''.join(log)}"
+        yield log
+    finally:
+        cli.send_signal(signal.SIGTERM)
+        try:
+            code = cli.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            cli.kill()
+            code = f"none: killed after {stop_timeout_s:g} s"
+            cli.wait()
+        reader.join(10)
+    assert code == 0 and any(line.startswith("drained ") for line in log), \
+        f"`manyfold serve` on SIGTERM: exit code {code} (expected 0, after a `drained` line):\n{''.join(log)}"
+
+
 @pytest.fixture(scope="module")
 def fleet(s3_server, tmp_path_factory):
-    import os
     import uuid
 
     import boto3
@@ -69,7 +115,6 @@ def fleet(s3_server, tmp_path_factory):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from serve.app import build_app
     from serve.store.object_store import ObjectStore
     from serve.store.node_cache import NodeCache
     from serve.variants import variant_kind
@@ -85,26 +130,35 @@ def fleet(s3_server, tmp_path_factory):
                                                                targets=["q_proj", "v_proj"]))
     adapters = {seed: _upload(write_lora(lm, root / f"lora-{seed}", seed=seed, r=4, targets=["q_proj", "v_proj"]),
                               f"s3://{bucket}/uploads/lora-{seed}") for seed in (2, 3, 4, 5)}
-    os.environ["MANYFOLD_CACHE_DIR"] = str(root / "cache-driver")  # the driver reads the manifest to build the app
+    os.environ["MANYFOLD_CACHE_DIR"] = str(root / "cache-driver")  # the CLI's driver reads the manifest
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
     fleet = Fleet("", store, cluster, {}, {}, adapters, root)
     for name in ("w1", "w2"):
         fleet.add_worker(name)
-    ray.init(address=cluster.address, logging_level="ERROR")
+    ray.init(address=cluster.address, logging_level="ERROR")  # this driver kills nodes and reads serve.status()
     port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    config = ServeConfig(store=store, port=port, store_refresh_s=1.0, admin_key_sha256=[key_digest(ADMIN)],
-                         admin={"sources": [f"s3://{bucket}/uploads/"]},
-                         deployment={"num_cpus": 0.25},
-                         deployments={"lm": {"num_cpus": 0.25, "num_replicas": 2, "max_replicas_per_node": 1,
-                                             "max_ongoing_requests": 1}})
-    serve.run(build_app(config), name="manyfold", route_prefix="/")
     fleet.url = f"http://127.0.0.1:{port}"
-    yield fleet
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
-    os.environ.pop("MANYFOLD_CACHE_DIR", None)
+    config = root / "fleet.yaml"  # the store is named by --store only: a URL the CLI must not fold into a path
+    config.write_text(yaml.safe_dump({
+        "port": port, "store_refresh_s": 1.0, "admin_key_sha256": [key_digest(ADMIN)],
+        "admin": {"sources": [f"s3://{bucket}/uploads/"]}, "deployment": {"num_cpus": 0.25},
+        "deployments": {"lm": {"num_cpus": 0.25, "num_replicas": 2, "max_replicas_per_node": 1,
+                               "max_ongoing_requests": 1}}}))
+    try:
+        # One proxy, on the head: every node is on this host, so a proxy per node would clash on the port. The
+        # CLI's serve.start then finds Serve running with the same HTTP options, and only deploys the app.
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        with _serving(["--ray-address", cluster.address, "--store", store, "--config", str(config)],
+                      env=dict(os.environ)) as log:
+            said = [line for line in log if line.startswith(("serving ", "warning: "))]
+            assert said == [f"serving {store} at {fleet.url}  (Ctrl-C to stop)\n"], "".join(log)
+            assert not any("HTTP config differs" in line for line in log), "".join(log)
+            yield fleet
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        os.environ.pop("MANYFOLD_CACHE_DIR", None)
 
 
 def _complete(url: str, model: str, headers: dict | None = None) -> tuple[int, object]:
@@ -317,7 +371,7 @@ def test_a_replica_restarted_where_the_cache_is_warm_reads_nothing_from_the_stor
     _served_by_every_node(fleet, "lm-a", list(fleet.caches))
     before = {w: _objects(c) for w, c in fleet.caches.items()}
     counted = _node_cache_objects(fleet.url)
-    replica = sorted(_replicas())[0]
+    replica = min(_replicas())
     ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
     _wait_running(2, old={replica}, kept=0)
     for _ in range(30):  # the new replica reports its counters to the board when it answers (at least 1/s)
