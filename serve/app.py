@@ -230,8 +230,30 @@ def wait_for_bases(app: str, bases: dict[str, str], may_idle: frozenset[str], ti
         if (status and ready and all(status[n][0] for n in others)) or time.monotonic() >= deadline or stop.is_set():
             break
         stop.wait(0.5)
-    return [f"warning: {base} is not running; its models answer 503 until it runs ({w})"
-            for base, w in words.items() if not w.startswith(("running", "idle"))]
+    if not ready:
+        ready, words = readiness(states, may_idle, board_loads(app))
+    return start_warnings(words, timeout_s)
+
+
+def board_loads(app: str) -> dict[str, tuple[int, int]]:
+    """The board's word on the bases being fetched (ResidencyBoard.loads), bounded; {} if it does not answer."""
+    try:
+        return serve.get_deployment_handle(BOARD, app_name=app).loads.remote().result(timeout_s=2.0)
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def start_warnings(words: dict[str, str], timeout_s: float) -> list[str]:
+    """A line for each base not running when `manyfold serve` stops waiting (readiness words); a base still
+    loading is not cut: it says how far it has come, and that it goes on."""
+    lines = []
+    for base, w in words.items():
+        if w.startswith("loading"):
+            lines.append(f"warning: {base} is still {w} after start_timeout_s ({timeout_s:g} s); the load goes on, "
+                         f"and its models answer 503 until it runs")
+        elif not w.startswith(("running", "idle")):
+            lines.append(f"warning: {base} is not running; its models answer 503 until it runs ({w})")
+    return lines
 
 
 def drain(config: ServeConfig, app: str = APP) -> None:

@@ -37,14 +37,35 @@ class ResidencyBoard:
         self._ingresses: dict[str, tuple[float, dict[str, float]]] = {}
         """ingress replica -> (when, its latest request counters: Metrics.counters)."""
         self._ingresses_retired: dict[str, float] = {}
+        self._loading: dict[str, tuple[float, str, int, int]] = {}
+        """replica -> (when, the base it is fetching, bytes done, bytes in all), until it reports or leaves."""
 
     def report(self, replica: str, held: dict[str, str], snapshot: dict | None = None) -> None:
         self._reports[replica] = (time.monotonic(), dict(held))
+        self._loading.pop(replica, None)  # a replica that reports has loaded its base
         if snapshot is not None:
             self._counters[replica] = snapshot
 
+    def loading(self, replica: str, base: str, done: int, total: int) -> None:
+        """A replica starting: how far the fetch of its base from object storage has come (serve/store/
+        progress.py, at most a line's pace)."""
+        self._loading[replica] = (time.monotonic(), base, done, total)
+
+    def loads(self) -> dict[str, tuple[int, int]]:
+        """base -> (bytes done, bytes in all) of the replica furthest along fetching it; a replica silent for
+        stale_after_s (gone while loading) drops off. /readyz says it of a base not running yet."""
+        now = time.monotonic()
+        out: dict[str, tuple[int, int]] = {}
+        for replica, (at, base, done, total) in list(self._loading.items()):
+            if now - at > self.stale_after_s:
+                del self._loading[replica]
+            elif base not in out or done / max(total, 1) > out[base][0] / max(out[base][1], 1):
+                out[base] = (done, total)
+        return out
+
     def forget(self, replica: str) -> None:
         self._reports.pop(replica, None)
+        self._loading.pop(replica, None)
         last = self._counters.pop(replica, None)
         if last is not None:
             self._retired = add_counters(self._retired, {k: last[k] for k in COUNTERS if k in last})

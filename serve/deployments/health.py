@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from serve.errors import Unavailable
+from serve.store.progress import how_far
 
 log = logging.getLogger("ray.serve")
 
@@ -35,12 +36,18 @@ class BaseState:
     """False: Ray said it cannot place a replica (the cluster lacks what one needs)."""
 
 
-def readiness(states: dict[str, BaseState | None], may_idle: frozenset[str] = frozenset()
-              ) -> tuple[bool, dict[str, str]]:
-    """(whether every base that can run runs, each base's state in words); None: not reported yet."""
+def readiness(states: dict[str, BaseState | None], may_idle: frozenset[str] = frozenset(),
+              loading: dict[str, tuple[int, int]] | None = None) -> tuple[bool, dict[str, str]]:
+    """(whether every base that can run runs, each base's state in words); None: not reported yet. loading: base
+    -> (bytes fetched, bytes in all) of a replica fetching it (ResidencyBoard.loads): a base starting says how
+    far, "loading 1.2/3.4 GiB (35%)", and holds readiness back as one starting does."""
+    loading = loading or {}
     words = {}
     for base, s in states.items():
-        if s is None:
+        starting = s is None or (not s.running and s.placeable and base not in may_idle)
+        if starting and base in loading:
+            words[base] = f"loading {how_far(*loading[base])}"
+        elif s is None:
             words[base] = "starting: not reported by Serve's controller yet"
         elif s.running:
             words[base] = "running"
@@ -50,7 +57,7 @@ def readiness(states: dict[str, BaseState | None], may_idle: frozenset[str] = fr
             words[base] = "idle: min_replicas is 0, its first request starts a replica"
         else:
             words[base] = f"starting: {s.reason}"
-    return all(not w.startswith("starting") for w in words.values()), words
+    return all(not w.startswith(("starting", "loading")) for w in words.values()), words
 
 
 def serve_status(app: str) -> Read:
@@ -109,10 +116,10 @@ class DeploymentHealth:
         return {base: base_state(base, *raw[name], self._nodes) for base, name in self.deployments.items()
                 if name in raw}
 
-    async def readiness(self) -> tuple[bool, dict[str, str]]:
+    async def readiness(self, loading: dict[str, tuple[int, int]] | None = None) -> tuple[bool, dict[str, str]]:
         """readiness() of every base as last read (a base the controller never reported is still starting)."""
         await self.states()
-        return readiness({b: self._states.get(b) for b in self.deployments}, self.may_idle)
+        return readiness({b: self._states.get(b) for b in self.deployments}, self.may_idle, loading)
 
     async def require(self, base: str, model: str) -> None:
         """Return once `base` runs (or may start for this request); Unavailable naming why if it does not within

@@ -17,6 +17,8 @@ from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams, Tenant
 from serve.errors import ManyfoldError
 from serve.store.catalog import key_of
+from serve.store.manifest import BaseEntry, VariantEntry
+from serve.store.progress import log as fetch_log
 
 log = logging.getLogger("ray.serve")
 
@@ -25,6 +27,15 @@ BOARD_FORGET_TIMEOUT_S = 2.0
 
 MAX_MULTIPLEXED_IDS = 64
 """Variant ids a replica reports to Ray's router as held (affinity only: memory is the cache's budget)."""
+
+
+def show_fetches() -> None:
+    """A fetch's progress lines (serve/store/progress.py) on this replica's stderr, which Ray forwards to the
+    terminal of `manyfold serve`: Serve's own logger stops at WARNING there (serve/app.py)."""
+    if not fetch_log.handlers:
+        fetch_log.addHandler(logging.StreamHandler())
+        fetch_log.setLevel(logging.INFO)
+        fetch_log.propagate = False
 
 
 @serve.deployment
@@ -37,12 +48,32 @@ class EngineReplica:
         d = parsed.deployments.get(base, parsed.deployment)
         if d.device is not None:  # this base's own device (serve/config.py DeploymentConfig.device)
             parsed = parsed.model_copy(update={"device": d.device})
-        self.engine = Engine(parsed, bases=[base], memory_target=int(memory) if memory else None)
-        self.stall_timeout_s = d.stall_timeout_s
         self.board = board
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        show_fetches()
+        try:
+            self.engine = Engine(parsed, bases=[base], memory_target=int(memory) if memory else None,
+                                 on_fetch=self._fetching)
+        except BaseException:
+            self._tell_board(self.board.forget)  # no "loading" left behind for /readyz
+            raise
+        self.stall_timeout_s = d.stall_timeout_s
         self.reporter = Reporter(self._report,
                                  before=lambda: faults.hit("report", [base]))
+
+    def _fetching(self, entry: BaseEntry | VariantEntry, done: int, total: int) -> None:
+        """How far a fetch from object storage has come, at the pace of its log lines (serve/store/progress.py):
+        the base's goes on the board, where /readyz reads it while the base loads."""
+        if entry.kind == "base":
+            self._tell_board(self.board.loading, entry.name, done, total)
+
+    def _tell_board(self, method, *args) -> None:
+        """A call to the board not waited for (the constructor runs on the replica's event loop, blocking it;
+        Serve's router sends the call from its own); one the handle refuses costs one warning line."""
+        try:
+            method.remote(self.replica_id, *args)
+        except Exception as e:  # noqa: BLE001
+            log.warning("residency board not told: %s", (str(e).splitlines() or [type(e).__name__])[0])
 
     async def _report(self, held: dict[str, str]) -> None:
         await self.board.report.remote(self.replica_id, held, await self.engine.snapshot())

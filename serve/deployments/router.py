@@ -124,8 +124,16 @@ class Router:
 
     async def readiness(self) -> tuple[bool, dict[str, str]]:
         """Whether every base that can run has a running replica, and each base's state in words
-        (serve/deployments/health.py)."""
-        return await self.health.readiness()
+        (serve/deployments/health.py); while not ready, a base whose replica is fetching it says how far (the
+        board's, if it answers in time)."""
+        ready, words = await self.health.readiness()
+        if ready:
+            return ready, words
+        try:
+            loading = await asyncio.wait_for(self._call(self.board.loads.remote()), PEEK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (a board away costs the words how far, never the answer)
+            return ready, words
+        return await self.health.readiness(loading)
 
     async def snapshots(self) -> list[dict]:
         """The counters of every replica of every base, as they last reported them to the board, and those of

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from serve.store.manifest import FileEntry
 from serve.store.objects import Objects
+from serve.store.progress import Progress
 
 COMPLETE = ".complete"
 
@@ -47,23 +48,30 @@ class NodeCache:
         self._seen: set[str] = set()
         """Entries this process has found complete (their hits counted once)."""
 
-    def object(self, objects: Objects, sha256: str, size: int) -> Path:
-        """The object's file on this node, downloaded and checked if it was not here."""
+    def object(self, objects: Objects, sha256: str, size: int, progress: Progress | None = None) -> Path:
+        """The object's file on this node, downloaded and checked if it was not here (progress: its bytes as they
+        come, or all at once when it was here)."""
         path = self.root / "objects" / sha256
         if self._touch(path):
-            self.stats.hits += 1
-            return path
+            return self._hit(path, size, progress)
         with self._lock(f"object-{sha256}"):
             if self._touch(path):  # fetched by another replica while this one waited
-                self.stats.hits += 1
-                return path
+                return self._hit(path, size, progress)
             self._make_room(size)
-            objects.download(f"objects/{sha256}", path, sha256)
+            objects.download(f"objects/{sha256}", path, sha256, progress)
             self.stats.fetches += 1
         return path
 
-    def directory(self, objects: Objects, name: str, files: list[FileEntry]) -> Path:
-        """A directory holding files[i] at files[i].path (relative), each a link to its cached object."""
+    def _hit(self, path: Path, size: int, progress: Progress | None) -> Path:
+        self.stats.hits += 1
+        if progress is not None:
+            progress.found(size)
+        return path
+
+    def directory(self, objects: Objects, name: str, files: list[FileEntry], progress: Progress | None = None
+                  ) -> Path:
+        """A directory holding files[i] at files[i].path (relative), each a link to its cached object; progress
+        (over the files' bytes) hears of each object as it comes, and nothing when the directory is here already."""
         if "/" in name or name.startswith("."):
             raise ValueError(f"cache entry name {name!r}: expected one path component")
         final = self.root / "entries" / name
@@ -76,7 +84,7 @@ class NodeCache:
             try:
                 self._seen.add(name)
                 for f in files:
-                    self._link(objects, f, tmp / f.path)
+                    self._link(objects, f, tmp / f.path, progress)
                 (tmp / COMPLETE).touch()
                 shutil.rmtree(final, ignore_errors=True)  # an interrupted attempt's leftovers
                 os.replace(tmp, final)
@@ -91,10 +99,10 @@ class NodeCache:
             self.stats.hits += len(files)
         return final
 
-    def _link(self, objects: Objects, f: FileEntry, dest: Path) -> None:
+    def _link(self, objects: Objects, f: FileEntry, dest: Path, progress: Progress | None = None) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(2):  # the object may be evicted between its fetch and its link: fetch it again, once
-            src = self.object(objects, f.sha256, f.bytes)
+            src = self.object(objects, f.sha256, f.bytes, progress)
             try:
                 os.link(src, dest)
                 return

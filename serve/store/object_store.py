@@ -10,7 +10,8 @@ uploads the new files' objects first (a reader never sees an object half-written
 puts manifest generation N + 1 if absent: of two writers racing for it, one wins and the other reads N + 1,
 checks its change again against it and tries N + 2, so neither loses the other's add. A reader refreshes by
 listing the generations after the one it holds. Entries are read through a node's cache (node_cache.py): a
-directory per entry and content, its files fetched once per node and checked against their digests once.
+directory per entry and content, its files fetched once per node and checked against their digests once, the
+fetch's progress logged as it goes (progress.py) and told to `on_fetch`.
 Objects of a removed or replaced entry stay until `collect` runs (`manyfold store gc`): it deletes only objects
 that no generation written within the grace period names and that are themselves older than it (an upload
 whose manifest is not written yet is young), then the generations older than it but the newest, so a reader
@@ -26,6 +27,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -35,6 +37,7 @@ from serve.errors import ArtifactError, ConfigError, ManyfoldError, first_error
 from serve.store.manifest import BaseEntry, FileEntry, StoreManifest, VariantEntry
 from serve.store.node_cache import NodeCache
 from serve.store.objects import Objects
+from serve.store.progress import Progress
 from serve.store.store import AUDIT, StoreView, audit_day, file_sha256, named_twice
 
 GENERATIONS = "manifests"
@@ -103,7 +106,10 @@ class ObjectStore(StoreView):
 
     def _directory(self, entry: BaseEntry | VariantEntry) -> Path:
         content = hashlib.sha256("".join(f"{f.path}\0{f.sha256}\0" for f in entry.files).encode()).hexdigest()
-        return self.cache.directory(self.objects, f"{entry.name}-{content[:16]}", entry.files)
+        report = None if self.on_fetch is None else partial(self.on_fetch, entry)
+        progress = Progress(f"{'base' if entry.kind == 'base' else 'variant'} '{entry.name}'",
+                            sum(f.bytes for f in entry.files), report)
+        return self.cache.directory(self.objects, f"{entry.name}-{content[:16]}", entry.files, progress)
 
     def verify(self, entry: BaseEntry | VariantEntry) -> None:
         """Every file of the entry in this node's cache, each checked against its digest when it came in (once

@@ -27,6 +27,7 @@ from obstore.exceptions import AlreadyExistsError, NotFoundError
 from obstore.store import LocalStore, from_url
 
 from serve.errors import ArtifactError, ConfigError, SourceTooLarge
+from serve.store.progress import Progress
 
 SCHEMES = ("s3://", "gs://", "az://", "file://", "memory://")
 CHUNK = 8 << 20
@@ -87,9 +88,10 @@ class Objects:
         except (NotFoundError, FileNotFoundError):
             raise ArtifactError(f"{self.location}: object '{key}' is missing") from None
 
-    def download(self, key: str, dest: Path, sha256: str | None = None) -> int:
+    def download(self, key: str, dest: Path, sha256: str | None = None, progress: Progress | None = None) -> int:
         """Stream key into dest (written beside it, then renamed: dest is whole or absent); with sha256, the bytes
-        are checked on the way and a mismatch leaves nothing. -> bytes written."""
+        are checked on the way and a mismatch leaves nothing; progress counts each chunk as it is written. -> bytes
+        written."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256() if sha256 is not None else None
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
@@ -99,6 +101,8 @@ class Objects:
                 for chunk in self._chunks(key):
                     f.write(chunk)
                     size += len(chunk)
+                    if progress is not None:
+                        progress.update(len(chunk))
                     if h is not None:
                         h.update(chunk)
                 f.flush()

@@ -105,6 +105,9 @@ class StoreView(ManifestView):
 
     cache: NodeCache | None = None
     """The node's cache its files are read through (object storage); None: they are read where they lie."""
+    on_fetch: Callable[[BaseEntry | VariantEntry, int, int], None] | None = None
+    """Told how far a fetch of an entry's files into the node's cache has come, with each progress line
+    (serve/store/progress.py): (entry, bytes done, bytes in all). A replica puts its base's on the board."""
 
     def _refuse_taken(self, name: str, manifest: StoreManifest | None = None) -> None:
         m = self.manifest if manifest is None else manifest

@@ -136,3 +136,16 @@ def test_ingresses_request_counters_add_up_and_outlive_an_ingress():
     assert requests(board.ingress("a", a.counters())) == 3
     assert 'manyfold_request_latency_seconds_bucket{le="0.005",model="lm",route="/v1/completions"} 1.0' in \
         a.render([], [], ingresses=total).decode()
+
+
+def test_a_base_loading_shows_its_furthest_replica_until_that_replica_reports_or_leaves():
+    board = ResidencyBoard(stale_after_s=60)
+    board.loading("r1", "lm", 10, 100)
+    board.loading("r2", "lm", 40, 100)
+    board.loading("r3", "nz", 0, 50)
+    assert board.loads() == {"lm": (40, 100), "nz": (0, 50)}
+    board.loading("r1", "lm", 70, 100)
+    assert board.loads()["lm"] == (70, 100)
+    board.report("r1", {})  # r1 runs: it has loaded
+    board.forget("r3")  # r3 failed while loading
+    assert board.loads() == {"lm": (40, 100)}

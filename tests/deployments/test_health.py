@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from serve.deployments.health import DeploymentHealth
+from serve.deployments.health import BaseState, DeploymentHealth, readiness
 from serve.errors import Unavailable
 
 PENDING = ("Deployment 'base-nz' in application 'manyfold' has 1 replicas that have taken more than 30s to be "
@@ -124,3 +124,31 @@ def test_a_replica_waiting_for_resources_others_hold_is_starting_not_unplaceable
     running = DeploymentHealth({"nz": "base-nz"}, lambda: {"base-nz": (1, "")}, refresh_s=0.0, nodes=nodes((1.0,)))
     asyncio.run(running.readiness())
     assert asked == [(2.0, 64.0), (2.0, 32.0)]  # read only when Serve says a replica waits to be placed
+
+
+def test_a_base_loading_says_so_and_how_far_and_holds_readiness_back():
+    """The board's word on a fetch (ResidencyBoard.loads) turns "starting" into "loading" and how far; it never
+    hides a base that runs, nor holds back one Ray cannot place or one allowed to idle."""
+    gib = 1 << 30
+    starting = BaseState(False, "base 'lm' has no running replica (Deploying)")
+    loading = {b: (int(1.2 * gib), int(3.4 * gib)) for b in ("lm", "new", "up", "far", "idle")}
+    states = {"lm": starting, "new": None, "up": BaseState(True), "far": BaseState(False, "no room", placeable=False),
+              "idle": BaseState(False, "")}
+    ready, words = readiness(states, frozenset({"idle"}), loading)
+    assert not ready
+    assert words["lm"] == words["new"] == "loading 1.2/3.4 GiB (35%)"
+    assert words["up"] == "running" and words["far"] == "unplaceable: no room" and words["idle"].startswith("idle")
+    assert readiness({"up": BaseState(True), "far": states["far"]}, loading=loading)[0]  # the status rules hold
+    assert readiness({"lm": starting}, loading={"lm": (3 * gib, 3 * gib)})[1] == {"lm": "loading 3.0/3.0 GiB (100%)"}
+
+
+def test_manyfold_serve_says_a_base_still_loading_at_start_timeout_goes_on_loading():
+    from serve.app import start_warnings
+
+    words = {"lm": "loading 1.2/3.4 GiB (35%)", "nz": "starting: base 'nz' has no running replica (Deploying)",
+             "up": "running", "idle": "idle: min_replicas is 0, its first request starts a replica"}
+    assert start_warnings(words, 120.0) == [
+        ("warning: lm is still loading 1.2/3.4 GiB (35%) after start_timeout_s (120 s); the load goes on, and its "
+         "models answer 503 until it runs"),
+        ("warning: nz is not running; its models answer 503 until it runs (starting: base 'nz' has no running "
+         "replica (Deploying))")]

@@ -80,3 +80,29 @@ def test_a_batch_goes_to_each_base_in_one_call_and_failures_stay_with_their_item
     assert [(o.name, o.kind) for o in (out[0], out[3])] == [("x", "lora"), ("w", "pissa")]
     assert isinstance(out[1], Unavailable) and isinstance(out[2], VariantNotFound) and "'nope'" in str(out[2])
     assert replicas["a"].calls == [[items[0], items[3]]] and replicas["b"].calls == [[items[1]]]
+
+
+def test_readiness_says_how_far_a_base_being_fetched_has_come_and_a_board_away_costs_only_that(tmp_path):
+    from serve.deployments.health import DeploymentHealth
+
+    _store(tmp_path, {})
+    health = DeploymentHealth({"a": "base-a", "b": "base-b"}, lambda: {"base-a": (1, ""), "base-b": (0, "Deploying.")})
+    board, asked = _Board(), []
+
+    async def loads():
+        asked.append(1)
+        return {"a": (5, 10), "b": (3 << 30, 4 << 30)}
+
+    board.loads = _Remote(loads)
+    router = Router(Catalog(tmp_path, refresh_s=0), {"a": _Replica("a"), "b": _Replica("b")}, board, health)
+    assert asyncio.run(router.readiness()) == (False, {"a": "running", "b": "loading 3.0/4.0 GiB (75%)"})
+
+    async def away():
+        raise RuntimeError("board stopping")
+
+    board.loads = _Remote(away)
+    assert asyncio.run(router.readiness()) == (False, {"a": "running", "b": "starting: base 'b' has no running "
+                                                                             "replica (Deploying)"})
+    ready = Router(Catalog(tmp_path, refresh_s=0), {"a": _Replica("a")}, board,
+                   DeploymentHealth({"a": "base-a"}, lambda: {"base-a": (1, "")}))
+    assert asyncio.run(ready.readiness()) == (True, {"a": "running"}) and asked == [1]  # ready: the board not asked

@@ -71,11 +71,11 @@ class CountingObjects(Objects):
         self.downloads = 0
         self.release = release
 
-    def download(self, key, dest, sha256=None):
+    def download(self, key, dest, sha256=None, progress=None):
         self.downloads += 1
         if self.release is not None:
             self.release.wait(timeout=30)
-        return super().download(key, dest, sha256)
+        return super().download(key, dest, sha256, progress)
 
 
 def test_replicas_asking_for_one_object_at_once_share_one_download(tmp_path):
