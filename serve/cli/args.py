@@ -27,15 +27,9 @@ def default_store() -> str | None:
 
 def open_store(args: argparse.Namespace, create: bool = False) -> "StoreView":
     """The store at --store (a directory, or an s3://, gs://, ... URL), imported late so that `manyfold --help`
-    stays quick. A store created at a file:// URL gets its directory first, as one at a path does (obstore opens
-    no missing root)."""
+    stays quick."""
     from serve.store.store import open_store as open_location
 
-    if create and str(args.store).startswith("file://"):
-        from urllib.parse import urlparse
-        from urllib.request import url2pathname
-
-        Path(url2pathname(urlparse(args.store).path)).mkdir(parents=True, exist_ok=True)
     return open_location(args.store, create=create)
 
 

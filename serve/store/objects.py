@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError
@@ -50,6 +52,8 @@ class Objects:
             if not self.location.startswith(SCHEMES):
                 raise ConfigError(f"store {self.location}: unknown scheme; expected a local path or one of "
                                   f"{', '.join(SCHEMES)}")
+            if self.location.startswith("file://"):  # created if missing, as a local path is: obstore opens none
+                Path(url2pathname(urlparse(self.location).path)).mkdir(parents=True, exist_ok=True)
             options = {"allow_http": True} if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://") else {}
             try:
                 self._store = from_url(self.location, client_options=options) if options else from_url(self.location)
