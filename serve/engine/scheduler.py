@@ -406,13 +406,12 @@ class Scheduler:
         holding = self._crowded(g)
         if holding is None or not self._in_flight.locked():
             return
-        pulled = []
+        pulled, weights = [], {r.tenant: r.weight for r in g.running}
         for row in self._queue.heads():
             if self._borrowed >= self.config.max_batch_size:
                 break
-            weights = {r.tenant: r.weight for r in g.running} | {row.tenant: row.weight}
             if row.op != "generate" or row.base != base or any(r.tenant == row.tenant for r in g.pending) \
-                    or self.fairness.outranked(row, holding, weights) is None:
+                    or self.fairness.outranked(row, holding, weights | {row.tenant: row.weight}) is None:
                 continue
             self._queue.take(row)
             self._borrowed += 1
