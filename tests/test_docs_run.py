@@ -34,6 +34,9 @@ NOT_HERE = {
                           "guard's one-line refusal, exit 1 by design: tests/adapters/test_translora.py",
     "manyfold store translora": "as `manyfold translora`, for every adapter of a store base: "
                                 "tests/adapters/test_translora.py (resuming, skipping, one failure among others)",
+    "manyfold store upgrade": "a transfer per tenant (minutes of training on real adapters): "
+                              "tests/adapters/test_upgrade.py runs an upgrade, its --dry-run and --rollback through "
+                              "the CLI on tiny models (interrupted, resumed, the names the guard kept switched)",
 }
 """Command prefix -> why it does not run here, and where it is tested."""
 

@@ -12,6 +12,11 @@ from serve.errors import ConfigError
 MINUTES = 30.0
 """The default budget (`manyfold translora --budget-min`, and every transfer of `manyfold bench translora`): one
 transfer of a 128-example adapter took 19.8 minutes on a 2-core CPU."""
+MINUTES_MEASURED = 19.8
+"""That transfer's minutes (bench-results, Trans-LoRA: SmolLM2-135M to its new version, 128 inputs wanted, on
+an Intel Xeon with 2 cores): what an upgrade's estimate scales (serve/adapters/upgrade.py)."""
+PARAMS_MEASURED = 134_515_008
+"""SmolLM2-135M's parameters, the base of that transfer."""
 WRITING = 0.5
 """The share of the budget after which no more candidate inputs are written."""
 TRAINING = 0.85

@@ -224,13 +224,37 @@ def cmd_store_translora(args: argparse.Namespace) -> None:
                              f"is not done")
 
 
+def cmd_store_upgrade(args: argparse.Namespace) -> None:
+    from serve.adapters import upgrade
+    from serve.adapters.generation_schedule import AttemptPlan
+
+    store = open_store(args)
+    if args.dry_run:
+        print("\n".join(upgrade.dry_run(store, args.from_base, args.to_base, args.samples, args.budget_min)))
+        return
+    if args.rollback:
+        names = upgrade.rollback(store, args.from_base, args.to_base)
+        print(f"{len(names)} name{'s' * (len(names) != 1)} answered by '{args.from_base}' again"
+              f"{': ' + ', '.join(names) if names else ''}")
+        return
+    AttemptPlan.build(args.samples, args.max_attempts, args.min_accepted)  # a bad flag: one line, not one per tenant
+    report_path = Path(args.report or f"upgrade-{args.from_base}-{args.to_base}.json")
+    report = upgrade.upgrade(store, args.from_base, args.to_base, report_path,
+                             say=lambda line: print(line, flush=True), **transfer_options(args))
+    tenants = report["tenants"]
+    print(f"{sum(t['switched'] for t in tenants)} of {len(tenants)} names answered by '{args.to_base}'; "
+          f"{report.get('minutes', 0):.1f} minutes of transfers; report: {report_path}")
+
+
 COMMANDS = [("list", cmd_store_list, "list bases and variants with their sizes"),
             ("add", cmd_store_add, "add a base model or a variant of any kind"),
             ("remove", cmd_store_remove, "remove a variant (or a base without variants)"),
             ("gc", cmd_store_gc, "on object storage: delete objects and manifest generations no reader needs"),
             ("verify", cmd_store_verify, "check every file's checksum and decode full variants"),
             ("extract", cmd_store_extract, "write a variant back out as a HF model directory"),
-            ("translora", cmd_store_translora, "move every adapter of one base to another (Trans-LoRA; resumable)")]
+            ("translora", cmd_store_translora, "move every adapter of one base to another (Trans-LoRA; resumable)"),
+            ("upgrade", cmd_store_upgrade, ("move every tenant's adapter to a new base and switch the names the "
+                                            "guard kept (resumable; --dry-run, --rollback)"))]
 """Every `store` subcommand, in the order `manyfold store --help` lists them; each takes --store."""
 
 
@@ -252,6 +276,15 @@ def add_store_commands(sub: argparse._SubParsersAction, default_store: str | Non
     tr.add_argument("--to", dest="to_base", required=True, help="the base they move to")
     add_sampling_arguments(tr)
     add_student_arguments(tr)
+    up = st.choices["upgrade"]
+    up.add_argument("--from", dest="from_base", required=True, help="the base the tenants' adapters are on")
+    up.add_argument("--to", dest="to_base", required=True, help="the new base")
+    what = up.add_mutually_exclusive_group()
+    what.add_argument("--dry-run", action="store_true", help="say what would move and about how long it takes here")
+    what.add_argument("--rollback", action="store_true", help="point every name the upgrade switched back")
+    up.add_argument("--report", help="the upgrade's JSON report (default: upgrade-FROM-TO.json here)")
+    add_sampling_arguments(up)
+    add_student_arguments(up)
 
 
 def _add_add_arguments(add: argparse.ArgumentParser) -> None:

@@ -53,7 +53,7 @@ class EngineReplica:
         show_fetches()
         try:
             self.engine = Engine(parsed, bases=[base], memory_target=int(memory) if memory else None,
-                                 on_fetch=self._fetching)
+                                 on_fetch=self._fetching, aliases=False)  # the router resolves them
         except BaseException:
             self._tell_board(self.board.forget)  # no "loading" left behind for /readyz
             raise

@@ -33,13 +33,18 @@ class Router:
         self.board = board
         self.health = health
         self._listed: object = None
-        self._by_base: dict[str, list[tuple[str, str, str, list[str] | None, str]]] = {}
+        self._by_base: dict[str, list[tuple[str, str, str, list[str] | None, str, str | None]]] = {}
 
-    async def _handle(self, model: str) -> DeploymentHandle:
+    async def _handle(self, model: str) -> tuple[DeploymentHandle, str]:
+        """-> (the handle of the base that answers `model`, the model id the replica is to run). The id is the
+        entry's own, an alias resolved here: the replica runs the entry the name pointed to now, even if an
+        upgrade switches the name before the request reaches it."""
         snapshot, base, variant = await self.catalog.resolve(model)
         await self.health.require(base, model)
         handle = self.handles[base]
-        return handle.options(multiplexed_model_id=snapshot.routed(variant)) if variant else handle
+        if not variant:
+            return handle, model
+        return handle.options(multiplexed_model_id=snapshot.routed(variant)), variant
 
     @staticmethod
     @contextmanager
@@ -67,22 +72,24 @@ class Router:
         return result
 
     async def classify(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
-        return await self._call((await self._handle(model)).classify.remote(model, texts, truncate, tenant))
+        handle, model = await self._handle(model)
+        return await self._call(handle.classify.remote(model, texts, truncate, tenant))
 
     async def embed(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
-        return await self._call((await self._handle(model)).embed.remote(model, texts, truncate, tenant))
+        handle, model = await self._handle(model)
+        return await self._call(handle.embed.remote(model, texts, truncate, tenant))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None, tenant: Tenant | None = None):
-        handle = await self._handle(model)
+        handle, model = await self._handle(model)
         return await self._call(handle.complete.remote(model, params, prompt=prompt, messages=messages,
                                                        tenant=tenant))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                               messages: list[dict] | None = None,
                               tenant: Tenant | None = None) -> AsyncIterator[TextDelta]:
-        handle = (await self._handle(model)).options(stream=True)
-        deltas = handle.complete_stream.remote(model, params, prompt=prompt, messages=messages, tenant=tenant)
+        handle, model = await self._handle(model)
+        deltas = handle.options(stream=True).complete_stream.remote(model, params, prompt=prompt, messages=messages, tenant=tenant)
         try:
             with self._replica_errors():
                 async for delta in deltas:
@@ -105,20 +112,21 @@ class Router:
             state = states.get(base, BaseState(True))
             status = "ready" if state.running else "unavailable"
             out.append(ModelInfo(base, "base", None, "hot" if state.running else "cold", None, status))
-            out += [ModelInfo(model, kind, base, held.get(key, "cold"), labels, status, form)
-                    for model, kind, key, labels, form in variants]
+            out += [ModelInfo(model, kind, base, held.get(key, "cold"), labels, status, form, alias_of)
+                    for model, kind, key, labels, form, alias_of in variants]
         return out
 
-    def _listing(self) -> dict[str, list[tuple[str, str, str, list[str] | None, str]]]:
-        """(model, kind, entry key, labels, form) of every variant, by served base: built once per snapshot, not per
-        request, so that /v1/models and /metrics stay linear in the variants however many bases there are."""
+    def _listing(self) -> dict[str, list[tuple[str, str, str, list[str] | None, str, str | None]]]:
+        """(model, kind, entry key, labels, form, the entry's model an alias names) of every variant model, by the
+        base that answers it: built once per snapshot, not per request, so that /v1/models and /metrics stay
+        linear in the variants however many bases there are."""
         snapshot = self.catalog.snapshot
         if self._listed is not snapshot:
             by_base: dict[str, list] = {base: [] for base in self.handles}
-            for v in snapshot.manifest.variants.values():
+            for model, v, own in snapshot.served():
                 if v.base in by_base:
-                    by_base[v.base] += [(model, v.kind, snapshot.key(v.name), labels, v.form_of(model))
-                                        for model, labels in v.models().items()]
+                    by_base[v.base].append((model, v.kind, snapshot.key(v.name), v.models()[own], v.form_of(own),
+                                            own if own != model else None))
             self._listed, self._by_base = snapshot, by_base
         return self._by_base
 

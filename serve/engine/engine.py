@@ -42,11 +42,15 @@ class Engine:
     """Results are plain Python values (lists, dataclasses), so they cross process boundaries as they are."""
 
     def __init__(self, config: ServeConfig, bases: list[str] | None = None, memory_target: int | None = None,
-                 on_fetch: Callable[[BaseEntry | VariantEntry, int, int], None] | None = None):
+                 on_fetch: Callable[[BaseEntry | VariantEntry, int, int], None] | None = None,
+                 aliases: bool = True):
         """memory_target: bytes the engine may hold in all (a replica's Ray memory); None: the memory_target_mib of
         its bases' deployments. Only `neuzip_decoded_mib: auto` reads it. on_fetch: told how far a fetch of an
-        entry from object storage has come (StoreView.on_fetch), the bases' included."""
+        entry from object storage has come (StoreView.on_fetch), the bases' included. aliases=False: model ids
+        name stored entries, as a router sends them, its aliases resolved (a replica runs the entry a name
+        pointed to when the router resolved it, even if an upgrade has switched the name since)."""
         self.config = config
+        self.aliases = aliases
         self.catalog = Catalog(config.store, config.store_refresh_s)
         self.catalog.files.on_fetch = on_fetch
         self._followed = self.catalog.snapshot
@@ -123,7 +127,7 @@ class Engine:
 
     async def resolve(self, model: str) -> tuple[str, str | None, str | None]:
         """model id -> (base, the model id again or None for the base itself, its entry's key or None)."""
-        snapshot, base, variant = await self.catalog.resolve(model)
+        snapshot, base, variant = await self.catalog.resolve(model, self.aliases)
         self._follow()
         if base not in self.bases:
             raise VariantNotFound(f"model '{model}' is not served here (its base '{base}' is another replica's)")
@@ -151,10 +155,9 @@ class Engine:
     def model_infos(self) -> list[ModelInfo]:
         snapshot = self._follow()
         out = [ModelInfo(n, "base", None, "hot", None) for n in self.bases]
-        out += [ModelInfo(model, v.kind, v.base, self.cache.residency(snapshot.key(v.name)), labels,
-                          form=v.form_of(model))
-                for v in snapshot.manifest.variants.values() if v.base in self.bases
-                for model, labels in v.models().items()]
+        out += [ModelInfo(model, v.kind, v.base, self.cache.residency(snapshot.key(v.name)), v.models()[own],
+                          form=v.form_of(own), alias_of=own if own != model else None)
+                for model, v, own in snapshot.served() if v.base in self.bases]
         return out
 
     async def models(self) -> list[ModelInfo]:

@@ -108,3 +108,5 @@ class ModelInfo:
     """"unavailable": its base has no running replica (its requests get 503 saying why)."""
     form: str | None = None
     """How a variant is held: its kind, or what `store add --kind auto` chose and measured."""
+    alias_of: str | None = None
+    """The entry's model that answers this name, when the name is an alias (`manyfold store upgrade`)."""

@@ -286,12 +286,14 @@ class ModelCard(BaseModel):
     """"unavailable": its base has no running replica now (requests to it get 503 with the reason)."""
     form: str | None = None
     """A variant's form: its kind, or what `store add --kind auto` chose ("lora r8 (auto, agreement 99.0%, ...)")."""
+    alias_of: str | None = None
+    """The stored model that answers this name (parent: its base), when an upgrade moved the name there."""
 
     @classmethod
     def of(cls, info) -> "ModelCard":
         """A ModelInfo (serve/engine/types.py, from an engine or the router) as the API shows a model."""
         return cls(id=info.name, kind=info.kind, parent=info.base, residency=info.residency, labels=info.labels,
-                   status=info.status, form=info.form)
+                   status=info.status, form=info.form, alias_of=info.alias_of)
 
 
 class ModelList(BaseModel):

@@ -155,17 +155,18 @@ class Catalog:
             return self.snapshot
         return await asyncio.wrap_future(self._thread.submit(self._refresh, self._clock(), key))
 
-    async def resolve(self, model: str) -> tuple[Snapshot, str, str | None]:
-        """model id -> (the snapshot that has it, its base, the model id again or None for a base), looking once
-        more before a 404 unless the snapshot's look began less than refresh_s ago (the negative cache)."""
+    async def resolve(self, model: str, aliases: bool = True) -> tuple[Snapshot, str, str | None]:
+        """model id -> (the snapshot that has it, its base, the id of the entry's model that answers it or None
+        for a base; ManifestView.resolve), looking once more before a 404 unless the snapshot's look began less
+        than refresh_s ago (the negative cache)."""
         snapshot = self.snapshot
         try:
-            return snapshot, *snapshot.resolve(model)
+            return snapshot, *snapshot.resolve(model, aliases)
         except VariantNotFound:
             if self._clock() - self._looked < self.refresh_s:
                 raise
             snapshot = await self.refresh()
-            return snapshot, *snapshot.resolve(model)
+            return snapshot, *snapshot.resolve(model, aliases)
 
     # ---- writing
     async def write(self, change: Callable[[StoreView], T]) -> T:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, StringConstraints, TypeAdapter,
-                      ValidationError, field_validator)
+                      ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticCustomError, from_json
 
 from serve.errors import ArtifactError, BadRequest, first_error
@@ -329,6 +329,18 @@ class StoreManifest(StrictModel):
     tenants: dict[Name, TenantEntry] = {}
     """Tenants added at run time (POST /v1/admin/tenants), seen by every process that follows the store; a config
     file's tenants of the same name are replaced by these."""
+    aliases: dict[Name, Name] = {}
+    """A model name -> the variant entry that answers it (`manyfold store upgrade`: a tenant's adapter moved to a
+    new base keeps the name clients call). An alias shadows the entry of its own name, if any, and is changed in
+    one manifest write, so every process switches a name at once (within store_refresh_s); removing it points
+    the name back."""
+
+    @model_validator(mode="after")
+    def _aliases_name_variants(self) -> "StoreManifest":
+        for name, target in self.aliases.items():
+            if target not in self.variants or target in self.aliases:
+                raise ValueError(f"alias '{name}' points at '{target}', which is no variant (or is an alias)")
+        return self
 
     @field_validator("variants", mode="before")
     @classmethod

@@ -50,20 +50,43 @@ class ManifestView:
     """Where the store is, as messages name it."""
     manifest: StoreManifest
 
-    def resolve(self, model: str) -> tuple[str, str | None]:
-        """A model id -> (its base, the model id again, or None for a base); unknown ids suggest close ones."""
+    def resolve(self, model: str, aliases: bool = True) -> tuple[str, str | None]:
+        """A model id -> (its base, the id of the entry's model that answers it: the model id again, or the one
+        an alias points it at; None for a base); unknown ids suggest close ones. aliases=False: `model` names an
+        entry's model as it is stored (one a router resolved already), even where an alias shadows the name."""
         if model in self.manifest.bases:
             return model, None
+        if aliases:
+            model = self.aliased(model)
         entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
         if entry is not None and model in entry.models():
             return entry.base, model
-        known = [*self.manifest.bases, *(m for v in self.manifest.variants.values() for m in v.models())]
+        known = [*self.manifest.bases, *(m for m, _, _ in self.served())]
         close = difflib.get_close_matches(model, known, n=3)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise VariantNotFound(f"model '{model}' does not exist{hint}")
 
+    def aliased(self, model: str) -> str:
+        """The model id an alias (StoreManifest.aliases) turns `model` into, or model: an alias of an EMR group
+        names its tasks too ("<alias>/<task>")."""
+        name, sep, member = model.partition(MEMBER_SEP)
+        target = self.manifest.aliases.get(name)
+        return model if target is None else f"{target}{sep}{member}"
+
+    def served(self) -> list[tuple[str, VariantEntry, str]]:
+        """(the model id clients call, the entry that answers it, that entry's own id for it) of every variant
+        model: each entry's models under their own names but where an alias of the name shadows them, then each
+        alias's."""
+        aliases = self.manifest.aliases
+        out = [(m, v, m) for v in self.manifest.variants.values() if v.name not in aliases for m in v.models()]
+        for name, target in aliases.items():
+            entry = self.manifest.variants[target]
+            out += [(name + m[len(target):], entry, m) for m in entry.models()]
+        return out
+
     def labels(self, model: str) -> list[str] | None:
         """A served variant's class labels (None: not a classifier, or a base)."""
+        model = self.aliased(model)
         entry = self.manifest.variants.get(model.split(MEMBER_SEP, 1)[0])
         return entry.models().get(model) if entry is not None else None
 
@@ -208,6 +231,10 @@ class StoreView(ManifestView):
         """The manifest without entry `name` (a base only once no variant needs it); -> (it, its section, its
         directory)."""
         if name in manifest.variants:
+            pointing = sorted(a for a, target in manifest.aliases.items() if target == name)
+            if pointing:
+                raise BadRequest(f"'{name}' answers for {', '.join(repr(a) for a in pointing)} (an alias; "
+                                 f"`manyfold store upgrade --rollback` points it back)")
             variants = {k: v for k, v in manifest.variants.items() if k != name}
             return manifest.model_copy(update={"variants": variants}), "variants", manifest.variants[name].directory
         if name in manifest.bases:

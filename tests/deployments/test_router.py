@@ -24,6 +24,10 @@ class _Replica:
         self.base, self.fails, self.calls = base, fails, []
         self.add_variants = _Remote(self._add_variants)
 
+    def options(self, **options) -> "_Replica":
+        self.routed = options["multiplexed_model_id"]
+        return self
+
     async def _add_variants(self, items):
         self.calls.append(items)
         if self.fails:
@@ -35,6 +39,9 @@ class _Health:
     async def states(self):
         return {}
 
+    async def require(self, base: str, model: str) -> None:
+        pass
+
 
 class _Board:
     def __init__(self, held: dict[str, str] | None = None):
@@ -45,13 +52,29 @@ class _Board:
         return self.held
 
 
-def _store(root, variants: dict[str, str]) -> Store:
+def _store(root, variants: dict[str, str], aliases: dict[str, str] | None = None) -> Store:
     base = {"architecture": "Tiny", "params": 1, "fingerprint": "0" * 64, "files": []}
     write_manifest(root, StoreManifest(
         bases={b: BaseEntry(name=b, **base) for b in ("a", "b")},
         variants={n: LoraVariantEntry(name=n, base=b, architecture="Tiny", raw_bytes=1, rank=1, target_modules=["m"],
-                                      files=[]) for n, b in variants.items()}))
+                                      files=[]) for n, b in variants.items()}, aliases=aliases or {}))
     return Store(root)
+
+
+def test_an_alias_is_listed_under_the_base_that_answers_it_and_routed_to_the_entry_it_names(tmp_path):
+    """An upgrade switched t1 to its adapter on base b: /v1/models lists t1 under b (its entry on a, shadowed, is
+    not listed), and a request for t1 goes to b's replicas as the entry t1.b, which they run whatever the name
+    points at by the time it arrives."""
+    store = _store(tmp_path, {"t1": "a", "t1.b": "b", "t2": "a"}, aliases={"t1": "t1.b"})
+    replicas = {"a": _Replica("a"), "b": _Replica("b")}
+    router = Router(Catalog(tmp_path, refresh_s=0), replicas, _Board(), _Health())
+    models = asyncio.run(router.models())
+    assert [(m.name, m.base, m.alias_of) for m in models] == [("a", None, None), ("t2", "a", None),
+                                                               ("b", None, None), ("t1.b", "b", None),
+                                                               ("t1", "b", "t1.b")]
+    handle, model = asyncio.run(router._handle("t1"))
+    assert handle is replicas["b"] and model == "t1.b"
+    assert handle.routed == f"t1.b@{store.manifest.variants['t1.b'].revision}"
 
 
 def test_models_are_listed_per_base_and_rebuilt_only_when_the_manifest_changes(tmp_path):
