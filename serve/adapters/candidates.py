@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from serve.adapters.generation_schedule import BATCH, TEMPERATURES, AttemptPlan, Sampling, sample_inputs, shown_seeds
-from serve.adapters.load import load_lm, writing_dtype
+from serve.adapters.load import load_lm, on_device, writing_dtype
 
 SEP = "###"
 
@@ -49,7 +49,7 @@ def generate(model, tok, prompts: list[str], max_new_tokens: int, temperature: f
     """Each prompt's continuation, sampled at `temperature` (greedy where None); with `stop`, a row ends once it
     has written it (the batch, once all have)."""
     torch.manual_seed(seed)
-    enc = tok(prompts, return_tensors="pt", padding=True)
+    enc = on_device(tok(prompts, return_tensors="pt", padding=True), model)
     kwargs = ({"do_sample": False} if temperature is None else
               {"do_sample": True, "temperature": temperature, "top_p": 0.95})
     if stop is not None:

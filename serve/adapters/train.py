@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from serve.adapters.data import TrainExample, collate, read_jsonl, tokenize_examples
-from serve.adapters.load import peft_quietly, with_adapter
+from serve.adapters.load import compute_device, model_dtype, on_device, peft_quietly, with_adapter
 from serve.adapters.validation import EarlyStopping
 from serve.errors import ConfigError
 from serve.store.writer import atomic_dir
@@ -52,7 +52,8 @@ def init_lora_weights(init: str) -> str | bool:
 
 def make_peft_model(base_dir: str | Path, init: str, rank: int, alpha: float | None = None,
                     target_modules: str | list[str] = "all-linear", seed: int = 0):
-    """(peft model, tokenizer): the base in fp32 with a fresh adapter, scale s = alpha / rank (alpha = rank).
+    """(peft model, tokenizer): the base (fp32 on a CPU, bf16 on a GPU: load.model_dtype) with a fresh adapter,
+    scale s = alpha / rank (alpha = rank).
 
     A PiSSA init replaces each target W by W_res = W - s B0 A0 with B0 A0 its top-rank SVD part, so the
     model's output is unchanged before training.
@@ -67,18 +68,18 @@ def make_peft_model(base_dir: str | Path, init: str, rank: int, alpha: float | N
     config = LoraConfig(r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=target_modules,
                         init_lora_weights=init_lora_weights(init), lora_dropout=0.0, task_type="CAUSAL_LM")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=model_dtype()).to(compute_device())
     torch.manual_seed(seed)  # Kaiming A of a LoRA init, the random projections of pissa_niter_K
     with peft_quietly():
         return get_peft_model(model, config), tokenizer
 
 
 def adapter_model(base_dir: str | Path, adapter_dir: str | Path):
-    """(peft model, tokenizer): the base in fp32 with the LoRA adapter at adapter_dir, trainable from where it
+    """(peft model, tokenizer): the base (load.model_dtype) with the LoRA adapter at adapter_dir, trainable from where it
     is (a Trans-LoRA student that starts from the source adapter, where it fits the target)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=model_dtype()).to(compute_device())
     return with_adapter(model, adapter_dir, trainable=True), AutoTokenizer.from_pretrained(base_dir)
 
 
@@ -112,7 +113,7 @@ def train_steps(model, data: Iterator[dict[str, torch.Tensor]], steps: int, lr: 
     with tqdm(total=steps, desc=desc, disable=progress is not None) as bar:
         for step in range(1, steps + 1):
             step_lr = schedule.get_last_lr()[0]
-            batch = next(data)
+            batch = on_device(next(data), model)
             loss = model(**batch).loss if loss_of is None else loss_of(model, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

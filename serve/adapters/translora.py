@@ -50,7 +50,7 @@ from serve.adapters.candidates import generate, generate_candidates, synthetic_i
 from serve.adapters.data import PromptExample, TextExample, TrainExample, parse_example
 from serve.adapters.distill import Distillation, Teacher, same_tokens
 from serve.adapters.generation_schedule import AttemptPlan, Sampling, label_groups
-from serve.adapters.load import load_lm
+from serve.adapters.load import load_lm, on_device
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.student_start import student_start
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, copy_unchanged
@@ -125,7 +125,8 @@ class Discriminator:
     @torch.no_grad()
     def margins(self, inputs: list[str]) -> torch.Tensor:
         """The next-token logit of YES minus NO after each input's question: [len(inputs)]."""
-        enc = self.tok([disc_prompt(x, self.name) for x in inputs], return_tensors="pt", padding=True)
+        enc = on_device(self.tok([disc_prompt(x, self.name) for x in inputs], return_tensors="pt", padding=True),
+                        self.model)
         logits = next_token_logits(self.model, enc)
         return logits[:, self.yes] - logits[:, self.no]
 

@@ -17,6 +17,7 @@ import torch
 
 from serve.adapters.data import IGNORE, PromptExample, TrainExample, collate, parse_example, tokenize_examples
 from serve.adapters.generation_schedule import label_groups
+from serve.adapters.load import on_device
 from serve.errors import ArtifactError
 from serve.variants.lora import TRANSLORA_DIR
 
@@ -78,13 +79,13 @@ def completion_nll(model, tok, examples: list[TrainExample], max_length: int = 1
     counts: list[int] = []
     ends: list[float] = []
     for i in range(0, len(features), batch):
-        b = collate(features[i:i + batch], pad)
+        b = on_device(collate(features[i:i + batch], pad), model)
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # [rows, t, vocab]
         labels = b["labels"][:, 1:]  # [rows, t-1]
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels, ignore_index=IGNORE,
                                                 reduction="none")  # [rows, t-1], 0 where ignored
         scored = labels != IGNORE  # [rows, t-1]
-        last = (scored * torch.arange(scored.shape[1])).argmax(dim=1)  # [rows]
+        last = (scored * torch.arange(scored.shape[1], device=scored.device)).argmax(dim=1)  # [rows]
         sums += nll.sum(dim=1).tolist()
         counts += scored.sum(dim=1).tolist()
         ends += nll.gather(1, last[:, None])[:, 0].tolist()
