@@ -1,14 +1,17 @@
 """Where a Trans-LoRA student starts: from the source adapter where it fits the target (the same tokenizer and
-depth, every adapted module's shape), from the source adapter projected onto the target's layers where only the
-depth differs and the projection's validation loss is lower than the target alone's, else from a fresh
-adapter. The report says which (TransferReport.started_from).
+depth, every adapted module's shape), from the source adapter projected onto the target where only the depth or
+the MLPs' width differ and the projection's validation loss is lower than the target alone's, else from a fresh
+adapter: chosen per target by what the projection measures, not by how the target was built. The report says
+which (TransferReport.started_from).
 
 The projection: each source layer is matched with a target layer, in order (a layer inserted, or several,
 between them), by how alike their weights are: the sum over the layer's linear modules of the cosine similarity
 of the two weight matrices, maximised over every order-keeping match (dynamic programming). A base grown from the
 source by inserting layers keeps its old layers' weights, or moves them little by training, so the match finds
 where each went; the adapter's tensors are then renamed to their layers' new numbers. Target layers matched by no
-source layer get no adapter.
+source layer get no adapter. Onto wider modules (an MLP of more neurons), each adapted module's A gets zero
+columns for the new inputs and B zero rows for the new outputs: the new neurons' share of the change is zero,
+what the adapter changed of the old ones is kept.
 """
 
 import json
@@ -50,26 +53,33 @@ def student_start(source_base: str | Path, adapter_dir: str | Path, target_base:
         with tempfile.TemporaryDirectory() as scratch:
             projected = _projection(source_base, adapter_dir, target_base, held, Path(scratch) / "projected")
             if projected is not None:
-                yield projected[0], stored, f"the source adapter projected onto the target's layers ({projected[1]})"
+                yield projected[0], stored, f"the source adapter projected onto the target ({projected[1]})"
             else:
                 yield None, rank, f"{init} (the source adapter does not fit the target: {unfit})"
 
 
 def _projection(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path,
                 held: list[PromptExample], out: Path) -> tuple[Path, str] | None:
-    """The source adapter projected onto the target's layers, where only the depth keeps it from fitting and the
-    projection's validation loss is lower than the target alone's; with how many layers moved."""
-    if same_tokens(source_base, target_base) is not None or other_depth(source_base, target_base) is None:
+    """The source adapter projected onto the target, where only the depth or the MLPs' width keep it from fitting
+    and the projection's validation loss is lower than the target alone's; with what it moved."""
+    if same_tokens(source_base, target_base) is not None:
         return None
-    mapping = layer_map(source_base, target_base)
-    projected = project_adapter(adapter_dir, mapping, out)
-    if unfit_reason(source_base, projected, target_base, depth=False) is not None:
+    projected, done = Path(adapter_dir), []
+    if other_depth(source_base, target_base) is not None:
+        mapping = layer_map(source_base, target_base)
+        projected = project_adapter(projected, mapping, out / "layers")
+        done.append(f"{sum(i != j for i, j in mapping.items())} layers moved")
+    wider = project_width(projected, target_base, out / "width")
+    if wider is not None:
+        projected = wider[0]
+        done.append(f"{wider[1]} modules widened")
+    if not done or unfit_reason(source_base, projected, target_base, depth=False) is not None:
         return None
     target, tok = load_lm(target_base)  # a start needs a lower validation loss only: the guard judges the student
     alone = completion_loss(target, tok, held)
     if not completion_loss(load_lm(target_base, projected)[0], tok, held) < alone - MIN_GAIN:
         return None
-    return projected, f"{sum(i != j for i, j in mapping.items())} moved"
+    return projected, ", ".join(done)
 
 
 def _layers(base: SafetensorsSource) -> dict[int, dict[str, str]]:
@@ -135,3 +145,33 @@ def project_adapter(adapter_dir: str | Path, mapping: dict[int, int], out_dir: s
         config["layers_to_transform"] = [mapping[i] for i in config["layers_to_transform"]]
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def project_width(adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path) -> tuple[Path, int] | None:
+    """The adapter with zero columns of A and zero rows of B where the target's module is wider, in out_dir (a new
+    directory, the adapter's config beside it); with how many modules it widened. None where no module is wider,
+    or where one is missing or narrower (nothing to pad)."""
+    shapes = SafetensorsSource(target_base).shapes()
+    tensors = load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
+    padded, widened = {}, set()
+    for name, t in tensors.items():
+        module, part = re.sub(r"^base_model\.model\.", "", name).rsplit(".lora_", 1)
+        want = shapes.get(f"{module}.weight")
+        if want is None or part not in ("A.weight", "B.weight"):
+            return None
+        axis = 1 if part == "A.weight" else 0  # A [r, in]: its inputs; B [out, r]: its outputs
+        extra = want[axis] - t.shape[axis]
+        if extra < 0:
+            return None
+        if extra:
+            pad = torch.zeros((t.shape[0], extra) if axis else (extra, t.shape[1]), dtype=t.dtype)
+            t = torch.cat([t, pad], dim=axis)
+            widened.add(module)
+        padded[name] = t
+    if not widened:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    save_file(padded, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    shutil.copy2(Path(adapter_dir) / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
+    return out, len(widened)

@@ -32,7 +32,7 @@ from serve.demo import LmTask, finetune_lm_top_layers
 from serve.errors import ConfigError
 from serve.store.writer import atomic_dir
 
-TARGETS = ("neuzip-k0", "new-version", "deeper")
+TARGETS = ("neuzip-k0", "new-version", "deeper", "deeper-5", "wider")
 TARGET_FILE = "target.json"
 NEW_VERSION = LmTask("smollm2-fortunes-v2", "fortunes", steps=300, top_layers=10, batch_size=8, max_len=64,
                      lr=2e-4)
@@ -45,6 +45,14 @@ INSERT_AFTER = (9, 15, 21)
 before it whose output projections (o_proj, down_proj) are zero, so that the grown model computes exactly what
 SmolLM2 does until it is trained, and every layer name from 10 on is shifted (an old adapter's layers.12 lands
 on what was layers.11)."""
+DEEPER_5 = LmTask("smollm2-deeper-5", "fortunes", steps=240, top_layers=32, batch_size=8, max_len=64, lr=2e-4)
+"""SmolLM2 grown to 35 layers (INSERT_AFTER_5: other places, other numbers), then its top 32 layers (every new one
+among them) and final norm trained as DEEPER's."""
+INSERT_AFTER_5 = (2, 8, 14, 20, 26)
+WIDER = LmTask("smollm2-wider", "fortunes", steps=240, top_layers=30, batch_size=8, max_len=64, lr=2e-4)
+"""SmolLM2 with every MLP widened to WIDER_MLP (widen), then all 30 layers and the final norm trained as DEEPER's."""
+WIDER_MLP = 2048
+"""The widened MLPs' intermediate size (SmolLM2's is 1536)."""
 PPL_TEXTS = 100
 """Held-out texts per corpus for a perplexity (each cut to 128 tokens)."""
 DESCRIPTIONS = {"neuzip-k0": "SmolLM2-135M-Instruct after NeuZip k=0",
@@ -52,7 +60,14 @@ DESCRIPTIONS = {"neuzip-k0": "SmolLM2-135M-Instruct after NeuZip k=0",
                                f"top {NEW_VERSION.top_layers} layers, lr {NEW_VERSION.lr})",
                 "deeper": f"SmolLM2-135M-Instruct grown to 33 layers (one inserted after layers "
                           f"{', '.join(map(str, INSERT_AFTER))}, zero output projections), then its top "
-                          f"{DEEPER.top_layers} layers trained on fortunes ({DEEPER.steps} steps, lr {DEEPER.lr})"}
+                          f"{DEEPER.top_layers} layers trained on fortunes ({DEEPER.steps} steps, lr {DEEPER.lr})",
+                "deeper-5": f"SmolLM2-135M-Instruct grown to 35 layers (one inserted after layers "
+                            f"{', '.join(map(str, INSERT_AFTER_5))}, zero output projections), then its top "
+                            f"{DEEPER_5.top_layers} layers trained on fortunes ({DEEPER_5.steps} steps, lr "
+                            f"{DEEPER_5.lr})",
+                "wider": f"SmolLM2-135M-Instruct with MLPs widened from 1536 to {WIDER_MLP} (new neurons: copies of "
+                         f"existing ones, their down projections zero), then all {WIDER.top_layers} layers trained on "
+                         f"fortunes ({WIDER.steps} steps, lr {WIDER.lr})"}
 
 
 def heldout_texts(corpus: str, n: int = PPL_TEXTS) -> list[str]:
@@ -106,15 +121,57 @@ def new_version_base(work: Path, log: Callable[[str], None] = print) -> Path:
     return _trained_base(smollm2_dir(), work / NEW_VERSION.variant, NEW_VERSION, "new-version", log)
 
 
-def deeper_base(work: Path, log: Callable[[str], None] = print) -> Path:
-    """SmolLM2 grown by INSERT_AFTER, then trained by DEEPER on the fortunes' train split."""
+def deeper_base(work: Path, log: Callable[[str], None] = print, name: str = "deeper") -> Path:
+    """SmolLM2 grown by INSERT_AFTER (deeper-5: INSERT_AFTER_5), then trained by DEEPER (DEEPER_5) on the fortunes'
+    train split."""
     from serve.data.models import smollm2_dir
 
-    grown = work / "smollm2-grown"
+    after, recipe = (INSERT_AFTER, DEEPER) if name == "deeper" else (INSERT_AFTER_5, DEEPER_5)
+    grown = work / ("smollm2-grown" if name == "deeper" else f"smollm2-grown-{len(after)}")
     if not (grown / "config.json").is_file():
         with atomic_dir(grown, replace=True) as stage:
-            grow(smollm2_dir(), stage, INSERT_AFTER)
-    return _trained_base(grown, work / DEEPER.variant, DEEPER, "deeper", log)
+            grow(smollm2_dir(), stage, after)
+    return _trained_base(grown, work / recipe.variant, recipe, name, log)
+
+
+def wider_base(work: Path, log: Callable[[str], None] = print) -> Path:
+    """SmolLM2 widened to WIDER_MLP, then trained by WIDER on the fortunes' train split."""
+    from serve.data.models import smollm2_dir
+
+    widened = work / f"smollm2-mlp{WIDER_MLP}"
+    if not (widened / "config.json").is_file():
+        with atomic_dir(widened, replace=True) as stage:
+            widen(smollm2_dir(), stage, WIDER_MLP)
+    return _trained_base(widened, work / WIDER.variant, WIDER, "wider", log)
+
+
+def widen(base_dir: Path, out_dir: Path, intermediate: int) -> None:
+    """Write base_dir's model with every gated MLP `intermediate` wide: each new neuron a copy of an existing one
+    (its gate and up rows) whose down projection column is zero, so that the model computes what it did."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    old = model.config.intermediate_size
+    if intermediate <= old:
+        raise ConfigError(f"widen to {intermediate}: the MLPs are {old} wide already")
+    copies = torch.arange(intermediate - old) % old
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        for name in ("gate_proj", "up_proj"):
+            w = getattr(mlp, name).weight.data
+            setattr(mlp, name, _linear(torch.cat([w, w[copies]])))
+        down = mlp.down_proj.weight.data
+        mlp.down_proj = _linear(torch.cat([down, torch.zeros(down.shape[0], intermediate - old)], dim=1))
+    model.config.intermediate_size = intermediate
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out_dir)
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    """A bias-free linear layer holding `weight` [out, in]."""
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight.data = weight.contiguous()
+    return layer
 
 
 def grow(base_dir: Path, out_dir: Path, insert_after: tuple[int, ...]) -> None:
@@ -171,8 +228,10 @@ def target_base(name: str, work: Path, log: Callable[[str], None] = print) -> Pa
         return neuzip_k0_base(work)
     if name == "new-version":
         return new_version_base(work, log)
-    if name == "deeper":
-        return deeper_base(work, log)
+    if name in ("deeper", "deeper-5"):
+        return deeper_base(work, log, name)
+    if name == "wider":
+        return wider_base(work, log)
     raise ConfigError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
 
 

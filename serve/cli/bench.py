@@ -117,7 +117,8 @@ def _add_translora(bench: argparse._SubParsersAction) -> None:
                                    "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
     bt.add_argument("--seeds", type=int, default=3, help="runs per configuration (seeds 0..N-1)")
     bt.add_argument("--tasks", help="a subset of spam,headlines,tweets, joined by commas (default: all)")
-    bt.add_argument("--targets", help="a subset of neuzip-k0,new-version,deeper, joined by commas (default: all)")
+    bt.add_argument("--targets", help="a subset of neuzip-k0,new-version,deeper,deeper-5,wider, joined by commas "
+                                      "(default: all)")
     bt.add_argument("--no-inits", action="store_true", help="skip PiSSA against LoRA")
     bt.add_argument("--no-unfiltered", action="store_true", help="skip the transfer without the discriminator's "
                     "filter (a third of the time; --ablation measures the filter)")

@@ -44,7 +44,8 @@ def test_the_new_version_is_built_once_per_recipe(builds, tmp_path, monkeypatch,
 
 
 def test_unknown_names_are_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="^unknown target 'v3'; known: neuzip-k0, new-version, deeper$"):
+    with pytest.raises(ConfigError, match="^unknown target 'v3'; known: neuzip-k0, new-version, deeper, deeper-5, "
+                                          "wider$"):
         targets.target_base("v3", tmp_path)
     with pytest.raises(ConfigError, match="^unknown corpus 'poems'; known: fortunes, news, tweets$"):
         targets.heldout_texts("poems")
@@ -75,3 +76,31 @@ def test_the_deeper_target_grows_once_and_trains_the_grown_model(builds, tmp_pat
     base = targets.deeper_base(tmp_path / "work", log=lambda m: None)
     assert targets.deeper_base(tmp_path / "work", log=lambda m: None) == base
     assert grown_by == [targets.INSERT_AFTER] and builds == [targets.DEEPER]
+
+
+def test_a_widened_base_computes_what_its_source_does(tmp_path):
+    source = write_tiny_causal(tmp_path / "source", layers=2)
+    old = AutoModelForCausalLM.from_pretrained(source).eval()
+    width = old.config.intermediate_size
+    targets.widen(source, tmp_path / "wider", width + 24)
+    new = AutoModelForCausalLM.from_pretrained(tmp_path / "wider").eval()
+    assert new.config.intermediate_size == width + 24
+    assert new.state_dict()["model.layers.1.mlp.down_proj.weight"].shape[1] == width + 24
+    ids = torch.tensor([[1, 5, 9, 4, 7, 3]])
+    with torch.no_grad():
+        assert torch.allclose(new(input_ids=ids).logits, old(input_ids=ids).logits, atol=1e-6)
+    with pytest.raises(ConfigError, match="wide already"):
+        targets.widen(source, tmp_path / "narrower", width)
+
+
+def test_the_new_targets_grow_and_widen_once_each_and_train_what_they_built(builds, tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(targets, "grow", lambda base, out, after: (made.append(after),
+                                                                    (Path(out) / "config.json").write_text("{}")))
+    monkeypatch.setattr(targets, "widen", lambda base, out, width: (made.append(width),
+                                                                     (Path(out) / "config.json").write_text("{}")))
+    for _ in range(2):
+        targets.target_base("deeper-5", tmp_path / "work", log=lambda m: None)
+        targets.target_base("wider", tmp_path / "work", log=lambda m: None)
+    assert made == [targets.INSERT_AFTER_5, targets.WIDER_MLP] and builds == [targets.DEEPER_5, targets.WIDER]
+
