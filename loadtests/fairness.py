@@ -219,7 +219,8 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
 
 
 def engine_counters(url: str) -> dict[str, float]:
-    """The server's generation counters now (/metrics): steps, their decode and prompt tokens, step seconds."""
+    """The server's generation counters now (/metrics): steps, their decode and prompt tokens, step seconds, rows
+    parked for another tenant's."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -230,6 +231,8 @@ def engine_counters(url: str) -> dict[str, float]:
             elif s.name == "manyfold_generation_step_tokens_total":
                 key = f"{s.labels['kind']}_tokens"
                 out[key] = out.get(key, 0.0) + s.value
+            elif s.name == "vllm:num_preemptions_total":
+                out["preemptions"] = out.get("preemptions", 0.0) + s.value
             elif s.name == "manyfold_engine_seconds_total" and s.labels["part"] in ("step", "scheduling"):
                 out[f"{s.labels['part']}_s"] = s.value
     return out
@@ -243,7 +246,8 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {"steps": int(d.get("steps", 0)), "decode_per_step": round(d.get("decode_tokens", 0) / steps, 2),
             "prompt_per_step": round(d.get("prompt_tokens", 0) / steps, 2),
             "step_ms": round(1e3 * d.get("step_s", 0) / steps, 1),
-            "between_steps_ms": round(1e3 * d.get("scheduling_s", 0) / steps, 1)}
+            "between_steps_ms": round(1e3 * d.get("scheduling_s", 0) / steps, 1),
+            "preemptions": int(d.get("preemptions", 0))}
 
 
 def main(argv: list[str] | None = None) -> dict:
