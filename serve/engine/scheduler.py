@@ -8,7 +8,7 @@ running generation, is the fairness policy's (serve/engine/fairness.py: by tenan
 come, first served); each row carries its tenant. A row whose variant is on the fast tier is held and dispatched at
 once; any other is acquired in its own task (a load, or a promotion from the cpu tier), so it never holds up
 the rest. Classify and embed rows of one gather and base are one forward; generate rows join their base's one
-running generation between decode steps.
+running generation between decode steps (serve/engine/generating.py).
 
 Supervised: whatever raises (an acquisition, an attach, a prefill, a decode step, closing a batch, a forward),
 only the rows that step touched fail, each with RowFailed naming its model and the stage, and the scheduler goes
@@ -22,25 +22,17 @@ import time
 from collections import Counter
 from collections.abc import Coroutine
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 from serve.config import BatchConfig
 from serve.engine.fairness import Fairness, FairQueue
-from serve.engine.rows import Forwards, GenerationBatch, Holds, Op, Row, Step, row_error
+from serve.engine.generating import Generating, Generations
+from serve.engine.rows import Forwards, Holds, Op, Row, row_error
 from serve.engine.stats import BATCH_BUCKETS, Distribution, Latencies, Seconds
 from serve.engine.types import Tenant
 from serve.errors import ManyfoldError, Overloaded
 
 log = logging.getLogger("manyfold.engine")
-
-@dataclass
-class _Generating:
-    """A base's running generation: its batch, the rows in it, and rows waiting to join."""
-
-    batch: GenerationBatch
-    pending: list[Row] = field(default_factory=list)
-    running: list[Row] = field(default_factory=list)
 
 
 class Scheduler:
@@ -65,15 +57,15 @@ class Scheduler:
         given back are not released, so the rows out stay bounded."""
         self._worker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._generating: dict[str, _Generating] = {}
         self._open: Counter[str] = Counter()
         """Rows submitted and not yet answered, by base."""
         self.preemptions: Counter[str] = Counter()
-        """Running rows parked for another tenant's (_preempt), by base."""
+        """Running rows parked for another tenant's (Generations._preempt), by base."""
         self.latencies: dict[str, Latencies] = {}
         """By base: each answered request's time to first token, between tokens, end to end."""
         self._progress_at = time.monotonic()
         """When a row was last answered or a generation last stepped (or work arrived at an idle scheduler)."""
+        self._generations = self._new_generations()
 
     @property
     def queue_depth(self) -> int:
@@ -144,14 +136,22 @@ class Scheduler:
         another, whose rows the old loop could never serve). A loop that ended is restarted on the same queue."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._loop, self._worker, self._generating, self._open = loop, None, {}, Counter()
+            self._loop, self._worker, self._open = loop, None, Counter()
             self.fairness = Fairness(self.config.fairness)
+            self._generations = self._new_generations()
             self._queue = FairQueue(self.fairness, maxsize=self.config.max_queue)
             self._in_flight = asyncio.Semaphore(self._permits)
             self._out = self._borrowed = 0
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._gather_loop())
             self._worker.add_done_callback(self._supervise)
+
+    def _new_generations(self) -> Generations:
+        """The running generations of this loop, fed by this scheduler and answering their rows through it."""
+        return Generations(self.config, self.forwards, self.compute, self.fairness, latencies=self.latencies,
+                           batch_sizes=self.batch_sizes, seconds=self.seconds, preemptions=self.preemptions,
+                           let_in=self._let_in, pull=self._pull, spawn=self._spawn, finish=self._finish,
+                           fail=self._fail, shut_out=self._shut_out, stepped=self._stepped)
 
     def _supervise(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -262,25 +262,12 @@ class Scheduler:
             if r.cancelled:
                 self._finish(r)
             elif r.op == "generate":
-                self._join_generation(r)
+                self._generations.join(r)
             else:
                 self.fairness.admit(r)
                 groups.setdefault((r.op, r.base), []).append(r)
         for group in groups.values():
             self._spawn(self._run_group(group))
-
-    def _join_generation(self, row: Row) -> None:
-        running = self._generating.get(row.base)
-        if running is None:
-            try:
-                batch = self.forwards.generation(row.base)
-            except Exception as e:
-                log.exception("starting a generation on base '%s' failed", row.base)
-                self._fail(row, "starting a generation", e)
-                return
-            running = self._generating[row.base] = _Generating(batch)
-            self._spawn(self._run_generation(row.base, running))
-        running.pending.append(row)
 
     # ---- resolving rows
     def _finish(self, row: Row, result: Any = None, error: BaseException | None = None) -> None:
@@ -340,34 +327,10 @@ class Scheduler:
         finally:
             self._shut_out(rows)
 
-    async def _run_generation(self, base: str, g: _Generating) -> None:
-        """The base's running generation: admits waiting rows (of any variant), steps, until none are left. A
-        step that raises fails the rows in the batch and those it was admitting; rows still waiting to join
-        start a fresh generation."""
-        new: list[Row] = []
-        ended: float | None = None
-        try:
-            while g.pending or len(g.batch):
-                await self._let_in()
-                gone = self._gone(g)
-                self._pull(base, g)
-                park, new = self._preempt(g)
-                new += self._next_rows(g)
-                if ended is not None:
-                    self.seconds.add("scheduling", time.perf_counter() - ended)
-                step = await self._loop.run_in_executor(self.compute, g.batch.run, new, gone, park)
-                ended = time.perf_counter()
-                self._progress_at = time.monotonic()
-                self._after_step(g, new, step)
-                new = []
-            self._retire(base, g)
-            await self._loop.run_in_executor(self.compute, g.batch.close)
-        except Exception as e:
-            log.exception("a generation step on base '%s' failed", base)
-            await self._abandon(base, g, new, e)
-        finally:
-            self._retire(base, g)
-            self._shut_out(g.running + new + g.pending)
+    # ---- feeding the running generations (serve/engine/generating.py)
+    def _stepped(self) -> None:
+        """A generation stepped: progress, as an answered row is (stalled_s)."""
+        self._progress_at = time.monotonic()
 
     async def _let_in(self) -> None:
         """Before a step's rows are chosen: the rows that permits given back by the last step let out of the queue
@@ -379,32 +342,12 @@ class Scheduler:
                 return
             await asyncio.sleep(0)
 
-    def _retire(self, base: str, g: _Generating) -> None:
-        """g stops taking rows: those dispatched from now on start a new batch."""
-        if self._generating.get(base) is g:
-            del self._generating[base]
-
-    def _gone(self, g: _Generating) -> list[Row]:
-        """Rows whose callers have gone: answered now, dropped from the batch at this step."""
-        gone = [r for r in g.running if r.cancelled] + [r for r in g.pending if r.cancelled and r.parked]
-        for r in gone + [r for r in g.pending if r.cancelled and not r.parked]:
-            self._finish(r)
-        g.running = [r for r in g.running if not r.cancelled]
-        g.pending = [r for r in g.pending if not r.cancelled]
-        return gone
-
-    def _crowded(self, g: _Generating) -> Counter[str] | None:
-        """VTC with every slot of the batch taken: the running rows by tenant (None: no row is to be parked)."""
-        if self.fairness.policy != "vtc" or len(g.batch) < self.config.max_batch_size:
-            return None
-        return Counter(r.tenant for r in g.running)
-
-    def _pull(self, base: str, g: _Generating) -> None:
+    def _pull(self, base: str, g: Generating, holding: Counter[str]) -> None:
         """With every permit out (a flood's rows waiting to join hold them all), rows still in the queue that
-        would take a parked row's slot (_preempt) are taken out of it past the permits, at most max_batch_size
-        borrowed at once; they reach g.pending through admission like any row."""
-        holding = self._crowded(g)
-        if holding is None or not self._in_flight.locked():
+        would take a parked row's slot (Generations._preempt; holding: g's running rows by tenant, its batch full)
+        are taken out of it past the permits, at most max_batch_size borrowed at once; they reach g.pending
+        through admission like any row."""
+        if not self._in_flight.locked():
             return
         pulled, weights = [], {r.tenant: r.weight for r in g.running}
         for row in self._queue.heads():
@@ -420,90 +363,6 @@ class Scheduler:
         if pulled:
             self._admit(pulled)
 
-    def _preempt(self, g: _Generating) -> tuple[list[Row], list[Row]]:
-        """VTC, with every slot of the batch taken: running rows parked (DecodeBatch.run) for rows of tenants
-        holding fewer (Fairness.preempt); those rows join in their place. -> (rows to park, rows to join)."""
-        holding = self._crowded(g)
-        if holding is None:
-            return [], []
-        park, new = self.fairness.preempt(g.running, g.pending, holding)
-        for row in new:
-            g.pending.remove(row)
-            self.fairness.admit(row)
-        return park, new
-
-    def _next_rows(self, g: _Generating) -> list[Row]:
-        """The rows that join the batch at this step, in the fairness policy's order."""
-        new, g.pending = self.fairness.take(g.pending, max(0, self.config.max_batch_size - len(g.batch)))
-        return new
-
-    def _after_step(self, g: _Generating, new: list[Row], step: Step) -> None:
-        for r, e in step.failed:
-            if r in g.running:
-                g.running.remove(r)
-            self._fail(r, "its generation", e)
-        waiting = {id(w) for w in step.waiting}
-        joined = [r for r in new if id(r) not in waiting and not r.done]
-        g.running += joined
-        for r in step.parked:
-            g.running.remove(r)
-            r.parked = True
-            self.preemptions[r.base] += 1
-        g.pending = list(step.parked) + list(step.waiting) + g.pending
-        now = time.monotonic()
-        for r in joined:
-            if r.parked:  # resumed: its wait and its prompt were counted when it first joined
-                r.parked = False
-                continue
-            lat = self.latencies.setdefault(r.base, Latencies())
-            lat.queue.observe(now - r.submitted_at)
-            lat.prompt_tokens += len(r.payload[0])
-        if len(g.batch) or step.finished:
-            self.batch_sizes.observe(len(g.batch) + len(step.finished))
-        for row, gen in [*g.batch.rows(), *step.finished]:
-            self._tokens(row, len(gen.token_ids), now)
-        for row, gen in g.batch.rows():
-            if row.stream is not None:
-                row.stream.put_nowait((gen.text, len(gen.token_ids)))
-                row.generation = gen
-        for row, gen in step.finished:
-            if row in g.running:
-                g.running.remove(row)
-            if gen.end_token is not None:  # sampled, so generated, though in neither its tokens nor its text
-                self.latencies.setdefault(row.base, Latencies()).generation_tokens += 1
-            self._finish(row, gen)
-
-    def _tokens(self, row: Row, count: int, now: float) -> None:
-        """A generation row's latencies as its tokens arrive (Latencies.arrived)."""
-        if count > row.tokens_seen:
-            self.fairness.served(row, count - row.tokens_seen)
-            lat = self.latencies.setdefault(row.base, Latencies())
-            lat.arrived(row.tokens_seen, count - row.tokens_seen, now - row.submitted_at, now - row.token_at)
-            lat.generation_tokens += count - row.tokens_seen
-            row.tokens_seen, row.token_at = count, now
-
     def load(self) -> dict[str, dict]:
-        """By base: requests running (in a generation batch) and waiting (every other one not yet answered), and
-        the variants running and waiting to join the batch."""
-        out: dict[str, dict] = {}
-        for base, n in self._open.items():
-            g = self._generating.get(base)
-            running, pending = (g.running, g.pending) if g is not None else ([], [])
-            out[base] = {"running": len(running), "waiting": max(0, n - len(running)),
-                         "running_variants": sorted({r.variant for r in running if r.variant}),
-                         "waiting_variants": sorted({r.variant for r in pending if r.variant})}
-        return out
-
-    async def _abandon(self, base: str, g: _Generating, new: list[Row], e: Exception) -> None:
-        """A step raised: the batch's state is not to be trusted. Its rows fail; rows that only waited to join
-        go to a fresh generation."""
-        self._retire(base, g)
-        try:
-            await self._loop.run_in_executor(self.compute, g.batch.close)
-        except Exception:
-            log.exception("closing the failed generation of base '%s' failed too", base)
-        for r in g.running + new + [r for r in g.pending if r.parked]:  # a parked row's keys went with the batch
-            self._fail(r, "its generation", e)
-        waiting, g.pending = [r for r in g.pending if not r.parked], []
-        for r in waiting:
-            self._join_generation(r)
+        """By base: requests running and waiting, and their variants (Generations.load)."""
+        return self._generations.load(self._open)

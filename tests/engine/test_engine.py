@@ -259,9 +259,9 @@ def test_a_caller_that_leaves_stops_its_row(serving_store):
 
     pieces = run(leave())
     assert all(p.text and p.final is None for p in pieces)
-    assert not eng.scheduler._generating and eng.batch_sizes.count < 100
+    assert not eng.scheduler._generations and eng.batch_sizes.count < 100
     run(cancel())
-    assert not eng.scheduler._generating and eng.batch_sizes.count < 200
+    assert not eng.scheduler._generations and eng.batch_sizes.count < 200
 
 
 @pytest.mark.parametrize("lengths", [[5], [3, 50, 4, 48, 5, 120, 49], [10] * 7, list(range(1, 40))])

@@ -313,3 +313,34 @@ def test_a_flood_holding_every_slot_and_permit_gives_a_slot_to_another_tenant_at
         assert scheduler.preemptions["base"] == 1
     else:
         assert trace.joined["light"] >= 40 and not trace.parked and not scheduler.preemptions
+
+
+def test_no_more_rows_are_parked_than_a_batch_holds():
+    """Parked rows keep their keys and values in host memory: with a batch's worth parked already, no row is
+    parked for another tenant's, however far ahead the tenant holding the most is."""
+    from collections import Counter
+
+    from serve.engine.generating import Generating, Generations
+
+    made = []
+
+    def row(tenant: str, parked: bool = False) -> Row:
+        r = Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=tenant)
+        r.tokens_seen, r.parked, r.seq = 1, parked, len(made)  # decoding; arrived in turn
+        made.append(r)
+        return r
+
+    config = BatchConfig(max_batch_size=SLOTS, fairness="vtc")
+    generations = Generations(config, Forwards(Trace()), None, Fairness("vtc"), latencies={}, batch_sizes=None,
+                              seconds=None, preemptions=Counter(), let_in=None, pull=None, spawn=None, finish=None,
+                              fail=None, shut_out=None, stepped=None)
+    batch = Batch(Trace())
+    heavy = [row("heavy") for _ in range(SLOTS)]
+    batch.running = {r: Generation(prompt_tokens=PROMPT) for r in heavy}
+    light = row("light")
+    g = Generating(batch, pending=[light], running=list(heavy))
+    park, new = generations._preempt(g)
+    assert park == [heavy[-1]] and new == [light]  # below the bound: the light row takes a heavy one's slot
+    other = row("other")
+    g = Generating(batch, pending=[row("heavy", parked=True) for _ in range(SLOTS)] + [other], running=list(heavy))
+    assert generations._preempt(g) == ([], []) and g.pending[-1] is other

@@ -1,0 +1,227 @@
+"""The running generations, one per base: generate rows join their base's running generation between decode steps,
+the fairness policy picks which join and which are parked, and each step's outcome answers the rows it ended.
+Plain asyncio, no torch: the scheduler (serve/engine/scheduler.py) feeds it rows and resolves them; the batch
+itself (serve/engine/generation.py) runs on the compute thread.
+"""
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.config import BatchConfig
+from serve.engine.fairness import Fairness
+from serve.engine.rows import Forwards, GenerationBatch, Row, Step
+from serve.engine.stats import Distribution, Latencies, Seconds
+
+log = logging.getLogger("manyfold.engine")
+
+
+@dataclass
+class Generating:
+    """A base's running generation: its batch, the rows in it, and rows waiting to join."""
+
+    batch: GenerationBatch
+    pending: list[Row] = field(default_factory=list)
+    running: list[Row] = field(default_factory=list)
+
+
+class Generations:
+    """The running generation of each base and the loop that steps it. The scheduler builds one for each event loop
+    it serves, and hands it what the loop asks of the scheduler:
+    - let_in(): before a step's rows are chosen, let the rows that permits given back let out of the queue reach
+      the generation first;
+    - pull(base, g, holding): with g's batch crowded (holding: its running rows by tenant), take rows out of the
+      queue past the permits that would take a parked row's slot; they come back through `join`;
+    - spawn(coro): keep and supervise a task (each base's generation runs in one);
+    - finish(row, result=None, error=None), fail(row, stage, e), shut_out(rows): resolve rows, each exactly once;
+    - stepped(): a generation stepped, which is progress (Scheduler.stalled_s).
+    The counters it adds to (latencies, batch_sizes, seconds, preemptions) are the scheduler's, kept across loops.
+    """
+
+    def __init__(self, config: BatchConfig, forwards: Forwards, compute: Executor, fairness: Fairness, *,
+                 latencies: dict[str, Latencies], batch_sizes: Distribution, seconds: Seconds,
+                 preemptions: Counter[str], let_in: Callable[[], Awaitable[None]],
+                 pull: Callable[[str, Generating, Counter[str]], None], spawn: Callable[[Coroutine], None],
+                 finish: Callable[..., None], fail: Callable[[Row, str, BaseException], None],
+                 shut_out: Callable[[list[Row]], None], stepped: Callable[[], None]):
+        self.config = config
+        self.forwards = forwards
+        self.compute = compute
+        self.fairness = fairness
+        self.latencies = latencies
+        self.batch_sizes = batch_sizes
+        self.seconds = seconds
+        self.preemptions = preemptions
+        self.let_in, self.pull, self.spawn, self.stepped = let_in, pull, spawn, stepped
+        self.finish, self.fail, self.shut_out = finish, fail, shut_out
+        self._generating: dict[str, Generating] = {}
+        """By base: its running generation, which rows dispatched now join."""
+
+    def __len__(self) -> int:
+        """Bases with a running generation."""
+        return len(self._generating)
+
+    def join(self, row: Row) -> None:
+        """A generate row joins its base's running generation, started if there is none."""
+        running = self._generating.get(row.base)
+        if running is None:
+            try:
+                batch = self.forwards.generation(row.base)
+            except Exception as e:
+                log.exception("starting a generation on base '%s' failed", row.base)
+                self.fail(row, "starting a generation", e)
+                return
+            running = self._generating[row.base] = Generating(batch)
+            self.spawn(self._run(row.base, running))
+        running.pending.append(row)
+
+    def load(self, open_rows: Counter[str]) -> dict[str, dict]:
+        """By base (open_rows: rows submitted and not yet answered): requests running (in a generation batch) and
+        waiting (every other one not yet answered), and the variants running and waiting to join the batch."""
+        out: dict[str, dict] = {}
+        for base, n in open_rows.items():
+            g = self._generating.get(base)
+            running, pending = (g.running, g.pending) if g is not None else ([], [])
+            out[base] = {"running": len(running), "waiting": max(0, n - len(running)),
+                         "running_variants": sorted({r.variant for r in running if r.variant}),
+                         "waiting_variants": sorted({r.variant for r in pending if r.variant})}
+        return out
+
+    async def _on_compute(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
+    async def _run(self, base: str, g: Generating) -> None:
+        """The base's running generation: admits waiting rows (of any variant), steps, until none are left. A
+        step that raises fails the rows in the batch and those it was admitting; rows still waiting to join
+        start a fresh generation."""
+        new: list[Row] = []
+        ended: float | None = None
+        try:
+            while g.pending or len(g.batch):
+                await self.let_in()
+                gone = self._gone(g)
+                holding = self._crowded(g)
+                if holding is not None:
+                    self.pull(base, g, holding)
+                park, new = self._preempt(g)
+                new += self._next_rows(g)
+                if ended is not None:
+                    self.seconds.add("scheduling", time.perf_counter() - ended)
+                step = await self._on_compute(g.batch.run, new, gone, park)
+                ended = time.perf_counter()
+                self.stepped()
+                self._after_step(g, new, step)
+                new = []
+            self._retire(base, g)
+            await self._on_compute(g.batch.close)
+        except Exception as e:
+            log.exception("a generation step on base '%s' failed", base)
+            await self._abandon(base, g, new, e)
+        finally:
+            self._retire(base, g)
+            self.shut_out(g.running + new + g.pending)
+
+    def _retire(self, base: str, g: Generating) -> None:
+        """g stops taking rows: those dispatched from now on start a new batch."""
+        if self._generating.get(base) is g:
+            del self._generating[base]
+
+    def _gone(self, g: Generating) -> list[Row]:
+        """Rows whose callers have gone: answered now, dropped from the batch at this step."""
+        gone = [r for r in g.running if r.cancelled] + [r for r in g.pending if r.cancelled and r.parked]
+        for r in gone + [r for r in g.pending if r.cancelled and not r.parked]:
+            self.finish(r)
+        g.running = [r for r in g.running if not r.cancelled]
+        g.pending = [r for r in g.pending if not r.cancelled]
+        return gone
+
+    def _crowded(self, g: Generating) -> Counter[str] | None:
+        """VTC with every slot of the batch taken: the running rows by tenant (None: no row is to be parked)."""
+        if self.fairness.policy != "vtc" or len(g.batch) < self.config.max_batch_size:
+            return None
+        return Counter(r.tenant for r in g.running)
+
+    def _preempt(self, g: Generating) -> tuple[list[Row], list[Row]]:
+        """VTC, with every slot of the batch taken: running rows parked (DecodeBatch.run) for rows of tenants
+        holding fewer (Fairness.preempt); those rows join in their place. At most max_batch_size rows are parked at
+        once, so the host memory their keys and values take stays within one KV store's. -> (rows to park, rows
+        to join)."""
+        holding = self._crowded(g)
+        if holding is None:
+            return [], []
+        park, new = self.fairness.preempt(g.running, g.pending, holding)
+        room = max(0, self.config.max_batch_size - sum(r.parked for r in g.pending))
+        park, new = park[:room], new[:room]
+        for row in new:
+            g.pending.remove(row)
+            self.fairness.admit(row)
+        return park, new
+
+    def _next_rows(self, g: Generating) -> list[Row]:
+        """The rows that join the batch at this step, in the fairness policy's order."""
+        new, g.pending = self.fairness.take(g.pending, max(0, self.config.max_batch_size - len(g.batch)))
+        return new
+
+    def _after_step(self, g: Generating, new: list[Row], step: Step) -> None:
+        for r, e in step.failed:
+            if r in g.running:
+                g.running.remove(r)
+            self.fail(r, "its generation", e)
+        waiting = {id(w) for w in step.waiting}
+        joined = [r for r in new if id(r) not in waiting and not r.done]
+        g.running += joined
+        for r in step.parked:
+            g.running.remove(r)
+            r.parked = True
+            self.preemptions[r.base] += 1
+        g.pending = list(step.parked) + list(step.waiting) + g.pending
+        now = time.monotonic()
+        for r in joined:
+            if r.parked:  # resumed: its wait and its prompt were counted when it first joined
+                r.parked = False
+                continue
+            lat = self.latencies.setdefault(r.base, Latencies())
+            lat.queue.observe(now - r.submitted_at)
+            lat.prompt_tokens += len(r.payload[0])
+        if len(g.batch) or step.finished:
+            self.batch_sizes.observe(len(g.batch) + len(step.finished))
+        for row, gen in [*g.batch.rows(), *step.finished]:
+            self._tokens(row, len(gen.token_ids), now)
+        for row, gen in g.batch.rows():
+            if row.stream is not None:
+                row.stream.put_nowait((gen.text, len(gen.token_ids)))
+                row.generation = gen
+        for row, gen in step.finished:
+            if row in g.running:
+                g.running.remove(row)
+            if gen.end_token is not None:  # sampled, so generated, though in neither its tokens nor its text
+                self.latencies.setdefault(row.base, Latencies()).generation_tokens += 1
+            self.finish(row, gen)
+
+    def _tokens(self, row: Row, count: int, now: float) -> None:
+        """A generation row's latencies as its tokens arrive (Latencies.arrived)."""
+        if count > row.tokens_seen:
+            self.fairness.served(row, count - row.tokens_seen)
+            lat = self.latencies.setdefault(row.base, Latencies())
+            lat.arrived(row.tokens_seen, count - row.tokens_seen, now - row.submitted_at, now - row.token_at)
+            lat.generation_tokens += count - row.tokens_seen
+            row.tokens_seen, row.token_at = count, now
+
+    async def _abandon(self, base: str, g: Generating, new: list[Row], e: Exception) -> None:
+        """A step raised: the batch's state is not to be trusted. Its rows fail; rows that only waited to join
+        go to a fresh generation."""
+        self._retire(base, g)
+        try:
+            await self._on_compute(g.batch.close)
+        except Exception:
+            log.exception("closing the failed generation of base '%s' failed too", base)
+        for r in g.running + new + [r for r in g.pending if r.parked]:  # a parked row's keys went with the batch
+            self.fail(r, "its generation", e)
+        waiting, g.pending = [r for r in g.pending if not r.parked], []
+        for r in waiting:
+            self.join(r)
