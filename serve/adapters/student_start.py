@@ -69,7 +69,7 @@ def _projection(source_base: str | Path, adapter_dir: str | Path, target_base: s
         mapping = layer_map(source_base, target_base)
         projected = project_adapter(projected, mapping, out / "layers")
         done.append(f"{sum(i != j for i, j in mapping.items())} layers moved")
-    wider = project_width(projected, target_base, out / "width")
+    wider = project_width(projected, source_base, target_base, out / "width")
     if wider is not None:
         projected = wider[0]
         done.append(f"{wider[1]} modules widened")
@@ -147,10 +147,18 @@ def project_adapter(adapter_dir: str | Path, mapping: dict[int, int], out_dir: s
     return out
 
 
-def project_width(adapter_dir: str | Path, target_base: str | Path, out_dir: str | Path) -> tuple[Path, int] | None:
-    """The adapter with zero columns of A and zero rows of B where the target's module is wider, in out_dir (a new
-    directory, the adapter's config beside it); with how many modules it widened. None where no module is wider,
-    or where one is missing or narrower (nothing to pad)."""
+def project_width(adapter_dir: str | Path, source_base: str | Path, target_base: str | Path, out_dir: str | Path
+                  ) -> tuple[Path, int] | None:
+    """The adapter with zero columns of A and zero rows of B along the MLPs' intermediate axis, where the target's
+    MLPs are wider than the source's and nothing else differs in width (the same hidden size), in out_dir (a new
+    directory, the adapter's config beside it); with how many modules it widened. None where that is not so, or
+    where no adapted module is an MLP's."""
+    from transformers import AutoConfig
+
+    src, tgt = (AutoConfig.from_pretrained(b).get_text_config() for b in (source_base, target_base))
+    inner, wider = getattr(src, "intermediate_size", None), getattr(tgt, "intermediate_size", None)
+    if src.hidden_size != tgt.hidden_size or inner is None or wider is None or wider <= inner:
+        return None
     shapes = SafetensorsSource(target_base).shapes()
     tensors = load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
     padded, widened = {}, set()
@@ -160,12 +168,9 @@ def project_width(adapter_dir: str | Path, target_base: str | Path, out_dir: str
         if want is None or part not in ("A.weight", "B.weight"):
             return None
         axis = 1 if part == "A.weight" else 0  # A [r, in]: its inputs; B [out, r]: its outputs
-        extra = want[axis] - t.shape[axis]
-        if extra < 0:
-            return None
-        if extra:
-            pad = torch.zeros((t.shape[0], extra) if axis else (extra, t.shape[1]), dtype=t.dtype)
-            t = torch.cat([t, pad], dim=axis)
+        if t.shape[axis] == inner and want[axis] == wider:
+            t = torch.cat([t, t.new_zeros((t.shape[0], wider - inner) if axis else (wider - inner, t.shape[1]))],
+                          dim=axis)
             widened.add(module)
         padded[name] = t
     if not widened:

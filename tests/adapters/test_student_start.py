@@ -64,7 +64,7 @@ def test_an_adapter_projected_onto_wider_mlps_computes_what_it_did(tmp_path):
     width = json.loads((source / "config.json").read_text())["intermediate_size"]
     widen(source, tmp_path / "target", width + 16)
     assert "mlp" in unfit_reason(source, adapter, tmp_path / "target")
-    projected, widened = project_width(adapter, tmp_path / "target", tmp_path / "projected")
+    projected, widened = project_width(adapter, source, tmp_path / "target", tmp_path / "projected")
     assert widened == 2 * 3  # gate, up and down of each of the two layers
     assert unfit_reason(source, projected, tmp_path / "target") is None
     ids = torch.tensor([[1, 5, 9, 4, 7, 3]])
@@ -72,7 +72,9 @@ def test_an_adapter_projected_onto_wider_mlps_computes_what_it_did(tmp_path):
         want = load_lm(source, adapter)[0](input_ids=ids).logits
         got = load_lm(tmp_path / "target", projected)[0](input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5)
-    assert project_width(projected, tmp_path / "target", tmp_path / "again") is None  # it fits: nothing to pad
+    assert project_width(adapter, source, source, tmp_path / "same") is None  # as wide: nothing to pad
+    other = write_tiny_causal(tmp_path / "other", layers=2, hidden=48)  # every width differs: no projection
+    assert project_width(adapter, source, other, tmp_path / "other-projected") is None
 
 
 
