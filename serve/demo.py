@@ -74,11 +74,14 @@ class AdapterTask:
     lr: float = 5e-4
     batch_size: int = 4
     max_length: int = 96
+    discriminator: bool = False
+    """Trained with `adapter train --discriminator`'s assets (Trans-LoRA's seeds, validation set, discriminator),
+    so that `manyfold store upgrade` can move it to another base."""
 
 
 ADAPTER_TASKS = (
     AdapterTask("smollm2-fortunes-pissa", "fortunes", 256, 24),
-    AdapterTask("smollm2-headlines-pissa", "headlines", 256, 24),
+    AdapterTask("smollm2-headlines-pissa", "headlines", 256, 24, discriminator=True),
     AdapterTask("smollm2-spam-pissa", "spam", 256, 24),
 )
 
@@ -322,10 +325,23 @@ def add_demo_adapter(store: Store, task: AdapterTask, log: Callable[[str], None]
     if LM_BASE not in store.manifest.bases:
         store.add_base(LM_BASE, smollm2_dir())
     log(f"training '{task.variant}': PiSSA ({task.init}) rank {task.rank}, {task.steps} steps on {task.task}")
+    examples = task_examples(task.task, "train", task.examples)
+    trained = examples
+    if task.discriminator:  # its validation set held out from the adapter too, as `adapter train --discriminator`
+        from serve.adapters.translora import SEEDS
+        from serve.adapters.validation import VALIDATION, split_examples
+
+        seeds, _, rest = split_examples(examples, SEEDS, VALIDATION)
+        trained = seeds + rest
     with tempfile.TemporaryDirectory() as tmp:
-        result = train_adapter(store.base_dir(LM_BASE), task_examples(task.task, "train", task.examples),
-                               Path(tmp) / "adapter", init=task.init, rank=task.rank, steps=task.steps, lr=task.lr,
-                               batch_size=task.batch_size, max_length=task.max_length)
+        result = train_adapter(store.base_dir(LM_BASE), trained, Path(tmp) / "adapter", init=task.init,
+                               rank=task.rank, steps=task.steps, lr=task.lr, batch_size=task.batch_size,
+                               max_length=task.max_length)
+        if task.discriminator:
+            from serve.adapters.translora import train_discriminator
+
+            log("  training its Trans-LoRA discriminator (so that `manyfold store upgrade` can move it)")
+            train_discriminator(store.base_dir(LM_BASE), result.out_dir, examples, task.task)
         entry = variant_kind("pissa").add(store, task.variant, LM_BASE, result.out_dir)
     log(f"  loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {result.train_seconds:.0f} s; stored "
         f"{sum(f.bytes for f in entry.files) / 1e6:.1f} MB (rank {entry.rank}, converted)")
