@@ -85,6 +85,11 @@ def movable(store, entry: str) -> bool:
     return True
 
 
+def to_transfer(store, m: Move) -> bool:
+    """Whether the upgrade has a transfer to run for this tenant: not done before, and movable."""
+    return m.new not in store.manifest.variants and movable(store, m.entry)
+
+
 def decision(store, outcome: str, new: str) -> str:
     """What the guard decided for one tenant: "moved" (a student), "kept" (the source adapter unchanged),
     "failed" or "skipped"; a transfer done before is read back from its entry."""
@@ -109,7 +114,7 @@ def minutes_each(store, from_base: str, to_base: str, moves: list[Move], samples
 def dry_run(store, from_base: str, to_base: str, samples: int = 64, budget_min: float | None = None) -> list[str]:
     """What an upgrade would do, a line a tenant, then the estimate."""
     moves = plan(store, from_base, to_base)
-    todo = [m for m in moves if m.new not in store.manifest.variants and movable(store, m.entry)]
+    todo = [m for m in moves if to_transfer(store, m)]
     each = minutes_each(store, from_base, to_base, todo, samples, budget_min, []) if todo else 0.0
     lines = [(f"upgrade {from_base} -> {to_base}: {len(moves)} tenant adapter{'s' * (len(moves) != 1)}, "
               f"{len(todo)} to transfer")]
@@ -153,12 +158,12 @@ def upgrade(store, from_base: str, to_base: str, report_path: Path, say: Callabl
     report = {"from": from_base, "to": to_base, "tenants": [],
               "options": {k: asdict(v) if is_dataclass(v) else v for k, v in options.items()}}
     measured = [t["minutes"] for t in before.values() if t["minutes"] > 0]
+    to_move = [to_transfer(store, m) for m in moves]
     for i, m in enumerate(moves):
-        left = len(moves) - i
         each = minutes_each(store, from_base, to_base, moves, options.get("samples", 64), options.get("budget_min"),
                             measured)
         started = clock()
-        tick = _ticker(f"[{i + 1}/{len(moves)}] {m.name}", say, clock, started, each, each * (left - 1))
+        tick = _ticker(f"[{i + 1}/{len(moves)}] {m.name}", say, clock, started, each, each * sum(to_move[i + 1:]))
         outcome, news, compared = move_adapter(store, m.entry, to_base, progress=tick, **options)
         earlier = before.get(m.name, {})
         ran = outcome not in ("done", "skipped")
