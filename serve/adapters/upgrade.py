@@ -22,6 +22,7 @@ from serve.adapters.budget import MINUTES_MEASURED, PARAMS_MEASURED
 from serve.adapters.translora import read_assets, trained_examples
 from serve.adapters.translora_store import adapters_of, move_adapter, transferred_name
 from serve.errors import ArtifactError, BadRequest
+from serve.store.manifest import alias_problem
 from serve.store.writer import atomic_write
 
 SWITCHED = ("moved", "kept")
@@ -65,12 +66,11 @@ def point(store, changes: dict[str, str]) -> None:
         for name, target in changes.items():
             if target == name:
                 aliases.pop(name, None)
-                continue
-            if target not in m.variants or target in m.aliases:
-                raise BadRequest(f"cannot point '{name}' at '{target}': no such variant")
-            if name in m.bases:
-                raise BadRequest(f"'{name}' is a base; a base's name cannot be pointed elsewhere")
-            aliases[name] = target
+            else:
+                aliases[name] = target
+        problem = alias_problem(aliases, m.variants, m.bases)
+        if problem is not None:
+            raise BadRequest(problem)
         return m.model_copy(update={"aliases": aliases})
 
     store.update(change)

@@ -89,7 +89,8 @@ class Router:
                               messages: list[dict] | None = None,
                               tenant: Tenant | None = None) -> AsyncIterator[TextDelta]:
         handle, model = await self._handle(model)
-        deltas = handle.options(stream=True).complete_stream.remote(model, params, prompt=prompt, messages=messages, tenant=tenant)
+        deltas = handle.options(stream=True).complete_stream.remote(model, params, prompt=prompt, messages=messages,
+                                                                    tenant=tenant)
         try:
             with self._replica_errors():
                 async for delta in deltas:

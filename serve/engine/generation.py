@@ -160,24 +160,7 @@ class DecodeBatch:
                 self._read(inflight)
             step.finished += self._drop_finished()
             step.parked = self._park(park)
-        for row in new:
-            try:
-                slot = self.rt.attach(row.variant)
-            except Exception as e:  # this row alone
-                step.failed.append((row.tag, e))
-                continue
-            kv = self.rt.kv.take() if slot is not None else None
-            if kv is None:
-                if slot is not None:
-                    self.rt.detach(slot)
-                step.waiting.append(row.tag)
-                continue
-            parked = next((p for p in self.parked if p[0].tag is row.tag), None)
-            if parked is not None:
-                self._resume(*parked, slot, kv)
-                continue
-            name = row.variant.entry if row.variant is not None else self.rt.name
-            self.prefilling.append(_Seq.start(row, slot, kv, name))
+        self._admit(new, step)
         if self.inflight is not None:
             inflight, self.inflight = self.inflight, None
             if self._continuable(inflight):
@@ -211,6 +194,28 @@ class DecodeBatch:
         self.decoding, self.prefilling = {}, []
         if errors:
             raise errors[0]
+
+    def _admit(self, new: Sequence[NewRow], step: Step) -> None:
+        """Each new row that gets a variant slot and a KV slot starts its prompt, or resumes where it was parked;
+        the others are step's waiting (no free slot) or failed (its attach, alone)."""
+        for row in new:
+            try:
+                slot = self.rt.attach(row.variant)
+            except Exception as e:  # this row alone
+                step.failed.append((row.tag, e))
+                continue
+            kv = self.rt.kv.take() if slot is not None else None
+            if kv is None:
+                if slot is not None:
+                    self.rt.detach(slot)
+                step.waiting.append(row.tag)
+                continue
+            parked = next((p for p in self.parked if p[0].tag is row.tag), None)
+            if parked is not None:
+                self._resume(*parked, slot, kv)
+                continue
+            name = row.variant.entry if row.variant is not None else self.rt.name
+            self.prefilling.append(_Seq.start(row, slot, kv, name))
 
     def _park(self, tags: Sequence[Any]) -> list[Any]:
         """The decoding rows tagged out of the batch, their keys and values kept; -> the tags parked."""

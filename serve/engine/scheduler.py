@@ -354,7 +354,7 @@ class Scheduler:
             if self._borrowed >= self.config.max_batch_size:
                 break
             if row.op != "generate" or row.base != base or any(r.tenant == row.tenant for r in g.pending) \
-                    or self.fairness.outranked(row, holding, weights | {row.tenant: row.weight}) is None:
+                    or self.fairness.outranked(row, holding, weights) is None:
                 continue
             self._queue.take(row)
             self._borrowed += 1

@@ -320,6 +320,17 @@ class TenantEntry(StrictModel):
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
 
+def alias_problem(aliases: dict[str, str], variants: dict, bases: dict) -> str | None:
+    """Why a manifest's aliases cannot stand (None where they can): each points at a variant entry, never at
+    another alias, and no base's name is one. Read and written alike (StoreManifest, upgrade.point)."""
+    for name, target in aliases.items():
+        if target not in variants or target in aliases:
+            return f"cannot point '{name}' at '{target}': no such variant (an alias names a variant entry)"
+        if name in bases:
+            return f"'{name}' is a base; a base's name cannot be pointed elsewhere"
+    return None
+
+
 class StoreManifest(StrictModel):
     format: Literal["manyfold.store"] = "manyfold.store"
     version: Literal[1] = VERSION
@@ -337,9 +348,9 @@ class StoreManifest(StrictModel):
 
     @model_validator(mode="after")
     def _aliases_name_variants(self) -> "StoreManifest":
-        for name, target in self.aliases.items():
-            if target not in self.variants or target in self.aliases:
-                raise ValueError(f"alias '{name}' points at '{target}', which is no variant (or is an alias)")
+        problem = alias_problem(self.aliases, self.variants, self.bases)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @field_validator("variants", mode="before")

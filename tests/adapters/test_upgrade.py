@@ -156,6 +156,10 @@ def test_a_name_points_only_at_a_variant_and_an_entry_a_name_points_at_is_not_re
     variant_kind_add(store, "t1.llama2", "llama2", store.variant_dir("t1"))
     with pytest.raises(BadRequest, match="no such variant"):
         upgrade.point(store, {"t1": "nope"})
+    with pytest.raises(BadRequest, match="no such variant"):  # a chain written at once, as one read back refuses
+        upgrade.point(store, {"t2": "t1", "t1": "t1.llama2"})
+    with pytest.raises(BadRequest, match="is a base"):
+        upgrade.point(store, {"llama": "t1.llama2"})
     upgrade.point(store, {"t1": "t1.llama2"})
     with pytest.raises(BadRequest, match="answers for 't1'"):
         store.remove("t1.llama2")
