@@ -1,17 +1,19 @@
 """Adapter training sets from packaged real data, for the demo's SmolLM2 adapters (fortunes, headlines, spam) and
-the Trans-LoRA bench's text-continuation task (tweets).
+the Trans-LoRA bench's tasks: tweets (text continuation), and topics and sentiment, which no default of the
+transfer was chosen on (serve/bench/translora.py: HELD_OUT).
 
 The selection is fixed: within a split, examples are ordered by the sha256 of their text and the first n are
 taken, so a larger n extends a smaller one and nothing depends on file order or a random seed.
 """
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 from serve.adapters.data import PromptExample, TextExample, TrainExample
-from serve.data.datasets import Split, fortunes, package_dir, sms_spam, split_of, tweet_sentiment
+from serve.data.datasets import Dataset, Split, bbc_topics, fortunes, package_dir, sms_spam, split_of, tweet_sentiment
 from serve.errors import ConfigError
 from serve.store.writer import atomic_write
 
@@ -77,6 +79,33 @@ def spam_examples(split: Split) -> list[TrainExample]:
     return out
 
 
+def in_turn(data: Callable[[Split], Dataset], split: Split, prompt: Callable[[str], str]) -> list[TrainExample]:
+    """One example of each label in turn (labels in the data set's order, each label's examples by hash), until
+    the rarest label runs out: a balanced set, so that answering one label to everything scores 1 / labels.
+
+    Split and deduplicated by the prompt, not by the whole text as the data set is: two texts that start alike
+    would otherwise put one prompt in both splits (heldout_examples would drop it, and the balance with it)."""
+    dataset, seen = data("train"), {}
+    for e in dataset.examples + data("test").examples:
+        x = prompt(e.text)
+        if split_of(x) == split:
+            seen.setdefault(x, e.label)
+    groups = [by_hash([x for x, y in seen.items() if y == label], str) for label in dataset.labels]
+    return [PromptExample(prompt=x, completion=f" {label}")
+            for turn in zip(*groups) for x, label in zip(turn, dataset.labels)]
+
+
+def topic_examples(split: Split) -> list[TrainExample]:
+    """prompt = the start of a BBC article (its headline line and body), completion = its topic (" business",
+    " entertainment", " politics", " sports", " tech"); topics in turn."""
+    return in_turn(bbc_topics, split, lambda text: f"Article: {' '.join(text.split()[:ARTICLE_WORDS])}\nTopic:")
+
+
+def sentiment_examples(split: Split) -> list[TrainExample]:
+    """prompt = a tweet, completion = its sentiment (" negative", " neutral", " positive"); labels in turn."""
+    return in_turn(tweet_sentiment, split, lambda text: f"Tweet: {text[:MAX_SMS_CHARS]}\nSentiment:")
+
+
 def tweet_examples(split: Split) -> list[TrainExample]:
     """prompt = a tweet's first TWEET_PROMPT_WORDS words, completion = the rest: text continuation in a register
     (short, informal, hashtags) neither the other tasks nor the bench's new-version base train on."""
@@ -91,14 +120,22 @@ def tweet_examples(split: Split) -> list[TrainExample]:
 
 TASKS: dict[str, Callable[[Split], list[TrainExample]]] = {
     "fortunes": fortune_examples, "headlines": headline_examples, "spam": spam_examples,
-    "tweets": tweet_examples}
+    "tweets": tweet_examples, "topics": topic_examples, "sentiment": sentiment_examples}
+LABEL_TASKS = ("spam", "topics", "sentiment")
+"""Tasks whose completions are labels: judged by accuracy (validation.score), then loss."""
 
 
 def task_examples(name: str, split: Split = "train", n: int | None = None) -> list[TrainExample]:
     """The first n examples of a task's split (all of them without n)."""
     if name not in TASKS:
         raise ConfigError(f"unknown adapter task {name!r}; known: {', '.join(TASKS)}")
-    return TASKS[name](split)[:n]
+    return list(_split(name, split)[:n])
+
+
+@functools.cache
+def _split(name: str, split: Split) -> tuple[TrainExample, ...]:
+    """A task's split, read once a process: the bench asks for each task's per target and seed (a second each)."""
+    return tuple(TASKS[name](split))
 
 
 def _source(e: TrainExample) -> str:

@@ -1,27 +1,28 @@
-"""`manyfold bench translora`: Trans-LoRA on three real tasks and three target bases, over seeds, and PiSSA
-against LoRA at the same budget.
+"""`manyfold bench translora`: Trans-LoRA on five real tasks and five target bases, over seeds, and PiSSA against
+LoRA at the same budget.
 
-Source base: SmolLM2-135M-Instruct. Targets (translora_targets.py): the same model after NeuZip k=0, a new
-version continued-trained on fortunes, and a deeper model (SmolLM2 grown to 33 layers, then trained on
-fortunes), where the source adapter's layers, matched by name, no longer line up. Tasks from the packaged data: SMS spam (" yes" / " no": held-out
-accuracy, answer by the larger next-token logit), BBC headlines from an article's opening, and tweets continued
-from their first words (held-out loss of the completion tokens, lower is better). For each task and seed: the
-source adapter (PiSSA, trained with a discriminator, on the task's examples less the validation set
-`adapter train --discriminator` holds out) on the source base; then per target: the target base alone (one run:
-no seed in it), the source adapter applied unchanged, the Trans-LoRA adapter (its guard reads that validation
-set), its student (what the transfer trained, whichever the guard kept), the same without the discriminator's
-filter, and an upper bound trained on the target with the same real data. The transfers run as `manyfold
-translora` does by default (as many inputs as the real training set, the teacher's distributions distilled, the
-student from the source adapter where it fits, steps and rate scaled to the inputs accepted, early stopping on the
-validation set), except that the student is always written (guard=False) and the guard's choice
-(transfer_guard.choose, on the figures in its report) is made here, so that the student has its figure even where
-the source adapter unchanged is kept; every other adapter trains STEPS steps at LR. The
-headline per task is the gap recovered: (target alone - transferred) / (target alone - upper bound), per seed. Then PiSSA, pissa_niter_4 and LoRA trained on the source base with the same rank, steps,
-learning rate and seeds: loss curves (PNG + JSON) and held-out metric. Rows report mean and spread over seeds
-(translora_table.py).
-Every adapter, transfer and evaluation is kept under the work dir, so a rerun resumes where one stopped (a work
-dir from before the students trained with transfer's defaults holds students trained at STEPS and LR: start a
-new one).
+Source base: SmolLM2-135M-Instruct. Targets (translora_targets.py): the same model after NeuZip k=0, a new version
+continued-trained on fortunes, and three of other shapes, where the source adapter matched by module name no
+longer lines up: SmolLM2 grown to 33 layers, to 35 layers (inserted elsewhere), and with wider MLPs, each then
+trained on fortunes. Tasks from the packaged data (serve/adapters/tasks.py): SMS spam (" yes" / " no"), BBC
+headlines from an article's opening and tweets continued from their first words, on which the transfer's defaults
+were chosen (TUNED); and BBC topics and tweets' sentiment, on which nothing was (HELD_OUT, a table apart). Label
+tasks are judged by held-out accuracy (the likeliest label), the others by held-out loss of the completion tokens.
+
+For each task and seed: the source adapter (PiSSA, trained with a discriminator, on the task's examples less the
+validation set `adapter train --discriminator` holds out) on the source base; then per target: the target base
+alone (one run: no seed in it), the source adapter applied unchanged, the Trans-LoRA adapter (its guard reads
+that validation set), its student (what the transfer trained, whichever the guard kept), the same without the
+discriminator's filter, and an upper bound trained on the target with the same real data. The transfers run as
+`manyfold translora` does by default, except that the student is always written (guard=False) and the guard's
+choice (transfer_guard.choose, on the figures in its report) is made here, so that the student has its figure
+even where the source adapter unchanged is kept; every other adapter trains STEPS steps at LR. The headline per
+task is the gap recovered: (target alone - transferred) / (target alone - upper bound), per seed. Then PiSSA,
+pissa_niter_4 and LoRA trained on the source base with the same rank, steps, learning rate and seeds: loss curves
+(PNG + JSON) and held-out metric. Rows report mean and spread over seeds (translora_table.py).
+
+Every adapter, transfer and evaluation is kept under the work dir, so a rerun resumes where one stopped. Seeds
+run apart (`--first-seed`, on another machine or day) merge into one report (`--merge`, merge_reports).
 """
 
 import json
@@ -34,19 +35,19 @@ from serve.adapters import transfer_guard
 from serve.adapters.budget import MINUTES
 from serve.adapters.data import PromptExample, TrainExample
 from serve.adapters.load import load_lm
-from serve.adapters.tasks import heldout_examples, task_examples
+from serve.adapters.tasks import LABEL_TASKS, heldout_examples, task_examples
 from serve.adapters.train import train_adapter
-from serve.adapters.translora import (SEEDS, YES, TransferFailed, answer_tokens, next_token_logits,
-                                      train_discriminator, transfer)
-from serve.adapters.validation import completion_loss, split_examples
+from serve.adapters.translora import SEEDS, TransferFailed, train_discriminator, transfer
+from serve.adapters.validation import completion_loss, labels_of, score, split_examples
 from serve.bench.report import finish, machine
-from serve.bench.translora_table import ALONE, MOVED, ROWS, STUDENT, UNCHANGED, UNFILTERED, UPPER, mean_curve, \
-    init_verdicts, plot, primary, print_report, summarize, task_verdicts, gaps_recovered
+from serve.bench.translora_table import (ALONE, HELD_OUT, MOVED, ROWS, STUDENT, TUNED, UNCHANGED, UNFILTERED, UPPER,
+                                         gaps_recovered, init_verdicts, mean_curve, plot, primary, print_report,
+                                         summarize, task_verdicts)
 from serve.bench.translora_targets import TARGETS, target_base, target_info
 from serve.errors import ConfigError
 from serve.store.writer import atomic_write
 
-TASKS = ("spam", "headlines", "tweets")
+TASKS = TUNED + HELD_OUT
 TRAIN, HELDOUT = 128, 100
 RANK, STEPS, LR = 8, 48, 5e-4
 SAMPLES = TRAIN
@@ -59,20 +60,13 @@ EVALS_FILE = "evaluations.json"
 
 @torch.no_grad()
 def evaluate(task: str, base: Path, adapter: Path | None, examples: list[PromptExample]) -> dict[str, float]:
-    """Held-out metrics: "loss" (mean loss per completion token, every task) and, for spam, "accuracy" (the
-    larger next-token logit of " yes" and " no" after the prompt)."""
+    """Held-out metrics: "loss" (mean loss per completion token) and, for a label task, "accuracy" (the label
+    whose tokens are likeliest after the prompt: validation.score, as the transfer's guard reads it)."""
     model, tok = load_lm(base, adapter)
-    out = {"loss": completion_loss(model, tok, examples)}  # the transfer guard's validation loss, on held-out data
-    if task == "spam":
-        yes, no = answer_tokens(tok)
-        correct = 0
-        for i in range(0, len(examples), 16):
-            chunk = examples[i:i + 16]
-            logits = next_token_logits(model, tok([e.prompt for e in chunk], return_tensors="pt", padding=True))
-            pred = (logits[:, yes] > logits[:, no]).tolist()
-            correct += sum(p == (e.completion == YES) for p, e in zip(pred, chunk))
-        out["accuracy"] = correct / len(examples)
-    return out
+    if task not in LABEL_TASKS:
+        return {"loss": completion_loss(model, tok, examples)}
+    s = score(model, tok, examples, labels_of(examples))
+    return {"loss": s.loss, "accuracy": s.accuracy}
 
 
 class Evaluations:
@@ -151,46 +145,52 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
     return {row: None if row in failures else adapters[row] for row in rows}, reports, failures
 
 
-def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sources: list[Path],
+def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sources: dict[int, Path],
               evals: Evaluations, rows: tuple[str, ...] = ROWS) -> dict:
-    """One task on one target over every seed: each row's runs and summary, reports, failures, verdicts."""
+    """One task on one target over the seeds of `sources` ({seed: source adapter}): each row's runs and summary,
+    reports, failures, verdicts."""
     train, held = task_examples(task, "train", TRAIN), heldout_examples(task, HELDOUT)
     runs: dict[str, list] = {row: [] for row in rows}
     reports: dict[str, list] = {row: [] for row in (MOVED, UNFILTERED) if row in rows}
     failures: dict[str, dict[int, str]] = {}
-    for seed, src in enumerate(sources):
+    for seed, src in sources.items():
         adapters, rep, fail = seed_runs(work, source, target, task, src, train, seed, rows)
         _log(f"{target[0]}, {task}, seed {seed}: evaluating on {len(held)} held-out examples")
         for row, a in adapters.items():
             if row != ALONE:
                 runs[row].append(None if a is None else evals(task, a[0], a[1], held))
         for row in reports:
-            reports[row].append(rep.get(row))
+            r = rep.get(row)
+            reports[row].append(r and {**{k: r[k] for k in ("accepted", "attempts", "seconds", "kept", "steps", "lr")
+                                          if k in r}, "best_step": r["validation"].get("best_step")})
         for row, why in fail.items():
             failures.setdefault(row, {})[seed] = why
     runs[ALONE] = [evals(task, target[1], None, held)]  # no seed in it: one run
+    return task_summary(task, len(held), list(sources), runs, reports, failures)
+
+
+def task_summary(task: str, heldout: int, seeds: list[int], runs: dict[str, list], reports: dict[str, list],
+                 failures: dict[str, dict[int, str]]) -> dict:
+    """A task's entry in the report from its runs (per row, one per seed in `seeds`; the target alone once)."""
     rows = {row: summarize(r) for row, r in runs.items()}
-    return {"metric": primary(task)[0], "heldout": len(held), "runs": runs, "rows": rows,
-            "reports": {row: [r and {**{k: r[k] for k in ("accepted", "attempts", "seconds", "kept", "steps", "lr")
-                                        if k in r},
-                                     "best_step": r["validation"].get("best_step")} for r in rs]
-                        for row, rs in reports.items()},
-            "failures": failures, "verdicts": task_verdicts(task, rows), "gaps": gaps_recovered(task, runs)}
+    return {"metric": primary(task)[0], "heldout": heldout, "seeds": seeds, "runs": runs, "rows": rows,
+            "reports": reports, "failures": failures, "verdicts": task_verdicts(task, rows),
+            "gaps": gaps_recovered(task, runs)}
 
 
-def transfer_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: int,
+def transfer_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: list[int],
                    evals: Evaluations, rows: tuple[str, ...] = ROWS) -> dict:
     """{target: {task: task_runs}}; each task's source adapters are trained once and moved to every target."""
     out: dict[str, dict] = {name: {} for name in targets}
     for task in tasks:
         train = task_examples(task, "train", TRAIN)
-        sources = [source_adapter(work, source, task, train, seed) for seed in range(seeds)]
+        sources = {seed: source_adapter(work, source, task, train, seed) for seed in seeds}
         for name, base in targets.items():
             out[name][task] = task_runs(work, source, (name, base), task, sources, evals, rows)
     return out
 
 
-def init_table(work: Path, source: Path, tasks: tuple[str, ...], seeds: int, evals: Evaluations) -> dict:
+def init_table(work: Path, source: Path, tasks: tuple[str, ...], seeds: list[int], evals: Evaluations) -> dict:
     """PiSSA, pissa_niter_4 and LoRA on the source base per task and seed: curves, held-out metrics, verdicts."""
     out = {}
     for task in tasks:
@@ -198,7 +198,7 @@ def init_table(work: Path, source: Path, tasks: tuple[str, ...], seeds: int, eva
         runs = {}
         for init in INITS:
             per_seed = []
-            for seed in range(seeds):
+            for seed in seeds:
                 d = work / f"{task}-init-{init}-s{seed}"
                 _train(source, train, d, init, seed)
                 log = json.loads((d / "train_log.json").read_text())
@@ -223,16 +223,17 @@ def choose(given: str | None, known: tuple[str, ...], what: str) -> tuple[str, .
 
 def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tasks: tuple[str, ...] = TASKS,
                         targets: tuple[str, ...] = TARGETS, inits: bool = True, ablation: bool = False,
-                        unfiltered: bool = True, configs: tuple[str, ...] | None = None) -> dict:
-    """The whole bench (or the subset of tasks and targets given): tables on stdout, JSON at out, PNG beside.
-    ablation: the ablation instead (serve/bench/translora_ablation.py), of configs (their slugs; all where None).
-    unfiltered: False leaves out the
-    transfer without the discriminator's filter (a third of the bench's time; the ablation measures the filter)."""
+                        unfiltered: bool = True, configs: tuple[str, ...] | None = None, first_seed: int = 0) -> dict:
+    """The whole bench (or the subset of tasks and targets given) for seeds first_seed .. first_seed + seeds - 1:
+    tables on stdout, JSON at out, PNG beside. ablation: the ablation instead (serve/bench/translora_ablation.py),
+    of configs (their slugs; all where None). unfiltered: False leaves out the transfer without the discriminator's
+    filter (a third of the bench's time; the ablation measures the filter)."""
     from serve.data.cache import home
     from serve.data.models import smollm2_dir
 
-    if seeds < 1:
-        raise ConfigError(f"--seeds must be at least 1, got {seeds}")
+    if seeds < 1 or first_seed < 0:
+        raise ConfigError(f"--seeds must be at least 1 and --first-seed at least 0, got {seeds} and {first_seed}")
+    seed_list = list(range(first_seed, first_seed + seeds))
     work = work or home() / "bench-translora"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -240,22 +241,83 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
     bases = {name: target_base(name, work, _log) for name in targets}
     evals = Evaluations(work / EVALS_FILE)
     if ablation:
-        from serve.bench.translora_ablation import CONFIGS, ablation_table, print_ablation
+        from serve.bench.translora_ablation import (
+            CONFIGS,
+            ablation_table,
+            print_ablation,
+        )
 
-        table = ablation_table(work, source, bases, tasks, seeds, evals, configs or CONFIGS)
-        report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seeds, "rank": RANK,
+        table = ablation_table(work, source, bases, tasks, seed_list, evals, configs or CONFIGS)
+        report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seed_list, "rank": RANK,
                   "samples": SAMPLES, "ablation": table}
         report["seconds"] = time.perf_counter() - t0
         return finish(report, out, lambda r: print_ablation(r["ablation"]))
-    report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seeds, "rank": RANK,
+    report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seed_list, "rank": RANK,
               "steps": STEPS, "lr": LR, "train_examples": TRAIN, "samples": SAMPLES,
               "targets": {name: target_info(name, base) for name, base in bases.items()},
-              "transfer": transfer_table(work, source, bases, tasks, seeds, evals,
+              "transfer": transfer_table(work, source, bases, tasks, seed_list, evals,
                                          ROWS if unfiltered else tuple(r for r in ROWS if r != UNFILTERED)),
-              "inits": init_table(work, source, tasks, seeds, evals) if inits else {}}
+              "inits": init_table(work, source, tasks, seed_list, evals) if inits else {}}
     report["seconds"] = time.perf_counter() - t0
     finish(report, out, print_report)
     if report["inits"]:
         plot(report["inits"], RANK, LR, out.with_suffix(".png"))
         print(f"wrote {out.with_suffix('.png')}")
     return report
+
+
+def merge_reports(parts: list[tuple[str, dict]]) -> dict:
+    """One report from the transfer tables of bench runs over other seeds ((name, report) each, as `--out`
+    wrote them: a run of every seed does not fit one machine's session): per target and task, each row's runs
+    in seed order, the target alone from the first part that ran it, summaries, verdicts and gaps drawn again.
+    A seed of a target's task in two parts is refused, as is a part from before reports named their seeds."""
+    transfer: dict[str, dict[str, dict]] = {}
+    for name, part in parts:
+        if not part.get("transfer") or not isinstance(part.get("seeds"), list):
+            raise ConfigError(f"{name}: no transfer table with its seeds named (a bench run from before "
+                              f"--first-seed, or an ablation): run it again")
+        for target, tasks in part["transfer"].items():
+            for task, t in tasks.items():
+                into = transfer.setdefault(target, {}).setdefault(task, {"heldout": t["heldout"], "by_seed": {},
+                                                                         "alone": t["runs"][ALONE]})
+                for i, seed in enumerate(t["seeds"]):
+                    if seed in into["by_seed"]:
+                        raise ConfigError(f"{name}: seed {seed} of {task} on {target} is in "
+                                          f"{into['by_seed'][seed][0]} too")
+                    failed = {row: why for row, whys in t["failures"].items()
+                              for s, why in whys.items() if int(s) == seed}  # JSON's keys are strings
+                    into["by_seed"][seed] = (name, {row: r[i] for row, r in t["runs"].items() if row != ALONE},
+                                             {row: r[i] for row, r in t["reports"].items()}, failed)
+    for target, tasks in transfer.items():
+        for task, into in tasks.items():
+            seeds = sorted(into["by_seed"])
+            per = [into["by_seed"][s] for s in seeds]
+            runs = {row: [p[1].get(row) for p in per] for row in ROWS if any(row in p[1] for p in per)}
+            runs[ALONE] = into["alone"]
+            reports = {row: [p[2].get(row) for p in per] for row in (MOVED, UNFILTERED)
+                       if any(row in p[2] for p in per)}
+            failures = {row: {s: p[3][row] for s, p in zip(seeds, per) if row in p[3]} for p in per for row in p[3]}
+            tasks[task] = task_summary(task, into["heldout"], seeds, runs, reports, failures)
+    first = parts[0][1]
+    return {"machine": "; ".join(dict.fromkeys(p["machine"] for _, p in parts)), "source": first["source"],
+            "seeds": sorted({s for _, p in parts for s in p["seeds"]}),
+            **{k: first[k] for k in ("rank", "steps", "lr", "train_examples", "samples")},
+            "targets": {k: v for _, p in parts for k, v in p["targets"].items()}, "transfer": transfer,
+            "inits": {}, "parts": [{"file": name, "machine": p["machine"], "seeds": p["seeds"],
+                                    "seconds": p["seconds"]} for name, p in parts]}
+
+
+def merge_files(paths: list[Path], out: Path) -> dict:
+    """`--merge`: merge_reports of the JSON files, tables on stdout, JSON at out."""
+    parts = []
+    for path in paths:
+        try:
+            parts.append((path.name, json.loads(path.read_text())))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--merge: {path}: {e}") from None
+    try:
+        merged = merge_reports(parts)
+    except (KeyError, TypeError, IndexError) as e:
+        raise ConfigError(f"--merge: {', '.join(p.name for p in paths)}: not reports of `bench translora` "
+                          f"({type(e).__name__}: {e})") from None
+    return finish(merged, out, print_report)

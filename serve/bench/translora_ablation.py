@@ -17,9 +17,9 @@ import json
 import re
 from pathlib import Path
 
-from serve.adapters.tasks import heldout_examples, task_examples
-from serve.adapters.generation_schedule import AttemptPlan, Sampling
 from serve.adapters.distill import KD_TEMPERATURE, Distillation
+from serve.adapters.generation_schedule import AttemptPlan, Sampling
+from serve.adapters.tasks import heldout_examples, task_examples
 from serve.adapters.translora import TransferFailed, synthesize, trained_examples, transfer
 from serve.bench.translora import FILED_SAMPLES, HELDOUT, RANK, SAMPLES, TRAIN, Evaluations, _log, source_adapter
 from serve.bench.translora_table import primary
@@ -117,13 +117,13 @@ def ablation_runs(work: Path, source: Path, target: tuple[str, Path], task: str,
     return out
 
 
-def ablation_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: int,
+def ablation_table(work: Path, source: Path, targets: dict[str, Path], tasks: tuple[str, ...], seeds: list[int],
                    evals: Evaluations, configs: tuple[str, ...]) -> dict:
     """{target: {task: {"seeds": {seed: ablation_runs}, "target alone": its held-out figures}}}."""
     out: dict = {}
     for task in tasks:
         train, held = task_examples(task, "train", TRAIN), heldout_examples(task, HELDOUT)
-        for s in range(seeds):
+        for s in seeds:
             src = source_adapter(work, source, task, train, s)
             for name, base in targets.items():
                 cell = out.setdefault(name, {}).setdefault(task, {"seeds": {}})

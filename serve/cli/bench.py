@@ -73,17 +73,20 @@ def cmd_bench_forms(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_translora(args: argparse.Namespace) -> None:
-    from serve.bench.translora import TASKS, choose, run_translora_bench
+    from serve.bench.translora import TASKS, choose, merge_files, run_translora_bench
     from serve.bench.translora_ablation import CONFIGS
     from serve.bench.translora_targets import TARGETS
 
     if args.configs and not args.ablation:
         raise ConfigError("--configs picks configurations of the ablation: add --ablation")
     out = args.out or f"bench-results/translora{'-ablation' if args.ablation else ''}.json"
+    if args.merge:
+        merge_files([Path(p) for p in args.merge], Path(out))
+        return
     run_translora_bench(Path(out), Path(args.work) if args.work else None, args.seeds,
                         choose(args.tasks, TASKS, "tasks"), choose(args.targets, TARGETS, "targets"),
                         inits=not args.no_inits, ablation=args.ablation, unfiltered=not args.no_unfiltered,
-                        configs=choose(args.configs, CONFIGS, "configs"))
+                        configs=choose(args.configs, CONFIGS, "configs"), first_seed=args.first_seed)
 
 
 def cmd_bench_neuzip(args: argparse.Namespace) -> None:
@@ -111,12 +114,17 @@ def cmd_bench_soak(args: argparse.Namespace) -> None:
 
 def _add_translora(bench: argparse._SubParsersAction) -> None:
     bt = add_command(bench, "translora", cmd_bench_translora,
-                     "Trans-LoRA on three real tasks and three target bases over seeds; PiSSA against LoRA")
+                     "Trans-LoRA on five real tasks and five target bases over seeds; PiSSA against LoRA")
     bt.add_argument("--out", help="default: bench-results/translora.json, or translora-ablation.json")
     bt.add_argument("--work", help="where adapters, evaluations and the target bases are kept (default: "
                                    "$MANYFOLD_HOME/bench-translora; finished parts are reused)")
     bt.add_argument("--seeds", type=int, default=3, help="runs per configuration (seeds 0..N-1)")
-    bt.add_argument("--tasks", help="a subset of spam,headlines,tweets, joined by commas (default: all)")
+    bt.add_argument("--first-seed", type=int, default=0, help="start at this seed (seeds K..K+N-1): the rest of a "
+                    "set, run in another session, to --merge later")
+    bt.add_argument("--merge", nargs="+", metavar="PART", help="instead, one report (--out) from the JSON of runs "
+                    "over other seeds: their tables, seed by seed; nothing is trained")
+    bt.add_argument("--tasks", help="a subset of spam,headlines,tweets,topics,sentiment, joined by commas (default: "
+                                    "all; topics and sentiment: no default was chosen on them)")
     bt.add_argument("--targets", help="a subset of neuzip-k0,new-version,deeper,deeper-5,wider, joined by commas "
                                       "(default: all)")
     bt.add_argument("--no-inits", action="store_true", help="skip PiSSA against LoRA")

@@ -5,15 +5,8 @@ import json
 import pytest
 
 from serve.adapters import data
-from serve.adapters.data import (
-    IGNORE,
-    PromptExample,
-    TextExample,
-    collate,
-    read_jsonl,
-    tokenize_examples,
-)
-from serve.adapters.tasks import heldout_examples, task_examples, write_task_jsonl
+from serve.adapters.data import IGNORE, PromptExample, TextExample, collate, read_jsonl, tokenize_examples
+from serve.adapters.tasks import LABEL_TASKS, heldout_examples, task_examples, write_task_jsonl
 from serve.errors import ConfigError
 from tests.models import write_tiny_causal
 
@@ -101,7 +94,7 @@ def test_empty_or_missing_file_is_refused(tmp_path):
         read_jsonl(tmp_path / "nope.jsonl")
 
 
-@pytest.mark.parametrize("name", ["fortunes", "headlines", "spam", "tweets"])
+@pytest.mark.parametrize("name", ["fortunes", "headlines", "spam", "tweets", "topics", "sentiment"])
 def test_task_sets_are_fixed_and_hold_out_the_test_split(name, tmp_path):
     n = write_task_jsonl(name, tmp_path / "t.jsonl", 6)
     train = read_jsonl(tmp_path / "t.jsonl")
@@ -121,5 +114,20 @@ def test_task_prompts_have_their_shape():
     tweets = task_examples("tweets", n=4)
     assert all(len(e.prompt.split()) == 8 and e.completion.startswith(" ") and len(e.completion.split()) >= 4
                for e in tweets)
-    with pytest.raises(ConfigError, match=r"unknown adapter task 'poems'; known: fortunes, headlines, spam, tweets$"):
+    with pytest.raises(ConfigError, match=r"unknown adapter task 'poems'; known: fortunes, headlines, spam, tweets, "
+                                          r"topics, sentiment$"):
         task_examples("poems")
+
+
+@pytest.mark.parametrize("name, prompt, labels", [
+    ("topics", ("Article: ", "\nTopic:"), [" business", " entertainment", " politics", " sports", " tech"]),
+    ("sentiment", ("Tweet: ", "\nSentiment:"), [" negative", " neutral", " positive"])])
+def test_label_tasks_take_their_labels_in_turn_in_both_splits(name, prompt, labels):
+    """Balanced: a model that answers one label to everything scores 1 / labels on the bench's held-out set."""
+    for examples in (task_examples(name, "train", 128), heldout_examples(name, 100)):
+        k = len(labels)
+        assert [e.completion for e in examples[:2 * k]] == labels * 2
+        counts = [sum(e.completion == label for e in examples) for label in labels]
+        assert max(counts) - min(counts) <= 1 and len(examples) in (128, 100)
+        assert all(e.prompt.startswith(prompt[0]) and e.prompt.endswith(prompt[1]) for e in examples)
+    assert name in LABEL_TASKS

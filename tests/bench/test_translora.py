@@ -13,6 +13,7 @@ import pytest
 import serve.bench.translora as bench
 import serve.data.models
 from serve.adapters.generation_schedule import Sampling
+from serve.adapters.tasks import LABEL_TASKS
 from serve.adapters.transfer_guard import TransferFailed
 from serve.bench.translora_table import ALONE, MOVED, STUDENT, UNCHANGED, UNFILTERED
 
@@ -42,7 +43,7 @@ def stubs(monkeypatch, tmp_path):
     def evaluate(task, base, adapter, examples):
         calls["evaluate"] += 1
         loss = 3.0 if adapter is None else 2.0 + 0.1 * int(re.search(r"-s(\d)(-|$)", Path(adapter).name)[1])
-        return {"loss": loss, **({"accuracy": 1 / loss} if task == "spam" else {})}
+        return {"loss": loss, **({"accuracy": 1 / loss} if task in LABEL_TASKS else {})}
 
     monkeypatch.setattr(bench, "train_adapter", train_adapter)
     monkeypatch.setattr(bench, "train_discriminator", lambda base, src, *a, **k: (Path(src) / "translora").mkdir())
@@ -67,7 +68,7 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
     reports = tweets["reports"][MOVED]
     assert reports[0]["kept"] == "unchanged" and "kept" not in reports[1]  # seed 1: refused, nothing kept
     assert tweets["verdicts"][ALONE] == "no adapter"
-    assert json.loads(out.read_text())["seeds"] == 2
+    assert json.loads(out.read_text())["seeds"] == [0, 1]
     printed = capsys.readouterr().out
     assert "tweets (loss): Trans-LoRA is not judged against the target base alone" in printed
     assert ("tweets, Trans-LoRA: inputs kept of generated, per seed: 40/90 (100 steps at 3.1e-04, best at step 45, "
@@ -141,3 +142,38 @@ def test_configs_outside_the_ablation_or_unknown_is_one_line_before_any_work(arg
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"manyfold: error: {why}") and err.count("\n") == 1
     assert not (tmp_path / "work").exists() and stubs == {"train": 0, "transfer": 0, "evaluate": 0}
+
+
+def test_seeds_run_in_parts_and_merged_give_the_report_of_one_run(stubs, tmp_path, capsys):
+    """A bench longer than one machine's session: seed 0 in one session, seed 1 in another (--first-seed), then
+    --merge; the merged tables are those of both seeds run at once, failures and refusals included."""
+    from serve.cli import main
+
+    kw = {"tasks": ("spam", "tweets"), "targets": ("new-version",), "inits": False}
+    whole = bench.run_translora_bench(tmp_path / "whole.json", tmp_path / "w0", seeds=2, **kw)
+    bench.run_translora_bench(tmp_path / "a.json", tmp_path / "w1", seeds=1, **kw)
+    part = bench.run_translora_bench(tmp_path / "b.json", tmp_path / "w2", seeds=1, first_seed=1, **kw)
+    assert part["seeds"] == [1] and part["transfer"]["new-version"]["tweets"]["seeds"] == [1]
+    capsys.readouterr()
+    assert main(["bench", "translora", "--merge", str(tmp_path / "b.json"), str(tmp_path / "a.json"),
+                 "--out", str(tmp_path / "merged.json")]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["transfer"] == json.loads(json.dumps(whole["transfer"])) and merged["seeds"] == [0, 1]
+    assert [p["file"] for p in merged["parts"]] == ["b.json", "a.json"]
+    assert "seeds 0, 1" in capsys.readouterr().out
+
+    code = main(["bench", "translora", "--merge", str(tmp_path / "a.json"), str(tmp_path / "whole.json"),
+                 "--out", str(tmp_path / "twice.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "manyfold: error: whole.json: seed 0 of spam on new-version is in a.json too\n"
+    assert not (tmp_path / "twice.json").exists()
+
+
+def test_held_out_tasks_are_judged_by_accuracy_in_a_table_apart(stubs, tmp_path, capsys):
+    report = bench.run_translora_bench(tmp_path / "r.json", tmp_path / "work", seeds=1,
+                                       tasks=("headlines", "sentiment"), targets=("wider",), inits=False)
+    assert report["transfer"]["wider"]["sentiment"]["metric"] == "accuracy"
+    printed = capsys.readouterr().out
+    tuned, held = printed[printed.index("\ntarget wider: "):].split("target wider (tasks no default was chosen on)")
+    assert "headlines loss" in tuned and "sentiment" not in tuned
+    assert "sentiment accuracy" in held and "headlines" not in held
