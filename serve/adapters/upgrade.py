@@ -126,9 +126,12 @@ def dry_run(store, from_base: str, to_base: str, samples: int = 64, budget_min: 
             state = f"to transfer (~{each:.0f} min)" if m in todo else \
                 "cannot move: no discriminator beside it (trained without --discriminator); its name stays"
         lines.append(f"  {m.name}: {m.entry} -> {m.new}: {state}")
-    lines.append(f"about {each * len(todo):.0f} minutes here in all (~{each:.0f} a transfer"
-                 f"{f', at most --budget-min {budget_min:g}' if budget_min else ''}; a name switches as its "
-                 f"transfer is kept)")
+    if not todo:
+        lines.append("nothing to transfer: every tenant that can move has been transferred")
+    else:
+        lines.append(f"about {each * len(todo):.0f} minutes here in all (~{each:.0f} a transfer"
+                     f"{f', at most --budget-min {budget_min:g}' if budget_min else ''}; a name switches as its "
+                     f"transfer is kept)")
     return lines
 
 

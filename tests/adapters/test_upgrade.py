@@ -98,6 +98,11 @@ def test_a_dry_run_says_what_would_move_and_changes_nothing(store):
     assert lines[0] == "upgrade llama -> llama2: 4 tenant adapters, 4 to transfer"
     assert lines[1].startswith("  t1: t1 -> t1.llama2: to transfer (~") and lines[-1].startswith("about ")
     assert store.manifest == before
+    for t in ("t1", "t2", "t3", "t4"):  # every tenant transferred (their own adapters stand in for the moves)
+        variant_kind("pissa").add(store, f"{t}.llama2", "llama2", store.variant_dir(t))
+    lines = upgrade.dry_run(store, "llama", "llama2", samples=64)
+    assert lines[0].endswith("4 tenant adapters, 0 to transfer") and "not switched" in lines[1]
+    assert lines[-1] == "nothing to transfer: every tenant that can move has been transferred"
 
 
 def test_a_request_in_flight_across_the_switch_is_answered_by_the_base_it_was_resolved_on(store, source_adapter):  # noqa: F811

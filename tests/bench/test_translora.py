@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 import serve.bench.translora as bench
+import serve.bench.translora_ablation as ablation
 import serve.data.models
+from serve.adapters.data import PromptExample
 from serve.adapters.generation_schedule import Sampling
 from serve.adapters.tasks import LABEL_TASKS
 from serve.adapters.transfer_guard import TransferFailed
@@ -45,6 +47,12 @@ def stubs(monkeypatch, tmp_path):
         loss = 3.0 if adapter is None else 2.0 + 0.1 * int(re.search(r"-s(\d)(-|$)", Path(adapter).name)[1])
         return {"loss": loss, **({"accuracy": 1 / loss} if task in LABEL_TASKS else {})}
 
+    def examples(task, split="train", n=None):  # the packaged data sets take seconds to read; nothing here reads them
+        return [PromptExample(prompt=f"{task} {split} {i}", completion=" yes") for i in range(n or 128)]
+
+    for module in (bench, ablation):
+        monkeypatch.setattr(module, "task_examples", examples)
+        monkeypatch.setattr(module, "heldout_examples", lambda task, n=None: examples(task, "test", n))
     monkeypatch.setattr(bench, "train_adapter", train_adapter)
     monkeypatch.setattr(bench, "train_discriminator", lambda base, src, *a, **k: (Path(src) / "translora").mkdir())
     monkeypatch.setattr(bench, "transfer", transfer)
@@ -80,8 +88,6 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
 
 
 def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, tmp_path, monkeypatch, capsys):
-    import serve.bench.translora_ablation as ablation
-
     seen, written = [], []
 
     def synthesize(source, src, base, plan, use_filter, seed):
