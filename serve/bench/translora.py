@@ -26,10 +26,13 @@ run apart (`--first-seed`, on another machine or day) merge into one report (`--
 """
 
 import json
+import re
+import shutil
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from serve.adapters import transfer_guard
 from serve.adapters.budget import MINUTES
@@ -45,7 +48,9 @@ from serve.bench.translora_table import (ALONE, HELD_OUT, MOVED, ROWS, STUDENT, 
                                          summarize, task_verdicts)
 from serve.bench.translora_targets import TARGETS, target_base, target_info
 from serve.errors import ConfigError
-from serve.store.writer import atomic_write
+from serve.store.tensors import SafetensorsSource
+from serve.store.writer import atomic_dir, atomic_write
+from serve.variants.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 TASKS = TUNED + HELD_OUT
 TRAIN, HELDOUT = 128, 100
@@ -140,9 +145,33 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
         except TransferFailed as e:
             failures[row] = str(e)
     student = (base, moved[MOVED]) if MOVED in reports else None
-    adapters = {ROWS[0]: (source, src), ALONE: None, UNCHANGED: (base, src), MOVED: kept.get(MOVED),
+    unchanged = by_module_name(src, base, work / f"{name}-{task}-s{seed}-by-name")
+    adapters = {ROWS[0]: (source, src), ALONE: None, UNCHANGED: (base, unchanged), MOVED: kept.get(MOVED),
                 STUDENT: student, UNFILTERED: kept.get(UNFILTERED), UPPER: (base, real)}
     return {row: None if row in failures else adapters[row] for row in rows}, reports, failures
+
+
+def by_module_name(src: Path, base: Path, out: Path) -> Path:
+    """The source adapter as a target of another shape loads it by module name: every module whose tensors fit
+    the target's weight of that name, the others dropped (PEFT refuses a size mismatch: the wider target's MLPs),
+    kept at out; the adapter itself where every module fits (the deeper targets: their layers shift, none
+    resizes)."""
+    shapes = SafetensorsSource(base).shapes()
+    tensors = load_file(src / ADAPTER_WEIGHTS)
+    modules: dict[str, bool] = {}
+    for name, t in tensors.items():
+        module, part = re.sub(r"^base_model\.model\.", "", name).rsplit(".lora_", 1)
+        want, axis = shapes.get(f"{module}.weight"), 1 if part.startswith("A") else 0  # A [r, in], B [out, r]
+        modules[module] = modules.get(module, True) and want is not None and t.shape[axis] == want[axis]
+    if all(modules.values()):
+        return src
+    if not out.exists():
+        with atomic_dir(out) as stage:
+            save_file({n: t for n, t in tensors.items()
+                       if modules[re.sub(r"^base_model\.model\.", "", n).rsplit(".lora_", 1)[0]]},
+                      stage / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            shutil.copy2(src / ADAPTER_CONFIG, stage / ADAPTER_CONFIG)
+    return out
 
 
 def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sources: dict[int, Path],

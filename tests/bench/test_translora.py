@@ -53,6 +53,7 @@ def stubs(monkeypatch, tmp_path):
     for module in (bench, ablation):
         monkeypatch.setattr(module, "task_examples", examples)
         monkeypatch.setattr(module, "heldout_examples", lambda task, n=None: examples(task, "test", n))
+    monkeypatch.setattr(bench, "by_module_name", lambda src, base, out: src)  # the stubs write no tensors
     monkeypatch.setattr(bench, "train_adapter", train_adapter)
     monkeypatch.setattr(bench, "train_discriminator", lambda base, src, *a, **k: (Path(src) / "translora").mkdir())
     monkeypatch.setattr(bench, "transfer", transfer)
@@ -183,3 +184,32 @@ def test_held_out_tasks_are_judged_by_accuracy_in_a_table_apart(stubs, tmp_path,
     tuned, held = printed[printed.index("\ntarget wider: "):].split("target wider (tasks no default was chosen on)")
     assert "headlines loss" in tuned and "sentiment" not in tuned
     assert "sentiment accuracy" in held and "headlines" not in held
+
+
+def test_the_source_adapter_by_module_name_keeps_the_modules_that_fit_and_drops_the_others(tmp_path):
+    """The wider target's baseline: PEFT refuses to load an adapter whose MLP tensors are of the source's width,
+    so the row loads every module that fits (attention) and none that does not (both tensors of a resized MLP)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from serve.variants.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    def base(root, inner):
+        root.mkdir()
+        save_file({"model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),
+                   "model.layers.0.mlp.up_proj.weight": torch.zeros(inner, 8),
+                   "model.layers.0.mlp.down_proj.weight": torch.zeros(8, inner)}, root / "model.safetensors")
+        return root
+
+    src = tmp_path / "adapter"
+    src.mkdir()
+    p = "base_model.model.model.layers.0."
+    shapes = {"self_attn.q_proj": ((2, 8), (8, 2)), "mlp.up_proj": ((2, 8), (12, 2)), "mlp.down_proj": ((2, 12), (8, 2))}
+    tensors = {f"{p}{m}.lora_{part}.weight": torch.ones(shape) for m, (a, b) in shapes.items()
+               for part, shape in (("A", a), ("B", b))}
+    save_file(tensors, src / ADAPTER_WEIGHTS)
+    (src / ADAPTER_CONFIG).write_text('{"r": 2}')
+    assert bench.by_module_name(src, base(tmp_path / "same", 12), tmp_path / "a") == src  # fits: itself
+    out = bench.by_module_name(src, base(tmp_path / "wider", 16), tmp_path / "b")
+    assert out == tmp_path / "b" and (out / ADAPTER_CONFIG).read_text() == '{"r": 2}'
+    assert sorted(load_file(out / ADAPTER_WEIGHTS)) == sorted(k for k in tensors if "q_proj" in k)
