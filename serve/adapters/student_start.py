@@ -147,6 +147,13 @@ def project_adapter(adapter_dir: str | Path, mapping: dict[int, int], out_dir: s
     return out
 
 
+def lora_module(tensor: str) -> tuple[str, str]:
+    """(the base module a PEFT adapter tensor adapts, its part): "base_model.model.model.layers.0.mlp.up_proj.
+    lora_A.weight" -> ("model.layers.0.mlp.up_proj", "A.weight")."""
+    module, part = re.sub(r"^base_model\.model\.", "", tensor).rsplit(".lora_", 1)
+    return module, part
+
+
 def project_width(adapter_dir: str | Path, source_base: str | Path, target_base: str | Path, out_dir: str | Path
                   ) -> tuple[Path, int] | None:
     """The adapter with zero columns of A and zero rows of B along the MLPs' intermediate axis, where the target's
@@ -163,7 +170,7 @@ def project_width(adapter_dir: str | Path, source_base: str | Path, target_base:
     tensors = load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
     padded, widened = {}, set()
     for name, t in tensors.items():
-        module, part = re.sub(r"^base_model\.model\.", "", name).rsplit(".lora_", 1)
+        module, part = lora_module(name)
         want = shapes.get(f"{module}.weight")
         if want is None or part not in ("A.weight", "B.weight"):
             return None

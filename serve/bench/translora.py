@@ -26,7 +26,6 @@ run apart (`--first-seed`, on another machine or day) merge into one report (`--
 """
 
 import json
-import re
 import shutil
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from serve.adapters import transfer_guard
 from serve.adapters.budget import MINUTES
 from serve.adapters.data import PromptExample, TrainExample
 from serve.adapters.load import load_lm
+from serve.adapters.student_start import lora_module
 from serve.adapters.tasks import LABEL_TASKS, heldout_examples, task_examples
 from serve.adapters.train import train_adapter
 from serve.adapters.translora import SEEDS, TransferFailed, train_discriminator, transfer
@@ -160,16 +160,15 @@ def by_module_name(src: Path, base: Path, out: Path) -> Path:
     tensors = load_file(src / ADAPTER_WEIGHTS)
     modules: dict[str, bool] = {}
     for name, t in tensors.items():
-        module, part = re.sub(r"^base_model\.model\.", "", name).rsplit(".lora_", 1)
+        module, part = lora_module(name)
         want, axis = shapes.get(f"{module}.weight"), 1 if part.startswith("A") else 0  # A [r, in], B [out, r]
         modules[module] = modules.get(module, True) and want is not None and t.shape[axis] == want[axis]
     if all(modules.values()):
         return src
     if not out.exists():
         with atomic_dir(out) as stage:
-            save_file({n: t for n, t in tensors.items()
-                       if modules[re.sub(r"^base_model\.model\.", "", n).rsplit(".lora_", 1)[0]]},
-                      stage / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            save_file({n: t for n, t in tensors.items() if modules[lora_module(n)[0]]}, stage / ADAPTER_WEIGHTS,
+                      metadata={"format": "pt"})
             shutil.copy2(src / ADAPTER_CONFIG, stage / ADAPTER_CONFIG)
     return out
 
@@ -270,11 +269,7 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
     bases = {name: target_base(name, work, _log) for name in targets}
     evals = Evaluations(work / EVALS_FILE)
     if ablation:
-        from serve.bench.translora_ablation import (
-            CONFIGS,
-            ablation_table,
-            print_ablation,
-        )
+        from serve.bench.translora_ablation import CONFIGS, ablation_table, print_ablation
 
         table = ablation_table(work, source, bases, tasks, seed_list, evals, configs or CONFIGS)
         report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seed_list, "rank": RANK,
