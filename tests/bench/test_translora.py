@@ -204,7 +204,8 @@ def test_the_source_adapter_by_module_name_keeps_the_modules_that_fit_and_drops_
     src = tmp_path / "adapter"
     src.mkdir()
     p = "base_model.model.model.layers.0."
-    shapes = {"self_attn.q_proj": ((2, 8), (8, 2)), "mlp.up_proj": ((2, 8), (12, 2)), "mlp.down_proj": ((2, 12), (8, 2))}
+    shapes = {"self_attn.q_proj": ((2, 8), (8, 2)), "mlp.up_proj": ((2, 8), (12, 2)),
+              "mlp.down_proj": ((2, 12), (8, 2))}  # (A, B) of an MLP 12 wide
     tensors = {f"{p}{m}.lora_{part}.weight": torch.ones(shape) for m, (a, b) in shapes.items()
                for part, shape in (("A", a), ("B", b))}
     save_file(tensors, src / ADAPTER_WEIGHTS)
