@@ -329,10 +329,9 @@ def add_demo_adapter(store: Store, task: AdapterTask, log: Callable[[str], None]
     trained = examples
     if task.discriminator:  # its validation set held out from the adapter too, as `adapter train --discriminator`
         from serve.adapters.translora import SEEDS
-        from serve.adapters.validation import VALIDATION, split_examples
+        from serve.adapters.validation import trained_on
 
-        seeds, _, rest = split_examples(examples, SEEDS, VALIDATION)
-        trained = seeds + rest
+        trained = trained_on(examples, SEEDS)
     with tempfile.TemporaryDirectory() as tmp:
         result = train_adapter(store.base_dir(LM_BASE), trained, Path(tmp) / "adapter", init=task.init,
                                rank=task.rank, steps=task.steps, lr=task.lr, batch_size=task.batch_size,

@@ -50,6 +50,13 @@ def split_examples(examples: list[TrainExample], seeds: int, most: int = VALIDAT
     return examples[:seeds], examples[seeds:seeds + v], examples[seeds + v:]
 
 
+def trained_on(examples: list[TrainExample], seeds: int, most: int = VALIDATION) -> list[TrainExample]:
+    """What an adapter trained with Trans-LoRA's assets learns from: the seeds and the rest, never the validation
+    set its transfers' guard reads (split_examples)."""
+    kept, _, rest = split_examples(examples, seeds, most)
+    return kept + rest
+
+
 def write_validation(root: Path, examples: list[TrainExample]) -> None:
     (root / VALIDATION_FILE).write_text("".join(json.dumps(e.model_dump()) + "\n" for e in examples))
 

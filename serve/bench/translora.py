@@ -41,7 +41,7 @@ from serve.adapters.student_start import lora_module
 from serve.adapters.tasks import LABEL_TASKS, heldout_examples, task_examples
 from serve.adapters.train import train_adapter
 from serve.adapters.translora import SEEDS, TransferFailed, train_discriminator, transfer
-from serve.adapters.validation import completion_loss, labels_of, score, split_examples
+from serve.adapters.validation import completion_loss, labels_of, score, trained_on
 from serve.bench.report import finish, machine
 from serve.bench.translora_table import (ALONE, HELD_OUT, MOVED, ROWS, STUDENT, TUNED, UNCHANGED, UNFILTERED, UPPER,
                                          gaps_recovered, init_verdicts, mean_curve, plot, primary, print_report,
@@ -104,9 +104,8 @@ def _train(base: Path, examples: list[TrainExample], out: Path, init: str, seed:
 def source_adapter(work: Path, source: Path, task: str, train: list[TrainExample], seed: int) -> Path:
     """The task's source adapter for one seed, with its discriminator: trained, as `adapter train --discriminator`
     does, on the seeds and the rest, never on the validation set the transfer's guard reads."""
-    seeds, _, rest = split_examples(train, SEEDS)
     src = work / f"{task}-s{seed}-source"
-    _train(source, seeds + rest, src, "pissa", seed)
+    _train(source, trained_on(train, SEEDS), src, "pissa", seed)
     if not (src / "translora").exists():
         _log(f"training {src.name}'s discriminator")
         train_discriminator(source, src, train, task, seeds=SEEDS, seed=seed)
@@ -118,9 +117,8 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
     """One seed on one target: (adapter of each of `rows` but the target alone or None where it made none,
     transfer reports, failures)."""
     name, base = target
-    seeds, _, rest = split_examples(train, SEEDS)
     real = work / f"{name}-{task}-s{seed}-real"
-    _train(base, seeds + rest, real, "pissa", seed)
+    _train(base, trained_on(train, SEEDS), real, "pissa", seed)
     reports, failures, moved, kept = {}, {}, {}, {}
     for row, use_filter in ((MOVED, True), (UNFILTERED, False)):
         if row not in rows:

@@ -12,13 +12,12 @@ from serve.cli.console import progress
 def cmd_adapter_train(args: argparse.Namespace) -> None:
     from serve.adapters.data import read_jsonl
     from serve.adapters.train import train_adapter
-    from serve.adapters.validation import split_examples
+    from serve.adapters.validation import trained_on
 
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     examples = read_jsonl(args.data)
     if args.discriminator:  # the validation set is held out from the adapter too: nobody trains on it
-        seeds, held, rest = split_examples(examples, args.seeds, args.validation)
-        examples = seeds + rest
+        examples = trained_on(examples, args.seeds, args.validation)
     result = train_adapter(base_dir(args), examples, Path(args.out), init=args.init, rank=args.rank,
                            alpha=args.alpha, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                            max_length=args.max_length, target_modules=targets, seed=args.seed)

@@ -19,7 +19,7 @@ import pytest
 from serve.adapters import translora
 from serve.adapters.data import PromptExample
 from serve.adapters.train import train_adapter
-from serve.adapters.validation import split_examples
+from serve.adapters.validation import trained_on
 from serve.cli import main
 from serve.store.store import Store
 from serve.variants import variant_kind
@@ -52,8 +52,7 @@ def source_adapter(bases, tmp_path_factory):
     """A LoRA that learnt the copying task on the source (never on the validation set kept beside it)."""
     out = tmp_path_factory.mktemp("adapter") / "toy"
     examples = copy_task(48, seed=1)
-    seeds, _, rest = split_examples(examples, 5)
-    train_adapter(bases[0], seeds + rest, out, init="lora", rank=4, steps=40, lr=1e-2, progress=lambda *_: None)
+    train_adapter(bases[0], trained_on(examples, 5), out, init="lora", rank=4, steps=40, lr=1e-2, progress=lambda *_: None)
     translora.train_discriminator(bases[0], out, examples, "toy", steps=2)
     return out
 

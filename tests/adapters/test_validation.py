@@ -8,7 +8,7 @@ from serve.adapters.data import PromptExample, TextExample
 from serve.adapters.load import load_lm
 from serve.adapters.transfer_guard import Comparison, TransferFailed, choose
 from serve.adapters.validation import (EarlyStopping, Score, accuracy_margin, completion_loss, labels_of, score,
-                                       split_examples, student_schedule)
+                                       split_examples, student_schedule, trained_on)
 from tests.models import write_tiny_causal
 
 
@@ -18,6 +18,8 @@ def test_the_validation_set_is_held_out_between_the_seeds_and_the_rest():
     assert (len(seeds), len(held), len(rest)) == (5, 27, 28) and seeds + held + rest == examples
     assert [len(part) for part in split_examples(examples[:7], 5)] == [5, 1, 1]  # little data: one held out
     assert len(split_examples(examples * 2, 5)[1]) == 32  # at most 32
+    assert trained_on(examples, 5) == seeds + rest and not set(e.text for e in held) & {
+        e.text for e in trained_on(examples, 5)}  # what an adapter with Trans-LoRA's assets learns from
 
 
 def test_early_stopping_stops_after_its_patience_and_restores_the_best_weights():
