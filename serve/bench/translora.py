@@ -29,6 +29,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,7 +45,7 @@ from serve.adapters.translora import SEEDS, TransferFailed, train_discriminator,
 from serve.adapters.validation import completion_loss, labels_of, score, trained_on
 from serve.bench.report import finish, machine
 from serve.bench.translora_table import (ALONE, HELD_OUT, MOVED, ROWS, STUDENT, TUNED, UNCHANGED, UNFILTERED, UPPER,
-                                         gaps_recovered, init_verdicts, mean_curve, plot, primary, print_report,
+                                         Run, gaps_recovered, init_verdicts, mean_curve, plot, primary, print_report,
                                          summarize, task_verdicts)
 from serve.bench.translora_targets import TARGETS, target_base, target_info
 from serve.errors import ConfigError
@@ -288,38 +289,51 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
     return report
 
 
+class _SeedRun(NamedTuple):
+    """One seed of a target's task, as a part's report holds it (merge_reports)."""
+
+    file: str
+    runs: dict[str, Run]
+    reports: dict[str, dict | None]
+    failures: dict[str, str]
+
+
 def merge_reports(parts: list[tuple[str, dict]]) -> dict:
     """One report from the transfer tables of bench runs over other seeds ((name, report) each, as `--out`
     wrote them: a run of every seed does not fit one machine's session): per target and task, each row's runs
     in seed order, the target alone from the first part that ran it, summaries, verdicts and gaps drawn again.
     A seed of a target's task in two parts is refused, as is a part from before reports named their seeds."""
-    transfer: dict[str, dict[str, dict]] = {}
+    found: dict[tuple[str, str], dict] = {}
     for name, part in parts:
         if not part.get("transfer") or not isinstance(part.get("seeds"), list):
             raise ConfigError(f"{name}: no transfer table with its seeds named (a bench run from before "
                               f"--first-seed, or an ablation): run it again")
         for target, tasks in part["transfer"].items():
             for task, t in tasks.items():
-                into = transfer.setdefault(target, {}).setdefault(task, {"heldout": t["heldout"], "by_seed": {},
-                                                                         "alone": t["runs"][ALONE]})
+                into = found.setdefault((target, task), {"heldout": t["heldout"], "alone": t["runs"][ALONE],
+                                                         "seeds": {}})
                 for i, seed in enumerate(t["seeds"]):
-                    if seed in into["by_seed"]:
+                    if seed in into["seeds"]:
                         raise ConfigError(f"{name}: seed {seed} of {task} on {target} is in "
-                                          f"{into['by_seed'][seed][0]} too")
-                    failed = {row: why for row, whys in t["failures"].items()
-                              for s, why in whys.items() if int(s) == seed}  # JSON's keys are strings
-                    into["by_seed"][seed] = (name, {row: r[i] for row, r in t["runs"].items() if row != ALONE},
-                                             {row: r[i] for row, r in t["reports"].items()}, failed)
-    for target, tasks in transfer.items():
-        for task, into in tasks.items():
-            seeds = sorted(into["by_seed"])
-            per = [into["by_seed"][s] for s in seeds]
-            runs = {row: [p[1].get(row) for p in per] for row in ROWS if any(row in p[1] for p in per)}
-            runs[ALONE] = into["alone"]
-            reports = {row: [p[2].get(row) for p in per] for row in (MOVED, UNFILTERED)
-                       if any(row in p[2] for p in per)}
-            failures = {row: {s: p[3][row] for s, p in zip(seeds, per) if row in p[3]} for p in per for row in p[3]}
-            tasks[task] = task_summary(task, into["heldout"], seeds, runs, reports, failures)
+                                          f"{into['seeds'][seed].file} too")
+                    into["seeds"][seed] = _SeedRun(
+                        name, {row: r[i] for row, r in t["runs"].items() if row != ALONE},
+                        {row: r[i] for row, r in t["reports"].items()},
+                        {row: why for row, whys in t["failures"].items()
+                         for s, why in whys.items() if int(s) == seed})  # JSON's keys are strings
+    transfer: dict[str, dict[str, dict]] = {}
+    for (target, task), into in found.items():
+        seeds = sorted(into["seeds"])
+        per = [into["seeds"][s] for s in seeds]
+        runs = {row: into["alone"] if row == ALONE else [p.runs.get(row) for p in per]
+                for row in ROWS if row == ALONE or any(row in p.runs for p in per)}
+        reports = {row: [p.reports.get(row) for p in per] for row in (MOVED, UNFILTERED)
+                   if any(row in p.reports for p in per)}
+        failures: dict[str, dict[int, str]] = {}
+        for seed, p in zip(seeds, per):
+            for row, why in p.failures.items():
+                failures.setdefault(row, {})[seed] = why
+        transfer.setdefault(target, {})[task] = task_summary(task, into["heldout"], seeds, runs, reports, failures)
     first = parts[0][1]
     return {"machine": "; ".join(dict.fromkeys(p["machine"] for _, p in parts)), "source": first["source"],
             "seeds": sorted({s for _, p in parts for s in p["seeds"]}),
