@@ -12,10 +12,10 @@ On CUDA a decode step that replays a graph is followed at once by the next, laun
 the device before the host reads them, so the host's reading and detokenising overlap the GPU (see `run`).
 Each row keeps its variant's slot (serve/engine/slots.py) too, and the step's BatchPlan maps every token to its
 row's variant. Sampling runs on the device over every row that samples this step (greedy rows give the tokens
-they give alone, seeded rows draw from their own generator) and the sampled tokens come back in one copy. Text
-is decoded incrementally, a few tokens a step. Log probabilities (when a row asks) are a log-softmax over the
-whole vocabulary in fp32 of the same logits the row samples from; a row that echoes its prompt keeps the logits
-of every prompt position, chunk by chunk.
+they give alone, seeded rows draw from their own generator) and the sampled tokens come back in one copy; each
+row's text and where it stops are detokenize.py's. Log probabilities (when a row asks) are a log-softmax over
+the whole vocabulary in fp32 of the same logits the row samples from; a row that echoes its prompt keeps the
+logits of every prompt position, chunk by chunk.
 """
 
 from collections.abc import Sequence
@@ -26,11 +26,12 @@ import torch
 
 from serve.engine import faults
 from serve.engine.batch import RowSlot
+from serve.engine.detokenize import Detokenizer, RowText
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Step
 from serve.engine.sampling import sample
 from serve.engine.steps import Prefill, StepOutput, StepRunner
-from serve.engine.types import Generation, SamplingParams, TokenLogprob
+from serve.engine.types import Generation, SamplingParams
 from serve.variants.base import LoadedVariant
 
 
@@ -44,18 +45,16 @@ class NewRow:
     variant: LoadedVariant | None = None
 
 
-@dataclass(eq=False)
-class _Seq:
-    gen: Generation
-    params: SamplingParams
+@dataclass(eq=False, kw_only=True)
+class _Seq(RowText):
+    """A row of the batch: its text so far (RowText) and where it stands in the batch."""
+
     rng: torch.Generator | None
     tag: Any
     slot: RowSlot | None
     """None once detached: a slot is given back exactly once, whatever fails."""
     kv: int | None
     """Its KV store slot; None once given back."""
-    name: str
-    """The cache entry it runs, or the base's name (what a fault or a log line names)."""
     prompt: list[int]
     written: int = 0
     """Tokens of this row in the KV store: the prompt's so far, then every token fed back."""
@@ -66,29 +65,16 @@ class _Seq:
     done: bool = False
     failed: BaseException | None = None
     """It failed alone (detokenising): it leaves the batch with this error, the other rows go on."""
-    tail: list[int] = field(default_factory=list)
-    """The prompt's last CONTEXT tokens: the text is decoded after them, so it reads as a continuation."""
-    prefix_offset: int = 0
-    """Incremental decoding over tail + token_ids: text is known up to read_offset; tokens from prefix_offset
-    are re-decoded for context, so a piece that only makes sense after its neighbours comes out right."""
-    read_offset: int = 0
 
     @classmethod
     def start(cls, row: NewRow, slot: RowSlot, kv: int, name: str) -> "_Seq":
         p = row.params
-        gen = Generation(prompt_tokens=len(row.prompt), logprobs=[] if p.logprobs is not None else None)
         rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-        tail = row.prompt[-CONTEXT:]
-        return cls(gen, p, rng, row.tag, slot, kv, name, list(row.prompt), tail=tail, read_offset=len(tail))
+        return cls.after(row.prompt, p, name, rng=rng, tag=row.tag, slot=slot, kv=kv, prompt=list(row.prompt))
 
     @property
     def echoes(self) -> bool:
         return self.params.echo and self.params.logprobs is not None
-
-
-CONTEXT = 5
-"""Tokens of context a piece of text is decoded after: a token's text depends on its neighbours (a
-SentencePiece word's leading space, a character split over byte tokens)."""
 
 
 @dataclass(eq=False)
@@ -116,6 +102,7 @@ class DecodeBatch:
             raise ValueError(f"base '{rt.name}' is not a causal language model: it has no KV store")
         self.rt = rt
         self.runner = StepRunner(rt)
+        self.text = Detokenizer(rt.tokenizer, rt.eos_ids)
         self.decoding: dict[int, _Seq] = {}
         """KV slot -> its row, for rows whose prompt is written."""
         self.prefilling: list[_Seq] = []
@@ -315,8 +302,8 @@ class DecodeBatch:
                 self.prefilling.remove(s)
                 self.decoding[s.kv] = s
                 if s.echoes:
-                    s.gen.prompt_logprobs = self._prompt_logprobs(s.prompt, torch.cat(s.echo_logits),
-                                                                  s.params.logprobs)
+                    s.gen.prompt_logprobs = self.text.prompt_logprobs(s.prompt, torch.cat(s.echo_logits),
+                                                                      s.params.logprobs)
                     s.echo_logits = []
         live = [(s, i) for s, i in launched.sampling if not s.done and s.kv is not None]
         if live:
@@ -345,86 +332,22 @@ class DecodeBatch:
         # (which the text and token_ids leave out, and completion_tokens counts); a max_tokens 0 row takes none.
         asking = [i for i, s in enumerate(seqs)
                   if s.params.logprobs is not None and s.params.max_tokens > 0 and s.failed is None]
-        contexts = {i: (seqs[i].tail + seqs[i].gen.token_ids)[-CONTEXT:] for i in asking}  # before this token
+        contexts = {i: seqs[i].context() for i in asking}  # before this token
         for s, tok in zip(seqs, chosen):
             s.next_token = tok
             try:
-                s.done = self._advance(s, tok)
+                s.done = self.text.advance(s, tok)
             except Exception as e:  # this row's text alone: it leaves with the error, the batch goes on
                 s.failed, s.done = e, True
             if not s.done and s.written >= self.rt.kv.positions:  # its slot is full (the engine's checks forbid it)
                 s.gen.finish_reason, s.done = "length", True
-                self._flush(s)
+                self.text.flush(s)
         for k in sorted({seqs[i].params.logprobs for i in asking}):
             idx = [i for i in asking if seqs[i].params.logprobs == k]
             rows = torch.tensor([at[i] for i in idx], dtype=torch.long, device=logits.device)
-            entries = self._logprobs(logits[rows], [chosen[i] for i in idx], k, [contexts[i] for i in idx])
+            entries = self.text.logprobs(logits[rows], [chosen[i] for i in idx], k, [contexts[i] for i in idx])
             for i, lp in zip(idx, entries):
                 seqs[i].gen.logprobs.append(lp)
-
-    def _logprobs(self, logits: torch.Tensor, tokens: list[int], k: int, contexts: list[list[int]]
-                  ) -> list[TokenLogprob]:
-        """[n, vocab] fp32 logits and the token taken at each (after its context) -> its log probability and
-        the top k there, each as its text after that context."""
-        lp = torch.log_softmax(logits, -1)
-        taken = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
-        top_lp, top_ids = (x.tolist() for x in lp.topk(k, -1)) if k else ([[]] * len(tokens), [[]] * len(tokens))
-        out = []
-        for t, v, ids, ps, ctx in zip(tokens, taken, top_ids, top_lp, contexts):
-            before = self.rt.tokenizer.decode(ctx)
-            piece = self._pieces(ctx, before, [t, *ids])
-            out.append(TokenLogprob(piece[0], v, list(zip(piece[1:], ps))))
-        return out
-
-    def _prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, k: int) -> list[TokenLogprob]:
-        """logits [len(prompt), vocab] of the prompt's positions: position j predicts token j + 1."""
-        first = TokenLogprob(self.rt.tokenizer.decode(prompt[:1]), None, [])
-        contexts = [prompt[max(0, j + 1 - CONTEXT):j + 1] for j in range(len(prompt) - 1)]
-        return [first] + self._logprobs(logits[:-1], prompt[1:], k, contexts)
-
-    def _pieces(self, context: list[int], before: str, tokens: list[int]) -> list[str]:
-        """The text each token adds after `context` (which decodes to `before`)."""
-        decode = self.rt.tokenizer.decode
-        return [decode(context + [t])[len(before):] for t in tokens]
-
-    def _advance(self, s: _Seq, tok: int) -> bool:
-        """Append one token; -> whether the row is finished."""
-        gen, params = s.gen, s.params
-        if params.max_tokens == 0:  # the prompt alone was asked for (echo)
-            return True
-        if tok in self.rt.eos_ids:
-            gen.finish_reason, gen.end_token = "stop", tok
-            self._flush(s)
-            return True
-        gen.token_ids.append(tok)
-        before = len(gen.text)
-        faults.hit("detokenize", [s.name])
-        self._decode_new(s)
-        longest_stop = max((len(x) for x in params.stop), default=0)
-        for x in params.stop:
-            at = gen.text.find(x, max(0, before - longest_stop + 1))
-            if at >= 0:
-                gen.text = gen.text[:at]
-                gen.finish_reason = "stop"
-                return True
-        if len(gen.token_ids) >= params.max_tokens:
-            gen.finish_reason = "length"
-            self._flush(s)
-            return True
-        return False
-
-    def _decode_new(self, s: _Seq, final: bool = False) -> None:
-        decode = self.rt.tokenizer.decode
-        ids = s.tail + s.gen.token_ids
-        known = decode(ids[s.prefix_offset:s.read_offset], skip_special_tokens=True)
-        text = decode(ids[s.prefix_offset:], skip_special_tokens=True)
-        if len(text) > len(known) and (final or not text.endswith("\ufffd")):  # half a character waits
-            s.gen.text += text[len(known):]
-            s.prefix_offset, s.read_offset = s.read_offset, len(ids)
-
-    def _flush(self, s: _Seq) -> None:
-        if s.read_offset < len(s.tail) + len(s.gen.token_ids):
-            self._decode_new(s, final=True)
 
     def _drop_finished(self) -> list[tuple[Any, Generation]]:
         """Rows that are done leave: their slots go back at once; -> those that finished well."""
