@@ -40,13 +40,16 @@ def readiness(states: dict[str, BaseState | None], may_idle: frozenset[str] = fr
               loading: dict[str, tuple[int, int]] | None = None) -> tuple[bool, dict[str, str]]:
     """(whether every base that can run runs, each base's state in words); None: not reported yet. loading: base
     -> (bytes fetched, bytes in all) of a replica fetching it (ResidencyBoard.loads): a base starting says how
-    far, "loading 1.2/3.4 GiB (35%)", and holds readiness back as one starting does."""
+    far, "loading 1.2/3.4 GiB (35%)", then, all fetched, that its engine is starting (placing the weights,
+    capturing graphs) until the replica runs; either holds readiness back as one starting does."""
     loading = loading or {}
     words = {}
     for base, s in states.items():
         starting = s is None or (not s.running and s.placeable and base not in may_idle)
         if starting and base in loading:
-            words[base] = f"loading {how_far(*loading[base])}"
+            done, total = loading[base]
+            fetched = ": fetched, the engine starting" if done >= total else ""
+            words[base] = f"loading {how_far(done, total)}{fetched}"
         elif s is None:
             words[base] = "starting: not reported by Serve's controller yet"
         elif s.running:

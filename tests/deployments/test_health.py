@@ -139,7 +139,8 @@ def test_a_base_loading_says_so_and_how_far_and_holds_readiness_back():
     assert words["lm"] == words["new"] == "loading 1.2/3.4 GiB (35%)"
     assert words["up"] == "running" and words["far"] == "unplaceable: no room" and words["idle"].startswith("idle")
     assert readiness({"up": BaseState(True), "far": states["far"]}, loading=loading)[0]  # the status rules hold
-    assert readiness({"lm": starting}, loading={"lm": (3 * gib, 3 * gib)})[1] == {"lm": "loading 3.0/3.0 GiB (100%)"}
+    fetched = readiness({"lm": starting}, loading={"lm": (3 * gib, 3 * gib)})[1]
+    assert fetched == {"lm": "loading 3.0/3.0 GiB (100%): fetched, the engine starting"}
 
 
 def test_manyfold_serve_says_a_base_still_loading_at_start_timeout_goes_on_loading():
