@@ -59,7 +59,8 @@ def build_stores(tenants: int, seed: int, log=print) -> tuple[dict[str, Path], l
     from serve.codecs.neuzip_file import add_base, cast_to_bf16
     from serve.data.cache import home
     from serve.data.models import smollm2_dir
-    from serve.store.store import NOT_COPIED, Store
+    from serve.store.model_dir import NOT_COPIED
+    from serve.store.store import Store
     from serve.variants import variant_kind
 
     root = home() / "neuzip-load" / f"n{tenants}-seed{seed}"

@@ -154,7 +154,7 @@ def merge_lora_classifier(base_dir: Path, adapter_dir: Path, out_dir: Path) -> P
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
-    from serve.store.store import is_tokenizer_file
+    from serve.store.model_dir import is_tokenizer_file
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

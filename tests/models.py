@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from serve.store.store import is_causal_lm, is_tokenizer_file
+from serve.store.model_dir import is_causal_lm, is_tokenizer_file
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "system:", "user:", "assistant:"] + (
     "the a cat dog sat on mat and ran to house tree big small red blue green one two three four five six "

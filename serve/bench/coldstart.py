@@ -29,7 +29,8 @@ from serve.bench.report import machine
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
-from serve.store.store import Store, is_causal_lm
+from serve.store.model_dir import is_causal_lm
+from serve.store.store import Store
 from serve.variants.full import extract_full_variant
 
 TEXT = "The central bank raised interest rates again as inflation stayed high."

@@ -27,7 +27,7 @@ import zstandard
 from serve.bench.report import NO_GPU, finish, machine, median_time
 from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile, cast_to_bf16, encode_dir
 from serve.config import NEUZIP_DECODED_MIB
-from serve.store.store import NOT_COPIED
+from serve.store.model_dir import NOT_COPIED
 
 MODELS = ("smollm2", "minilm")
 CONFIGS = ("bf16", "k7", "k3", "k1", "k0", "int8")

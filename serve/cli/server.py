@@ -46,7 +46,8 @@ def _serve_config(args: argparse.Namespace, store: str | None):
 
 
 def _print_examples(url: str, config) -> None:
-    from serve.store.store import is_causal_lm, open_store
+    from serve.store.model_dir import is_causal_lm
+    from serve.store.store import open_store
 
     store = open_store(config.store)
     lines = [f"serving {config.store} at {url}  (Ctrl-C to stop)", "", "try:"]

@@ -41,7 +41,8 @@ from kernels import pack_bits, unpack_bits
 from serve.codecs.fmdelta_file import match_base_name
 from serve.errors import ArtifactError, VariantIncompatible, first_error
 from serve.store.manifest import Name, Sha256, StrictModel
-from serve.store.store import architecture_of, classifier_labels, file_sha256, is_tokenizer_file, read_model_config
+from serve.store.model_dir import architecture_of, classifier_labels, is_tokenizer_file, read_model_config
+from serve.store.store import file_sha256
 from serve.store.tensors import SafetensorsSource, fingerprint, save_tensors
 from serve.store.writer import atomic_dir, atomic_write
 

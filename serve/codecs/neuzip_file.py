@@ -31,7 +31,7 @@ from serve.codecs.entropy import order0_bits
 from serve.codecs.fmdelta import pool_map
 from serve.errors import ArtifactError
 from serve.store.manifest import StrictModel
-from serve.store.store import NOT_COPIED
+from serve.store.model_dir import NOT_COPIED
 from serve.store.tensors import (DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsSource, as_bytes, digest_hex, dtype_name,
                                  save_tensors, weight_files)
 from serve.store.writer import atomic_dir, atomic_write

@@ -31,7 +31,7 @@ from serve.engine.prompts import Prompts, token_counts
 from serve.engine.stats import Seconds
 from serve.errors import BadRequest
 from serve.codecs.neuzip_file import NEUZIP_FILE, NzpFile
-from serve.store.store import is_causal_lm
+from serve.store.model_dir import is_causal_lm
 from serve.store.tensors import SafetensorsSource, tensor_digest
 from serve.variants.base import BaseView, LoadedVariant
 

@@ -21,7 +21,8 @@ from serve.forms.agreement import Agreement, Calibration, Reference, generated_c
 from serve.forms.emr_member import Remerged, groups_for, remerge
 from serve.forms.lowrank import DeltaFactors, factor_delta, lowrank_state, write_lora
 from serve.store.manifest import FormCandidate, FormRecord, FullVariantEntry, VariantEntry, check_name
-from serve.store.store import Store, architecture_of, is_causal_lm, read_model_config
+from serve.store.model_dir import architecture_of, is_causal_lm, read_model_config
+from serve.store.store import Store
 from serve.store.tensors import SafetensorsSource
 from serve.variants.full import DELTA_FILE, resident_bytes, stage_full_variant
 

@@ -17,7 +17,7 @@ import torch
 
 from serve.codecs.fmdelta_file import match_base_name
 from serve.errors import VariantIncompatible
-from serve.store.store import is_causal_lm
+from serve.store.model_dir import is_causal_lm
 from serve.store.tensors import SafetensorsSource, save_tensors
 from serve.variants.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HEAD_MODULES, LABELS_CONFIG, matmul_dims
 

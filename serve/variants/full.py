@@ -15,7 +15,8 @@ from serve.codecs.fmdelta_file import CompressStats, FmdFile, compress, match_ba
 from serve.config import SlotsConfig
 from serve.errors import ArtifactError, VariantIncompatible
 from serve.store.manifest import FullVariantEntry
-from serve.store.store import Store, architecture_of, classifier_labels, is_tokenizer_file, read_model_config
+from serve.store.model_dir import architecture_of, classifier_labels, is_tokenizer_file, read_model_config
+from serve.store.store import Store
 from serve.store.tensors import DTYPES, Alloc, SafetensorsSource, save_tensors
 from serve.variants.base import (
     BaseView,

@@ -13,7 +13,8 @@ from serve.codecs.neuzip_file import add_base, cast_to_bf16
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
-from serve.store.store import Store, is_causal_lm
+from serve.store.model_dir import is_causal_lm
+from serve.store.store import Store
 from tests.forwards import forward_rows
 from serve.variants import variant_kind
 from tests.models import write_lora, write_perturbed, write_tiny_gpt2
