@@ -49,6 +49,7 @@ class Detokenizer:
     """A base's tokenizer and end-of-text ids, applied to rows' tokens."""
 
     def __init__(self, tokenizer, eos_ids: set[int] | frozenset[int]):
+        """eos_ids: the runtime's set itself (BaseModelRuntime.eos_ids), read at every token."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
 
