@@ -249,7 +249,7 @@ def start_warnings(words: dict[str, str], timeout_s: float) -> list[str]:
     lines = []
     for base, w in words.items():
         if w.startswith("loading"):
-            lines.append(f"warning: {base} is still {w} after start_timeout_s ({timeout_s:g} s); the load goes on, "
+            lines.append(f"warning: after start_timeout_s ({timeout_s:g} s), {base} is still {w}; the load goes on, "
                          f"and its models answer 503 until it runs")
         elif not w.startswith(("running", "idle")):
             lines.append(f"warning: {base} is not running; its models answer 503 until it runs ({w})")

@@ -149,7 +149,7 @@ def test_manyfold_serve_says_a_base_still_loading_at_start_timeout_goes_on_loadi
     words = {"lm": "loading 1.2/3.4 GiB (35%)", "nz": "starting: base 'nz' has no running replica (Deploying)",
              "up": "running", "idle": "idle: min_replicas is 0, its first request starts a replica"}
     assert start_warnings(words, 120.0) == [
-        ("warning: lm is still loading 1.2/3.4 GiB (35%) after start_timeout_s (120 s); the load goes on, and its "
+        ("warning: after start_timeout_s (120 s), lm is still loading 1.2/3.4 GiB (35%); the load goes on, and its "
          "models answer 503 until it runs"),
         ("warning: nz is not running; its models answer 503 until it runs (starting: base 'nz' has no running "
          "replica (Deploying))")]
