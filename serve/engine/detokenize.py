@@ -49,7 +49,8 @@ class Detokenizer:
     """A base's tokenizer and end-of-text ids, applied to rows' tokens."""
 
     def __init__(self, tokenizer, eos_ids: set[int] | frozenset[int]):
-        """eos_ids: the runtime's set itself (BaseModelRuntime.eos_ids), read at every token."""
+        """eos_ids: BaseModelRuntime.eos_ids, the object itself, read at every token (a set the runtime changes in
+        place is seen; one it puts in its place is not: set it before the batch is built)."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
 
