@@ -86,10 +86,9 @@ def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int, pr
     vocab = rt.model.config.vocab_size
     rows = [NewRow(i, torch.randint(3, vocab, (context,), generator=g).tolist(),
                    SamplingParams(max_tokens=1 << 20), v) for i, v in enumerate(variants)]
-    eos, rt.eos_ids = rt.eos_ids, set()  # before the batch, whose Detokenizer keeps the set it is given
-    batch = None
+    batch = DecodeBatch(rt)
+    eos, rt.eos_ids = rt.eos_ids, set()
     try:
-        batch = DecodeBatch(rt)
         batch.run(rows)
         while batch.prefilling:
             batch.run([])
@@ -98,8 +97,7 @@ def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int, pr
             profile += profiled(lambda: batch.run([]), repeats, rt.device)
         return ms
     finally:
-        if batch is not None:
-            batch.close()
+        batch.close()
         rt.eos_ids = eos
 
 

@@ -8,11 +8,15 @@ The batch (generation.py) decides when a row has a token; this module only turns
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from serve.engine import faults
 from serve.engine.types import Generation, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from serve.engine.model import BaseModelRuntime
 
 CONTEXT = 5
 """Tokens of context a piece of text is decoded after."""
@@ -46,20 +50,18 @@ class RowText:
 
 
 class Detokenizer:
-    """A base's tokenizer and end-of-text ids, applied to rows' tokens."""
+    """A base's tokenizer and end-of-text ids, applied to rows' tokens. Both are read from the runtime at every
+    use, so a caller that sets rt.eos_ids (a benchmark that runs rows to max_tokens) is heard whenever it does."""
 
-    def __init__(self, tokenizer, eos_ids: set[int] | frozenset[int]):
-        """eos_ids: BaseModelRuntime.eos_ids, the object itself, read at every token (a set the runtime changes in
-        place is seen; one it puts in its place is not: set it before the batch is built)."""
-        self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
+    def __init__(self, rt: "BaseModelRuntime"):
+        self.rt = rt
 
     def advance(self, r: RowText, tok: int) -> bool:
         """Append one token; -> whether the row is finished (its finish_reason set)."""
         gen, params = r.gen, r.params
         if params.max_tokens == 0:  # the prompt alone was asked for (echo)
             return True
-        if tok in self.eos_ids:
+        if tok in self.rt.eos_ids:
             gen.finish_reason, gen.end_token = "stop", tok
             self.flush(r)
             return True
@@ -94,19 +96,19 @@ class Detokenizer:
         top_lp, top_ids = (x.tolist() for x in lp.topk(k, -1)) if k else ([[]] * len(tokens), [[]] * len(tokens))
         out = []
         for t, v, ids, ps, ctx in zip(tokens, taken, top_ids, top_lp, contexts):
-            before = self.tokenizer.decode(ctx)
-            piece = [self.tokenizer.decode(ctx + [i])[len(before):] for i in (t, *ids)]
+            before = self.rt.tokenizer.decode(ctx)
+            piece = [self.rt.tokenizer.decode(ctx + [i])[len(before):] for i in (t, *ids)]
             out.append(TokenLogprob(piece[0], v, list(zip(piece[1:], ps))))
         return out
 
     def prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, k: int) -> list[TokenLogprob]:
         """logits [len(prompt), vocab] of the prompt's positions: position j predicts token j + 1."""
-        first = TokenLogprob(self.tokenizer.decode(prompt[:1]), None, [])
+        first = TokenLogprob(self.rt.tokenizer.decode(prompt[:1]), None, [])
         contexts = [prompt[max(0, j + 1 - CONTEXT):j + 1] for j in range(len(prompt) - 1)]
         return [first] + self.logprobs(logits[:-1], prompt[1:], k, contexts)
 
     def _decode_new(self, r: RowText, final: bool = False) -> None:
-        decode = self.tokenizer.decode
+        decode = self.rt.tokenizer.decode
         ids = r.tail + r.gen.token_ids
         known = decode(ids[r.prefix_offset:r.read_offset], skip_special_tokens=True)
         text = decode(ids[r.prefix_offset:], skip_special_tokens=True)

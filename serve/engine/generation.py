@@ -102,7 +102,7 @@ class DecodeBatch:
             raise ValueError(f"base '{rt.name}' is not a causal language model: it has no KV store")
         self.rt = rt
         self.runner = StepRunner(rt)
-        self.text = Detokenizer(rt.tokenizer, rt.eos_ids)
+        self.text = Detokenizer(rt)
         self.decoding: dict[int, _Seq] = {}
         """KV slot -> its row, for rows whose prompt is written."""
         self.prefilling: list[_Seq] = []
