@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from serve.errors import ConfigError
 
 if TYPE_CHECKING:
-    from serve.store.store import StoreView
+    from serve.store.view import StoreView
 
 
 def add_command(parent: argparse._SubParsersAction, name: str, fn: Callable[[argparse.Namespace], None],

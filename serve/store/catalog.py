@@ -30,7 +30,8 @@ from typing import TypeVar
 
 from serve.errors import VariantNotFound
 from serve.store.manifest import MEMBER_SEP, REVISION_SEP, StoreManifest, VariantEntry
-from serve.store.store import ManifestView, StoreView, open_store
+from serve.store.store import open_store
+from serve.store.view import ManifestView, StoreView
 
 log = logging.getLogger("manyfold.catalog")
 

@@ -38,7 +38,7 @@ from serve.store.manifest import BaseEntry, FileEntry, StoreManifest, VariantEnt
 from serve.store.node_cache import NodeCache
 from serve.store.objects import Objects
 from serve.store.progress import Progress
-from serve.store.store import AUDIT, StoreView, audit_day, file_sha256, named_twice
+from serve.store.view import AUDIT, StoreView, audit_day, file_sha256, named_twice
 
 GENERATIONS = "manifests"
 MAX_ATTEMPTS = 64

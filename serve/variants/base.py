@@ -18,8 +18,9 @@ import torch
 from serve.config import SlotsConfig
 from serve.errors import ArtifactError, BadRequest, ConfigError, ManyfoldError
 from serve.store.manifest import VariantEntry
-from serve.store.store import Store, named_twice
+from serve.store.store import Store
 from serve.store.tensors import Alloc
+from serve.store.view import named_twice
 
 Progress = Callable[[str], None]
 Failures = list[tuple[str, ManyfoldError]]

@@ -14,7 +14,8 @@ from serve.codecs.emr import BUNDLE_JSON, HEAD_PREFIXES, HEADS_FILE, MASKS_FILE,
 from serve.config import SlotsConfig
 from serve.errors import VariantIncompatible
 from serve.store.manifest import MEMBER_SEP, EmrTaskEntry, EmrVariantEntry
-from serve.store.store import Store, file_sha256
+from serve.store.store import Store
+from serve.store.view import file_sha256
 from serve.store.tensors import Alloc
 from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant, Progress, VariantKind, register_variant
 
