@@ -16,7 +16,8 @@ from kernels.lora_bgmv import (HostStacks, bgmv_expand_torch, bgmv_expand_triton
                                lora_by_token_triton)
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
-from kernels.neuzip_decode import neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_decode import neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_decode_cpu import neuzip_decode_numba
 from kernels.neuzip_groups import DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from kernels.rotary import rotary_store_torch, rotary_store_triton

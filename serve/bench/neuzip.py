@@ -256,7 +256,7 @@ def _run_one(model: str, config: str, path: Path, work: Path) -> dict:
 
 def decode_speed(path: Path, repeats: int = 3) -> dict:
     """GB/s of bf16 written by the numba decoder over every coded tensor, on 1 thread and on all cores."""
-    from kernels.neuzip_decode import neuzip_decode_numba
+    from kernels.neuzip_decode_cpu import neuzip_decode_numba
 
     f = NzpFile(path / NEUZIP_FILE)
     streams = [f.stream(n) for n, r in f.records.items() if r.codec == "neuzip"]

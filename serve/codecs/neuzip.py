@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from kernels.neuzip_decode import (RANS_L, SCALE_BITS, lanes_for, log_fields_per_byte, neuzip_decode_numba,
-                                   neuzip_decode_torch, unpack_fields)
+from kernels.neuzip_decode import (RANS_L, SCALE_BITS, lanes_for, log_fields_per_byte, neuzip_decode_torch,
+                                   unpack_fields)
+from kernels.neuzip_decode_cpu import neuzip_decode_numba
 from serve.codecs.entropy import normalize_counts
 
 BITS = (0, 1, 3, 7)

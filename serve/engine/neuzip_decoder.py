@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kernels.neuzip_decode import decode_lanes, lane_cuts, run_split
+from kernels.neuzip_decode_cpu import decode_lanes, lane_cuts, run_split
 from serve.codecs.neuzip_file import Stream
 
 AHEAD_MAX_TOKENS = 256

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.neuzip_decode import BLOCK_LANES, neuzip_decode_numba, neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_decode import BLOCK_LANES, neuzip_decode_torch, neuzip_decode_triton
+from kernels.neuzip_decode_cpu import neuzip_decode_numba
 from kernels.neuzip_groups import DecodeGroup, neuzip_decode_group_torch, neuzip_decode_group_triton
 from serve.codecs import neuzip
 
