@@ -142,6 +142,7 @@ def fleet(s3_server, tmp_path_factory):
     config.write_text(yaml.safe_dump({
         "port": port, "store_refresh_s": 1.0, "admin_key_sha256": [key_digest(ADMIN)],
         "admin": {"sources": [f"s3://{bucket}/uploads/"]}, "deployment": {"num_cpus": 0.25},
+        "start_timeout_s": 600,  # the CLI waits for both replicas: a loaded 2-core machine took over the 120 s default
         "deployments": {"lm": {"num_cpus": 0.25, "num_replicas": 2, "max_replicas_per_node": 1,
                                "max_ongoing_requests": 1}}}))
     try:
@@ -149,7 +150,7 @@ def fleet(s3_server, tmp_path_factory):
         # CLI's serve.start then finds Serve running with the same HTTP options, and only deploys the app.
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         with _serving(["--ray-address", cluster.address, "--store", store, "--config", str(config)],
-                      env=dict(os.environ)) as log:
+                      env=dict(os.environ), timeout_s=660) as log:
             said = [line for line in log if line.startswith(("serving ", "warning: "))]
             assert said == [f"serving {store} at {fleet.url}  (Ctrl-C to stop)\n"], "".join(log)
             assert not any("HTTP config differs" in line for line in log), "".join(log)
