@@ -42,8 +42,8 @@ from serve.codecs.fmdelta_file import match_base_name
 from serve.errors import ArtifactError, VariantIncompatible, first_error
 from serve.store.manifest import Name, Sha256, StrictModel
 from serve.store.model_dir import architecture_of, classifier_labels, is_tokenizer_file, read_model_config
-from serve.store.view import file_sha256
 from serve.store.tensors import SafetensorsSource, fingerprint, save_tensors
+from serve.store.view import file_sha256
 from serve.store.writer import atomic_dir, atomic_write
 
 BUNDLE_JSON = "bundle.json"

@@ -15,8 +15,8 @@ from serve.config import SlotsConfig
 from serve.errors import VariantIncompatible
 from serve.store.manifest import MEMBER_SEP, EmrTaskEntry, EmrVariantEntry
 from serve.store.store import Store
-from serve.store.view import file_sha256
 from serve.store.tensors import Alloc
+from serve.store.view import file_sha256
 from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant, Progress, VariantKind, register_variant
 
 
