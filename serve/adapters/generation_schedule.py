@@ -139,6 +139,8 @@ class Sampling:
     """The attempts the first round's rate sized the run at (within the cap); later batches revise it."""
     out_of_time: bool = False
     """Writing stopped at the transfer's time budget (translora.Budget) before the quota was full."""
+    written: list[str] = field(default_factory=list)
+    """Every fresh candidate in the order written, whatever the judge said (accepted, rejected, surplus)."""
 
     @property
     def attempts(self) -> int:
@@ -152,6 +154,11 @@ class Sampling:
     def rate(self) -> float:
         """Candidates that passed the filter per candidate written."""
         return self.passed / self.attempts if self.attempts else 0.0
+
+    def as_written(self) -> list[str]:
+        """The first plan.samples fresh candidates, whatever the filter said: the other set a transfer measures a
+        student on (translora.input_sets)."""
+        return self.written[:self.plan.samples]
 
     def count(self, fate: str) -> int:
         return sum(getattr(b, fate) for b in self.batches)
@@ -172,7 +179,7 @@ class Sampling:
     def from_dict(cls, d: dict) -> "Sampling":
         """The Sampling to_dict wrote."""
         return cls(AttemptPlan(**d["plan"]), list(d["accepted"]), [BatchRecord(**b) for b in d["batches"]],
-                   d["planned_attempts"], d.get("out_of_time", False))
+                   d["planned_attempts"], d.get("out_of_time", False), list(d.get("written", [])))
 
     def note(self) -> str:
         """The report's note where fewer inputs than wanted were kept ("" where the quota was filled)."""
@@ -217,6 +224,7 @@ def sample_inputs(write: Write, judge: Judge, plan: AttemptPlan, seen: set[str],
         cands = write(n, t, seed + out.attempts)
         fresh = [c for c in dict.fromkeys(cands) if c and c not in seen]
         seen.update(fresh)
+        out.written += fresh
         passed = [c for c, ok in zip(fresh, judge(fresh) if fresh else []) if ok]
         room = plan.samples - len(out.accepted)
         out.accepted += passed[:room]

@@ -31,6 +31,9 @@ Choices the paper leaves open:
 - The student starts from the source adapter where it fits the target, from its projection onto the target's
   layers where only the depth differs and that does better than the target alone (student_start.py), else it is
   a fresh PiSSA adapter (by default) of the source adapter's rank.
+- Which synthetic inputs the student learns from is measured per target (students.py): where the discriminator
+  refused enough of the inputs written, a second student learns from them as written, and the better one on
+  validation is kept.
 - The synthetic set is as large as the adapter's real training set (train_log.json), capped by `samples`, and a
   transfer keeps to a time budget (budget.py).
 """
@@ -54,8 +57,8 @@ from serve.adapters.load import load_lm, on_device
 from serve.adapters.train import LOG_FILE, train_adapter
 from serve.adapters.student_start import student_start
 from serve.adapters.transfer_guard import TransferFailed, choose, compare, copy_unchanged
-from serve.adapters.validation import (VALIDATION, EarlyStopping, labels_of, read_validation, score, split_examples,
-                                       student_schedule, write_validation)
+from serve.adapters.students import Trainer, input_sets, train_students
+from serve.adapters.validation import VALIDATION, read_validation, split_examples, write_validation
 from serve.errors import ArtifactError, ConfigError
 from serve.store.manifest import StrictModel
 from serve.store.writer import atomic_dir
@@ -240,6 +243,10 @@ class TransferReport:
     """"the source adapter" (it fits the target), or the init the student started from and why."""
     budget: dict = field(default_factory=dict)
     """budget.Budget.summary: the minutes allowed and spent, and the parts the budget cut short."""
+    inputs: dict = field(default_factory=dict)
+    """Which synthetic inputs the student learnt from (students.train_students): "chosen" (students.KEPT or
+    WRITTEN), "why", and per set a student trained on: its inputs, examples (those the teacher answered), steps, lr,
+    best_step and its best validation loss and accuracy."""
     compared: dict = field(default_factory=dict)
     """transfer_guard.Comparison: validation losses (and accuracies, where the completions are labels) on the target
     of the student, the target alone and the source adapter unchanged (None where it does not fit; `unfit` says
@@ -261,16 +268,17 @@ its end-of-text token, which the adapter learnt at the end of every completion."
 
 
 def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inputs: list[str], seed: int,
-          tick: Progress, length: float = TEACHER_LENGTH) -> list[TrainExample]:
-    """The teacher's (source base + adapter) greedy completions of `inputs`: the student's training set."""
+          tick: Progress, length: float = TEACHER_LENGTH) -> dict[str, TrainExample]:
+    """The teacher's (source base + adapter) greedy completions of `inputs`, by input (those it answered with
+    nothing left out): the students' training examples."""
     teacher, tok = load_lm(source_base, adapter_dir)
     max_new = max(4, int(length * task.max_output_words * 2))  # about two tokens a word
     outputs: list[str] = []
     for i in range(0, len(inputs), 8):
         outputs += generate(teacher, tok, inputs[i:i + 8], max_new, None, seed)
         tick("teach", len(outputs), len(inputs))
-    return [PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
-            for x, y in zip(inputs, outputs) if y.strip()]
+    return {x: PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
+            for x, y in zip(inputs, outputs) if y.strip()}
 
 
 def synthesize(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, plan: AttemptPlan,
@@ -293,7 +301,7 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
              min_accepted: int | None = None, teacher_length: float = TEACHER_LENGTH, early_stop: bool = True,
              guard: bool = True, inputs: Sampling | None = None,
              distillation: Distillation | None = Distillation(), start_from_source: bool = True,
-             budget_min: float | None = None) -> TransferReport:
+             budget_min: float | None = None, measure_inputs: bool = True) -> TransferReport:
     """The source adapter's behaviour as a new adapter of the target base, written to out_dir (atomically, with
     its report and the task's seeds, so that it can move again) only if it beats the target alone on the
     validation set (transfer_guard; else TransferFailed, as with fewer than min_accepted inputs kept, and nothing
@@ -305,7 +313,9 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     configurations; None: written here. distillation: the teacher's next-token distributions learnt too where the
     bases number tokens alike (None: its completions alone). start_from_source: the student starts from the
     source adapter where it fits the target (its rank and init then). samples: at most this many inputs, as many as
-    the adapter's real training examples where train_log.json says. budget_min: budget.Budget's bound."""
+    the adapter's real training examples where train_log.json says. budget_min: budget.Budget's bound.
+    measure_inputs: a second student on the inputs as written where the filter refused enough of them, the better
+    on validation kept (students.py); False: the filter's inputs alone."""
     budget = Budget(budget_min)
     plan = AttemptPlan.build(min(samples, trained_examples(adapter_dir) or samples), max_attempts, min_accepted)
     task, seeds, _ = read_assets(adapter_dir)
@@ -315,22 +325,21 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     sampling = _inputs(source_base, adapter_dir, target_base, plan, use_filter, seed, tick, inputs,
                        budget.until(WRITING, "writing"))
     times = {"generate_and_filter": time.perf_counter() - t0}
+    sets = input_sets(sampling, use_filter, measure_inputs and early_stop)
     t0 = time.perf_counter()
-    data = teach(source_base, adapter_dir, task, sampling.accepted, seed, tick, teacher_length)
+    taught = teach(source_base, adapter_dir, task, list(dict.fromkeys(x for xs in sets.values() for x in xs)), seed,
+                   tick, teacher_length)
     times["teacher"] = time.perf_counter() - t0
     teacher, distilled = _teacher(source_base, adapter_dir, target_base, distillation)
     rank = rank or task.rank or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["r"]
     with atomic_dir(out_dir) as stage, student_start(source_base, adapter_dir, target_base, init, rank,
                                                      start_from_source, held) as (start, rank, started_from):
-        steps, lr = student_schedule(len(data), steps, lr, fitted=start is not None)
         t0 = time.perf_counter()
-        early = _early_stopping(target_base, held)
-        result = train_adapter(target_base, data, stage, init=init, rank=rank, steps=steps, lr=lr, seed=seed,
-                               progress=lambda step, loss: tick("train", step, steps),
-                               early_stopping=early if early_stop else None, start_from=start,
-                               loss_of=None if teacher is None else teacher.loss,
-                               out_of_time=budget.until(TRAINING, "training"))
-        del teacher
+        trainer = Trainer(target_base, init, rank, start, steps, lr, seed, early_stop, teacher, held,
+                          budget.until(TRAINING, "training"), tick)
+        student, chosen = train_students(trainer, sets, taught, stage)
+        del teacher, trainer
+        result, early, steps, lr = student.result, student.early, student.steps, student.lr
         times["train"] = time.perf_counter() - t0
         comparison = compare(source_base, adapter_dir, target_base, stage, held)
         outcome = choose(comparison, keep_unchanged) if guard else "unguarded"
@@ -341,7 +350,9 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
             sampling.count("rejected"), sampling.count("dropped"), sampling.count("surplus"), use_filter, rank,
             result.losses, times, sampling.note(), steps=steps, lr=lr, outcome=outcome, generation=sampling.summary(),
             validation={"examples": len(held), "from": held_from, "best_step": early.best_step, "curve": early.curve},
-            distilled=distilled, started_from=started_from, budget=budget.summary(), compared=asdict(comparison))
+            distilled=distilled, started_from=started_from, budget=budget.summary(),
+            inputs=chosen,
+            compared=asdict(comparison))
         shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, stage / TRANSLORA_DIR,
                         ignore=shutil.ignore_patterns(DISC_DIR))
         (stage / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
@@ -372,13 +383,3 @@ def _teacher(source_base: str | Path, adapter_dir: str | Path, target_base: str 
     d = distillation
     return (Teacher(source_base, adapter_dir, d),
             f"distribution (KL at temperature {d.temperature:g}, weight {d.weight:g}, beside the completions)")
-
-
-def _early_stopping(target_base: str | Path, held: list[PromptExample]) -> EarlyStopping:
-    """Early stopping of a student on the target base by its score on the real validation completions (its
-    accuracy first where they are labels)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target_base)
-    labels = labels_of(held)
-    return EarlyStopping(lambda model: score(model, tok, held, labels))

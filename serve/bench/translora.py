@@ -44,9 +44,9 @@ from serve.adapters.train import train_adapter
 from serve.adapters.translora import SEEDS, TransferFailed, train_discriminator, transfer
 from serve.adapters.validation import completion_loss, labels_of, score, trained_on
 from serve.bench.report import finish, machine
-from serve.bench.translora_table import (ALONE, HELD_OUT, MOVED, ROWS, STUDENT, TUNED, UNCHANGED, UNFILTERED, UPPER,
-                                         Run, gaps_recovered, init_verdicts, mean_curve, plot, primary, print_report,
-                                         summarize, task_verdicts)
+from serve.bench.translora_table import (ALONE, FILTERED, HELD_OUT, MOVED, ROWS, STUDENT, TRANSFERS, TUNED, UNCHANGED,
+                                         UNFILTERED, UPPER, Run, gaps_recovered, init_verdicts, mean_curve, plot,
+                                         primary, print_report, summarize, task_verdicts)
 from serve.bench.translora_targets import TARGETS, target_base, target_info
 from serve.errors import ConfigError
 from serve.store.tensors import SafetensorsSource
@@ -58,6 +58,11 @@ TRAIN, HELDOUT = 128, 100
 RANK, STEPS, LR = 8, 48, 5e-4
 SAMPLES = TRAIN
 """Synthetic inputs a transfer may keep: as many as the adapter's real training examples (translora.transfer)."""
+TRANSFER_DIRS = {MOVED: "moved", FILTERED: "filtered", UNFILTERED: "unfiltered"}
+"""Where each transfer row's adapter is kept in the work dir: "-filtered" is what the Trans-LoRA row wrote before
+its inputs were measured, so that a rerun finds those transfers."""
+TRANSFER_OPTIONS = {MOVED: {}, FILTERED: {"measure_inputs": False}, UNFILTERED: {"use_filter": False}}
+"""translora.transfer's options per transfer row, beside the defaults every row shares."""
 FILED_SAMPLES = 48
 """What transfers kept before issue 36 (the ablation's "as filed")."""
 INITS = ("pissa", "pissa_niter_4", "lora")
@@ -121,16 +126,16 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
     real = work / f"{name}-{task}-s{seed}-real"
     _train(base, trained_on(train, SEEDS), real, "pissa", seed)
     reports, failures, moved, kept = {}, {}, {}, {}
-    for row, use_filter in ((MOVED, True), (UNFILTERED, False)):
+    for row in TRANSFERS:
         if row not in rows:
             continue
-        moved[row] = work / f"{name}-{task}-s{seed}-{'filtered' if use_filter else 'unfiltered'}"
+        moved[row] = work / f"{name}-{task}-s{seed}-{TRANSFER_DIRS[row]}"
         failed = moved[row].with_name(moved[row].name + ".failed")
         if not moved[row].exists() and not failed.exists():
             _log(f"{name}, {task}, seed {seed}: {row}, up to {SAMPLES} synthetic inputs")
             try:
-                transfer(source, src, base, moved[row], samples=SAMPLES, use_filter=use_filter, rank=RANK,
-                         seed=seed, budget_min=MINUTES, guard=False)
+                transfer(source, src, base, moved[row], samples=SAMPLES, rank=RANK, seed=seed, budget_min=MINUTES,
+                         guard=False, **TRANSFER_OPTIONS[row])
             except TransferFailed as e:
                 atomic_write(failed, [(str(e) + "\n").encode()])  # a rerun does not try again
         if failed.exists():
@@ -145,8 +150,8 @@ def seed_runs(work: Path, source: Path, target: tuple[str, Path], task: str, src
             failures[row] = str(e)
     student = (base, moved[MOVED]) if MOVED in reports else None
     unchanged = by_module_name(src, base, work / f"{name}-{task}-s{seed}-by-name")
-    adapters = {ROWS[0]: (source, src), ALONE: None, UNCHANGED: (base, unchanged), MOVED: kept.get(MOVED),
-                STUDENT: student, UNFILTERED: kept.get(UNFILTERED), UPPER: (base, real)}
+    adapters = {ROWS[0]: (source, src), ALONE: None, UNCHANGED: (base, unchanged), STUDENT: student,
+                UPPER: (base, real)} | {row: kept.get(row) for row in TRANSFERS}
     return {row: None if row in failures else adapters[row] for row in rows}, reports, failures
 
 
@@ -178,7 +183,7 @@ def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sou
     reports, failures, verdicts."""
     train, held = task_examples(task, "train", TRAIN), heldout_examples(task, HELDOUT)
     runs: dict[str, list] = {row: [] for row in rows}
-    reports: dict[str, list] = {row: [] for row in (MOVED, UNFILTERED) if row in rows}
+    reports: dict[str, list] = {row: [] for row in TRANSFERS if row in rows}
     failures: dict[str, dict[int, str]] = {}
     for seed, src in sources.items():
         adapters, rep, fail = seed_runs(work, source, target, task, src, train, seed, rows)
@@ -189,7 +194,8 @@ def task_runs(work: Path, source: Path, target: tuple[str, Path], task: str, sou
         for row in reports:
             r = rep.get(row)
             reports[row].append(r and {**{k: r[k] for k in ("accepted", "attempts", "seconds", "kept", "steps", "lr")
-                                          if k in r}, "best_step": r["validation"].get("best_step")})
+                                          if k in r}, "best_step": r["validation"].get("best_step"),
+                                       "chosen": r.get("inputs", {}).get("chosen")})
         for row, why in fail.items():
             failures.setdefault(row, {})[seed] = why
     runs[ALONE] = [evals(task, target[1], None, held)]  # no seed in it: one run
@@ -250,11 +256,12 @@ def choose(given: str | None, known: tuple[str, ...], what: str) -> tuple[str, .
 
 def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tasks: tuple[str, ...] = TASKS,
                         targets: tuple[str, ...] = TARGETS, inits: bool = True, ablation: bool = False,
-                        unfiltered: bool = True, configs: tuple[str, ...] | None = None, first_seed: int = 0) -> dict:
+                        unfiltered: bool = True, configs: tuple[str, ...] | None = None, first_seed: int = 0,
+                        filtered: bool = True) -> dict:
     """The whole bench (or the subset of tasks and targets given) for seeds first_seed .. first_seed + seeds - 1:
     tables on stdout, JSON at out, PNG beside. ablation: the ablation instead (serve/bench/translora_ablation.py),
-    of configs (their slugs; all where None). unfiltered: False leaves out the transfer without the discriminator's
-    filter (a third of the bench's time; the ablation measures the filter)."""
+    of configs (their slugs; all where None). unfiltered, filtered: False leaves out the transfer without the
+    discriminator's filter, or with one student on its inputs only (each a transfer of its own)."""
     from serve.data.cache import home
     from serve.data.models import smollm2_dir
 
@@ -279,7 +286,8 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
               "steps": STEPS, "lr": LR, "train_examples": TRAIN, "samples": SAMPLES,
               "targets": {name: target_info(name, base) for name, base in bases.items()},
               "transfer": transfer_table(work, source, bases, tasks, seed_list, evals,
-                                         ROWS if unfiltered else tuple(r for r in ROWS if r != UNFILTERED)),
+                                         tuple(r for r in ROWS if (r, False) not in ((UNFILTERED, unfiltered),
+                                                                                     (FILTERED, filtered)))),
               "inits": init_table(work, source, tasks, seed_list, evals) if inits else {}}
     report["seconds"] = time.perf_counter() - t0
     finish(report, out, print_report)
@@ -327,7 +335,7 @@ def merge_reports(parts: list[tuple[str, dict]]) -> dict:
         per = [into["seeds"][s] for s in seeds]
         runs = {row: into["alone"] if row == ALONE else [p.runs.get(row) for p in per]
                 for row in ROWS if row == ALONE or any(row in p.runs for p in per)}
-        reports = {row: [p.reports.get(row) for p in per] for row in (MOVED, UNFILTERED)
+        reports = {row: [p.reports.get(row) for p in per] for row in TRANSFERS
                    if any(row in p.reports for p in per)}
         failures: dict[str, dict[int, str]] = {}
         for seed, p in zip(seeds, per):

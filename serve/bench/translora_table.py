@@ -12,11 +12,15 @@ from pathlib import Path
 from serve.adapters.tasks import LABEL_TASKS
 
 ROWS = ("source adapter on the source base", "target base alone", "source adapter unchanged on the target",
-        "Trans-LoRA", "Trans-LoRA's student, whichever the guard kept", "Trans-LoRA, no filter",
-        "upper bound: trained on the target with the real data")
-ALONE, UNCHANGED, MOVED, STUDENT, UNFILTERED, UPPER = ROWS[1:]
+        "Trans-LoRA", "Trans-LoRA's student, whichever the guard kept", "Trans-LoRA, the filter's inputs only",
+        "Trans-LoRA, no filter", "upper bound: trained on the target with the real data")
+ALONE, UNCHANGED, MOVED, STUDENT, FILTERED, UNFILTERED, UPPER = ROWS[1:]
 """MOVED is what the transfer registers (the student, or the source adapter unchanged where the guard keeps it);
-STUDENT the student it trained, kept or not."""
+STUDENT the student it trained, kept or not; FILTERED the transfer with one student, on the inputs the
+discriminator kept (what MOVED was in reports written before the inputs were measured, serve/adapters/students.py);
+UNFILTERED the transfer without the discriminator."""
+TRANSFERS = (MOVED, FILTERED, UNFILTERED)
+"""The rows that run a transfer of their own, each with its report."""
 TUNED = ("spam", "headlines", "tweets")
 """Tasks the transfer's defaults were chosen on (the ablations of issues 22 and 36 ran on them)."""
 HELD_OUT = ("topics", "sentiment")
@@ -64,7 +68,7 @@ def gaps_recovered(task: str, runs: dict[str, list[Run]]) -> dict[str, dict]:
     metric, _ = primary(task)
     alone = runs[ALONE][0][metric]
     out = {}
-    for row in (MOVED, STUDENT, UNFILTERED, UNCHANGED):
+    for row in (MOVED, STUDENT, FILTERED, UNFILTERED, UNCHANGED):
         if row in runs and UPPER in runs:
             out[row] = summarize([None if r is None or u is None or u[metric] == alone else
                                   {"gap": (r[metric] - alone) / (u[metric] - alone)}
@@ -81,12 +85,13 @@ def gap_line(task: str, gaps: dict[str, dict]) -> str:
         missing = f" [{s['seeds'] - s['missing']}/{s['seeds']}]" if s["missing"] else ""
         return f"{g['mean']:.0%} ({g['min']:.0%}..{g['max']:.0%}){missing}"
 
-    names = {MOVED: "Trans-LoRA", STUDENT: "its student", UNFILTERED: "no filter",
+    names = {MOVED: "Trans-LoRA", STUDENT: "its student", FILTERED: "the filter's inputs only", UNFILTERED: "no filter",
              UNCHANGED: "the source adapter unchanged"}
     return f"{task}: gap recovered: " + ", ".join(f"{names[row]} {pct(s)}" for row, s in gaps.items())
 
 
 AGAINST = {ALONE: "the target base alone", UNCHANGED: "the source adapter applied unchanged",
+           FILTERED: "itself taught on the filter's inputs only",
            UNFILTERED: "itself without the discriminator's filter"}
 """The rows Trans-LoRA is judged against, as the statements name them."""
 
@@ -153,7 +158,9 @@ def student(report: dict) -> str:
         return ""
     minutes = f", {sum(report['seconds'].values()) / 60:.1f} min" if "seconds" in report else ""
     kept = f", kept: {report['kept']}" if "kept" in report else ""
-    return f" ({report['steps']} steps at {report['lr']:.1e}, best at step {report['best_step']}{minutes}{kept})"
+    taught = f", taught on the inputs {report['chosen']}" if report.get("chosen") else ""
+    return (f" ({report['steps']} steps at {report['lr']:.1e}, best at step {report['best_step']}{minutes}{kept}"
+            f"{taught})")
 
 
 def window_means(losses: list[float], width: int = 8) -> list[float]:

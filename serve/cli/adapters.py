@@ -48,7 +48,8 @@ def _print_transfer(report, out: Path) -> None:
     kept = ("the source adapter unchanged (not transferred: the student did not beat it on validation)"
             if report.outcome == "unchanged" else f"a student, best at step {report.validation['best_step']}")
     filtered = f" ({report.generation['acceptance_rate']:.1%} passed the filter)" if report.filtered else " (no filter)"
-    print(f"{out}: {kept}; {report.accepted} of {report.attempts} generated inputs accepted{filtered}; "
+    learnt = f" (taught on the inputs {report.inputs['chosen']})" if len(report.inputs.get("sets", {})) > 1 else ""
+    print(f"{out}: {kept}{learnt}; {report.accepted} of {report.attempts} generated inputs accepted{filtered}; "
           f"loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}; {summary(report.compared)}; "
           f"{out / 'translora_report.json'}" + (f"; {report.note}" if report.note else ""))
 
@@ -132,7 +133,7 @@ def transfer_options(args: argparse.Namespace) -> dict:
     return {"samples": args.samples, "max_attempts": args.max_attempts, "min_accepted": args.min_accepted,
             "steps": args.steps, "lr": args.lr, "seed": args.seed,
             "keep_unchanged": not args.always_student, "start_from_source": not args.from_init,
-            "budget_min": args.budget_min,
+            "budget_min": args.budget_min, "measure_inputs": not args.filtered_only,
             "distillation": None if args.no_distill else
             Distillation() if args.kd_temperature is None else Distillation(temperature=args.kd_temperature)}
 
@@ -150,6 +151,10 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-min", type=float, default=MINUTES,
                    help="minutes a transfer may take: inputs are written for half of it at most and the student "
                         "stops at 85%% of it (keeping its best validated point); the report says what it cut")
+    p.add_argument("--filtered-only", action="store_true",
+                   help="train one student, on the inputs the discriminator kept (by default, where it refused a "
+                        "quarter or more of those written, a second learns from them as written and the better on "
+                        "validation is kept)")
     p.add_argument("--no-distill", action="store_true",
                    help="the student learns the teacher's sampled completions alone (by default, where the two "
                         "bases number tokens alike, also its next-token distributions)")

@@ -86,7 +86,8 @@ def cmd_bench_translora(args: argparse.Namespace) -> None:
     run_translora_bench(Path(out), Path(args.work) if args.work else None, args.seeds,
                         choose(args.tasks, TASKS, "tasks"), choose(args.targets, TARGETS, "targets"),
                         inits=not args.no_inits, ablation=args.ablation, unfiltered=not args.no_unfiltered,
-                        configs=choose(args.configs, CONFIGS, "configs"), first_seed=args.first_seed)
+                        configs=choose(args.configs, CONFIGS, "configs"), first_seed=args.first_seed,
+                        filtered=not args.no_filtered)
 
 
 def cmd_bench_neuzip(args: argparse.Namespace) -> None:
@@ -130,6 +131,8 @@ def _add_translora(bench: argparse._SubParsersAction) -> None:
     bt.add_argument("--no-inits", action="store_true", help="skip PiSSA against LoRA")
     bt.add_argument("--no-unfiltered", action="store_true", help="skip the transfer without the discriminator's "
                     "filter (a third of the time; --ablation measures the filter)")
+    bt.add_argument("--no-filtered", action="store_true", help="skip the transfer with one student on the "
+                    "discriminator's inputs only (the Trans-LoRA row measures them against the inputs as written)")
     bt.add_argument("--ablation", action="store_true", help="instead, the ablation: the transfer as issue 22 "
                     "measured it, then one choice changed at a time (serve/bench/translora_ablation.py)")
     bt.add_argument("--configs", help="with --ablation, a subset of its configurations by slug, joined by commas "

@@ -51,8 +51,8 @@ def test_a_student_distilled_is_closer_to_the_teachers_distribution_than_one_tau
         bases, source_adapter, tmp_path):
     """The same start, data, steps and rate: the KL term moves the student's distributions towards the
     teacher's where the completions alone only tell it the teacher's first choice."""
-    data = translora.teach(bases[0], source_adapter, translora.read_assets(source_adapter)[0],
-                           [e.prompt for e in toy_task(16, seed=3)], 0, lambda *_: None)
+    data = list(translora.teach(bases[0], source_adapter, translora.read_assets(source_adapter)[0],
+                                [e.prompt for e in toy_task(16, seed=3)], 0, lambda *_: None).values())
     teacher = Teacher(bases[0], source_adapter, Distillation(temperature=1.0, weight=1.0))
     model, tok = load_lm(bases[1])
     batch = collate(tokenize_examples(tok, data, 64), tok.pad_token_id)

@@ -69,7 +69,7 @@ def store(bases, source_adapter, tmp_path, monkeypatch):
 
 def an_oracle_teacher(source_base, adapter_dir, task, inputs, seed, tick, length=None):
     """Completes each input by the copying task's rule, so the student has something true to learn."""
-    return [PromptExample(prompt=x, completion=copied(x)) for x in inputs if x.split()]
+    return {x: PromptExample(prompt=x, completion=copied(x)) for x in inputs if x.split()}
 
 
 GUARD_ONLY = ("--from-init", "--no-distill")

@@ -17,7 +17,7 @@ from serve.adapters.data import PromptExample
 from serve.adapters.generation_schedule import Sampling
 from serve.adapters.tasks import LABEL_TASKS
 from serve.adapters.transfer_guard import TransferFailed
-from serve.bench.translora_table import ALONE, MOVED, STUDENT, UNCHANGED, UNFILTERED
+from serve.bench.translora_table import ALONE, FILTERED, MOVED, STUDENT, UNCHANGED, UNFILTERED
 
 
 @pytest.fixture
@@ -30,9 +30,11 @@ def stubs(monkeypatch, tmp_path):
         log = {"log": [{"loss": 3.0 - step / steps} for step in range(steps)], "seconds": 1.0, "init_seconds": 0.1}
         (Path(out) / "train_log.json").write_text(json.dumps(log))
 
-    def transfer(source, src, base, out, samples, use_filter, rank, seed, budget_min, guard):  # the schedule: its
+    def transfer(source, src, base, out, samples, rank, seed, budget_min, guard, use_filter=True,
+                 measure_inputs=True):
         assert guard is False  # the student always written: the bench makes the guard's choice
         calls["transfer"] += 1
+        calls.setdefault("options", {})[Path(out).name] = (use_filter, measure_inputs)
         if not use_filter and seed == 1:
             raise TransferFailed("x: failed: only 3 of 90 generated inputs accepted")
         Path(out).mkdir()
@@ -40,7 +42,8 @@ def stubs(monkeypatch, tmp_path):
                     {"student": 3.1, "target_alone": 3.0, "unchanged": None, "unfit": "shapes"})
         (Path(out) / "translora_report.json").write_text(json.dumps(
             {"accepted": 40, "attempts": 90, "seconds": {"train": 1.0}, "outcome": "unguarded", "steps": 100,
-             "lr": 3.125e-4, "validation": {"best_step": 45}, "compared": compared}))
+             "lr": 3.125e-4, "validation": {"best_step": 45}, "compared": compared,
+             "inputs": {"chosen": "as written" if use_filter and measure_inputs else "kept by the discriminator"}}))
 
     def evaluate(task, base, adapter, examples):
         calls["evaluate"] += 1
@@ -81,11 +84,17 @@ def test_every_target_task_and_seed_runs_and_a_rerun_reuses_the_work_dir(stubs, 
     printed = capsys.readouterr().out
     assert "tweets (loss): Trans-LoRA is not judged against the target base alone" in printed
     assert ("tweets, Trans-LoRA: inputs kept of generated, per seed: 40/90 (100 steps at 3.1e-04, best at step 45, "
-            "0.0 min, kept: unchanged), 40/90 (100 steps at 3.1e-04, best at step 45, 0.0 min)") in printed
+            "0.0 min, kept: unchanged, taught on the inputs as written), 40/90 (100 steps at 3.1e-04, best at step 45, "
+            "0.0 min, taught on the inputs as written)") in printed
+    assert "tweets, Trans-LoRA, the filter's inputs only: inputs kept of generated, per seed: 40/90 (" in printed
+    assert FILTERED in tweets["verdicts"] and "is not judged against itself taught on the filter's inputs" in printed
+    assert {stubs["options"][f"new-version-tweets-s0-{d}"] for d in ("moved", "filtered", "unfiltered")} == {
+        (True, True), (True, False), (False, True)}  # measured, the filter's inputs only, no filter
     assert "tweets, Trans-LoRA, no filter: inputs kept of generated, per seed: 40/90 (" in printed
     first = dict(stubs)
     bench.run_translora_bench(out, work, seeds=2, tasks=("spam", "tweets"), targets=("neuzip-k0", "new-version"))
     assert stubs == first  # nothing trained, moved or evaluated twice, refused transfers included
+    assert (work / "new-version-tweets-s1-unfiltered.failed").is_file()
 
 
 def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, tmp_path, monkeypatch, capsys):
@@ -128,14 +137,16 @@ def test_the_ablation_changes_one_choice_at_a_time_unguarded_and_resumes(stubs, 
     assert [name for name, _, _ in seen] == ["new-version-headlines-s0-issue-36-lr-5e-4"]  # --configs: those alone
 
 
-def test_without_the_unfiltered_transfer_its_row_and_verdict_are_left_out(stubs, tmp_path, capsys):
+def test_without_the_unfiltered_or_filtered_transfers_their_rows_and_verdicts_are_left_out(stubs, tmp_path,
+                                                                                            capsys):
     report = bench.run_translora_bench(tmp_path / "r.json", tmp_path / "work", seeds=1, tasks=("headlines",),
-                                       targets=("new-version",), inits=False, unfiltered=False)
+                                       targets=("new-version",), inits=False, unfiltered=False, filtered=False)
     headlines = report["transfer"]["new-version"]["headlines"]
-    assert stubs["transfer"] == 1 and UNFILTERED not in headlines["rows"] and UNFILTERED not in headlines["reports"]
-    assert list(headlines["verdicts"]) == [ALONE, UNCHANGED]
+    assert stubs["transfer"] == 1 and list(headlines["reports"]) == [MOVED]
+    assert not {UNFILTERED, FILTERED} & set(headlines["rows"]) and list(headlines["verdicts"]) == [ALONE, UNCHANGED]
     printed = capsys.readouterr().out
     assert MOVED in printed and "no filter" not in printed and "without the discriminator's filter" not in printed
+    assert "the filter's inputs only" not in printed
 
 
 @pytest.mark.parametrize("argv, why", [
