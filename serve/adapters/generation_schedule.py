@@ -157,7 +157,7 @@ class Sampling:
 
     def as_written(self) -> list[str]:
         """The first plan.samples fresh candidates, whatever the filter said: the other set a transfer measures a
-        student on (translora.input_sets)."""
+        student on (students.input_sets)."""
         return self.written[:self.plan.samples]
 
     def count(self, fate: str) -> int:
