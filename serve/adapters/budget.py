@@ -14,7 +14,10 @@ MINUTES = 30.0
 transfer of a 128-example adapter took 19.8 minutes on a 2-core CPU."""
 MINUTES_MEASURED = 19.8
 """That transfer's minutes (bench-results, Trans-LoRA: SmolLM2-135M to its new version, 128 inputs wanted, on
-an Intel Xeon with 2 cores): what an upgrade's estimate scales (serve/adapters/upgrade.py)."""
+an Intel Xeon with 2 cores): what an upgrade's estimate scales (serve/adapters/upgrade.py) until the upgrade has
+timed transfers of its own. It trained one student; the second that students.py adds where the filter refuses a
+quarter of the inputs added 1.3-3.7 minutes to the bench's other-shape transfers (bench-results, "The synthetic
+inputs, measured per target"), which this figure does not count."""
 PARAMS_MEASURED = 134_515_008
 """SmolLM2-135M's parameters, the base of that transfer."""
 WRITING = 0.5
