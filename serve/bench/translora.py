@@ -282,12 +282,12 @@ def run_translora_bench(out: Path, work: Path | None = None, seeds: int = 3, tas
                   "samples": SAMPLES, "ablation": table}
         report["seconds"] = time.perf_counter() - t0
         return finish(report, out, lambda r: print_ablation(r["ablation"]))
+    skipped = {row for row, run in ((UNFILTERED, unfiltered), (FILTERED, filtered)) if not run}
     report = {"machine": machine(), "source": "SmolLM2-135M-Instruct", "seeds": seed_list, "rank": RANK,
               "steps": STEPS, "lr": LR, "train_examples": TRAIN, "samples": SAMPLES,
               "targets": {name: target_info(name, base) for name, base in bases.items()},
               "transfer": transfer_table(work, source, bases, tasks, seed_list, evals,
-                                         tuple(r for r in ROWS if (r, False) not in ((UNFILTERED, unfiltered),
-                                                                                     (FILTERED, filtered)))),
+                                         tuple(r for r in ROWS if r not in skipped)),
               "inits": init_table(work, source, tasks, seed_list, evals) if inits else {}}
     report["seconds"] = time.perf_counter() - t0
     finish(report, out, print_report)
