@@ -47,7 +47,8 @@ def choose_inputs(best: dict[str, Score | None]) -> tuple[str, str]:
     if len(best) == 1:
         only = next(iter(best))
         return only, ("no filter" if only == WRITTEN else
-                      f"the filter refused under {MIN_REFUSED:.0%} of the inputs written: one set")
+                      f"one set: the filter refused under {MIN_REFUSED:.0%} of the inputs written, or the measure "
+                      f"was off (--filtered-only, or no early stopping to measure by)")
     kept, written = best[KEPT], best[WRITTEN]
     figures = f"validation: {KEPT} {_figure(kept)}, {WRITTEN} {_figure(written)}"
     if written is not None and (kept is None or written.beats(kept, MIN_GAIN)):
