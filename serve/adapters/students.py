@@ -90,12 +90,18 @@ class Student:
     early: EarlyStopping
     steps: int
     lr: float
+    inputs: int
     examples: int
+    """Its inputs the teacher answered (a blank answer is no example)."""
 
-    def summary(self, inputs: int) -> dict:
+    def validation(self) -> dict:
+        """The report's validation figures of this student: its best step and the curve of its validations."""
+        return {"best_step": self.early.best_step, "curve": self.early.curve}
+
+    def summary(self) -> dict:
         """The report's figures of one set's student (TransferReport.inputs)."""
         best = self.early.best
-        return {"inputs": inputs, "examples": self.examples, "steps": self.steps, "lr": self.lr,
+        return {"inputs": self.inputs, "examples": self.examples, "steps": self.steps, "lr": self.lr,
                 "best_step": self.early.best_step, "loss": None if best is None else best.loss,
                 "accuracy": None if best is None else best.accuracy}
 
@@ -108,28 +114,30 @@ def train_students(t: Trainer, sets: dict[str, list[str]], taught: dict[str, Tra
     students = {}
     for i, (name, inputs) in enumerate(sets.items()):
         phase = "train" if len(sets) == 1 else f"train ({name})"
-        students[name] = _student(t, [taught[x] for x in inputs if x in taught], stage / f".student-{i}", phase)
+        students[name] = _student(t, inputs, taught, stage / f".student-{i}", phase)
     chosen, why = choose_inputs({name: s.early.best for name, s in students.items()})
     for f in students[chosen].out.iterdir():
         os.replace(f, stage / f.name)
     for s in students.values():
         shutil.rmtree(s.out)
     return students[chosen], {"chosen": chosen, "why": why,
-                              "sets": {name: s.summary(len(sets[name])) for name, s in students.items()}}
+                              "sets": {name: s.summary() for name, s in students.items()}}
 
 
-def _student(t: Trainer, data: list[TrainExample], out: Path, phase: str) -> Student:
-    """One student trained on `data` into out, stopped early on the validation set where t.early_stop."""
+def _student(t: Trainer, inputs: list[str], taught: dict[str, TrainExample], out: Path, phase: str) -> Student:
+    """One student trained on the teacher's examples of `inputs` into out, stopped early on the validation set where
+    t.early_stop."""
+    data = [taught[x] for x in inputs if x in taught]
     steps, lr = student_schedule(len(data), t.steps, t.lr, fitted=t.start is not None)
-    early = early_stopping(t.target_base, t.held)
+    early = _early_stopping(t.target_base, t.held)
     result = train_adapter(t.target_base, data, out, init=t.init, rank=t.rank, steps=steps, lr=lr, seed=t.seed,
                            progress=lambda step, loss: t.tick(phase, step, steps),
                            early_stopping=early if t.early_stop else None, start_from=t.start,
                            loss_of=None if t.teacher is None else t.teacher.loss, out_of_time=t.out_of_time)
-    return Student(out, result, early, steps, lr, len(data))
+    return Student(out, result, early, steps, lr, len(inputs), len(data))
 
 
-def early_stopping(target_base: str | Path, held: list[PromptExample]) -> EarlyStopping:
+def _early_stopping(target_base: str | Path, held: list[PromptExample]) -> EarlyStopping:
     """Early stopping of a student on the target base by its score on the real validation completions (its
     accuracy first where they are labels)."""
     from transformers import AutoTokenizer

@@ -337,9 +337,8 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
         t0 = time.perf_counter()
         trainer = Trainer(target_base, init, rank, start, steps, lr, seed, early_stop, teacher, held,
                           budget.until(TRAINING, "training"), tick)
-        student, chosen = train_students(trainer, sets, taught, stage)
+        student, learnt_from = train_students(trainer, sets, taught, stage)
         del teacher, trainer
-        result, early, steps, lr = student.result, student.early, student.steps, student.lr
         times["train"] = time.perf_counter() - t0
         comparison = compare(source_base, adapter_dir, target_base, stage, held)
         outcome = choose(comparison, keep_unchanged) if guard else "unguarded"
@@ -348,15 +347,20 @@ def transfer(source_base: str | Path, adapter_dir: str | Path, target_base: str 
         report = TransferReport(
             str(source_base), str(target_base), task.name, plan.samples, sampling.attempts, len(sampling.accepted),
             sampling.count("rejected"), sampling.count("dropped"), sampling.count("surplus"), use_filter, rank,
-            result.losses, times, sampling.note(), steps=steps, lr=lr, outcome=outcome, generation=sampling.summary(),
-            validation={"examples": len(held), "from": held_from, "best_step": early.best_step, "curve": early.curve},
-            distilled=distilled, started_from=started_from, budget=budget.summary(),
-            inputs=chosen,
+            student.result.losses, times, sampling.note(), steps=student.steps, lr=student.lr, outcome=outcome,
+            generation=sampling.summary(),
+            validation={"examples": len(held), "from": held_from, **student.validation()},
+            distilled=distilled, started_from=started_from, budget=budget.summary(), inputs=learnt_from,
             compared=asdict(comparison))
-        shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, stage / TRANSLORA_DIR,
-                        ignore=shutil.ignore_patterns(DISC_DIR))
-        (stage / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
+        _write_assets(adapter_dir, stage, report)
     return report
+
+
+def _write_assets(adapter_dir: str | Path, stage: Path, report: TransferReport) -> None:
+    """Beside the new adapter: the source's Trans-LoRA assets (seeds, task, validation set) without its
+    discriminator, a LoRA of the source base, and the transfer's report."""
+    shutil.copytree(Path(adapter_dir) / TRANSLORA_DIR, stage / TRANSLORA_DIR, ignore=shutil.ignore_patterns(DISC_DIR))
+    (stage / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
 
 
 def _inputs(source_base: str | Path, adapter_dir: str | Path, target_base: str | Path, plan: AttemptPlan,
