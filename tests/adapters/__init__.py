@@ -1,10 +1,15 @@
-"""Helpers of the adapter tests: a tiny Llama whose fp32 forward noise sits below the tolerances tested."""
+"""Helpers of the adapter tests: a tiny Llama whose fp32 forward noise sits below the tolerances tested, and the
+toy task the Trans-LoRA tests move (conftest.py trains its adapter)."""
 
+import random
 from pathlib import Path
 
 import torch
 
-from tests.models import write_tiny_causal
+from serve.adapters.data import PromptExample
+from tests.models import WORDS, write_tiny_causal
+
+VOCAB = WORDS[7:]
 
 
 def write_tiny_lm(path: Path, seed: int = 0, std: float = 0.2) -> Path:
@@ -18,3 +23,13 @@ def write_tiny_lm(path: Path, seed: int = 0, std: float = 0.2) -> Path:
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def toy_task(n: int = 24, seed: int = 0) -> list[PromptExample]:
+    """Five words, then " yes" if the first is in the first half of the vocabulary."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = rng.choices(VOCAB, k=5)
+        out.append(PromptExample(prompt=" ".join(words), completion=" yes" if VOCAB.index(words[0]) < 30 else " no"))
+    return out

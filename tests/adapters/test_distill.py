@@ -14,7 +14,7 @@ from serve.adapters.student_start import FROM_SOURCE
 from serve.adapters.train import train_adapter
 from serve.errors import ConfigError
 from serve.variants.lora import ADAPTER_WEIGHTS
-from tests.adapters.test_translora import toy_task
+from tests.adapters import toy_task
 from tests.models import write_tiny_causal, write_tiny_gpt2
 
 

@@ -13,7 +13,7 @@ from serve.adapters.student_start import layer_map, project_adapter, project_wid
 from serve.adapters.train import train_adapter
 from serve.adapters.transfer_guard import unfit_reason
 from serve.bench.translora_targets import grow, widen
-from tests.adapters.test_translora import toy_task
+from tests.adapters import toy_task
 from tests.models import write_tiny_causal
 
 

@@ -13,7 +13,6 @@ from serve.adapters.validation import Score
 from serve.cli import build_parser
 from serve.cli.adapters import transfer_options
 from tests.adapters.test_generation_schedule import distinct_writer, passing_one_in
-from tests.adapters.test_translora import bases, source_adapter  # noqa: F401 (fixtures)
 
 
 def sampled(every: int, samples: int = 8) -> gs.Sampling:
@@ -49,7 +48,7 @@ def test_the_inputs_as_written_replace_the_filters_only_where_their_student_beat
     assert which == chosen and KEPT in why and WRITTEN in why
 
 
-def test_a_transfer_trains_a_student_per_set_and_writes_the_one_chosen(bases, source_adapter, tmp_path,  # noqa: F811
+def test_a_transfer_trains_a_student_per_set_and_writes_the_one_chosen(bases, source_adapter, tmp_path,
                                                                         monkeypatch):
     monkeypatch.setattr(translora, "choose", lambda comparison, keep_unchanged: "student")  # the guard: elsewhere
     monkeypatch.setattr(translora.Discriminator, "accepts", lambda self, xs: [i % 2 == 0 for i in range(len(xs))])

@@ -23,7 +23,7 @@ from serve.adapters.validation import trained_on
 from serve.cli import main
 from serve.store.store import Store
 from serve.variants import variant_kind
-from tests.adapters.test_translora import VOCAB
+from tests.adapters import VOCAB
 from tests.models import write_perturbed, write_tiny_causal
 
 FIGURES = r"student (\d+\.\d\d), target alone (\d+\.\d\d), source adapter unchanged (\d+\.\d\d)"

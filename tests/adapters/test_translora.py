@@ -2,57 +2,20 @@
 beside an adapter, a transfer to another base, the attempt cap, and a store-wide transfer that resumes."""
 
 import json
-import random
 import shutil
 
 import pytest
 import torch
 
 from serve.adapters import candidates, translora, translora_store
-from serve.adapters.data import PromptExample
 from serve.adapters.train import train_adapter
 from serve.adapters.validation import read_validation
 from serve.errors import ConfigError
 from serve.store.store import Store
 from serve.variants import variant_kind
 from serve.variants.lora import TRANSLORA_DIR
-from tests.models import WORDS, write_tiny_causal, write_tiny_gpt2
-
-VOCAB = WORDS[7:]
-
-
-def toy_task(n: int = 24, seed: int = 0) -> list[PromptExample]:
-    """Five words, then " yes" if the first is in the first half of the vocabulary."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        words = rng.choices(VOCAB, k=5)
-        out.append(PromptExample(prompt=" ".join(words), completion=" yes" if VOCAB.index(words[0]) < 30 else " no"))
-    return out
-
-
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("translora")
-    return write_tiny_causal(tmp / "llama"), write_tiny_gpt2(tmp / "gpt2")
-
-
-@pytest.fixture(scope="module")
-def source_adapter(bases, tmp_path_factory):
-    out = tmp_path_factory.mktemp("adapter") / "toy"
-    train_adapter(bases[0], toy_task(), out, init="pissa", rank=4, steps=4, progress=lambda *_: None)
-    info = translora.train_discriminator(bases[0], out, toy_task(), "toy", steps=4)
-    assert info["real"] == 15 and info["generated"] == 15 and len(info["losses"]) == 4  # 24 less 9 held out
-    assert info["seeds"] == 5 and info["validation"] == 9
-    return out
-
-
-@pytest.fixture
-def any_student_passes(monkeypatch):
-    """For tests of what a store-wide transfer does around each transfer (resuming, skipping, failing one): the
-    guard's choice is made to keep every student, whatever its figures (test_transfer_guard.py tests the guard)."""
-    monkeypatch.setattr(translora, "choose", lambda comparison, keep_unchanged: "student")
-
+from tests.adapters import VOCAB, toy_task
+from tests.models import WORDS, write_tiny_causal
 
 def test_discriminator_keeps_seeds_a_validation_set_and_task_beside_the_adapter(source_adapter):
     task, seeds, disc = translora.read_assets(source_adapter)

@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from serve.adapters import candidates, distill, load, student_start, transfer_guard, translora
-from tests.adapters.test_translora import any_student_passes, bases, source_adapter  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def test_a_transfer_runs_every_model_on_the_gpu_in_bf16(bases, source_adapter, tmp_path, monkeypatch,  # noqa: F811
-                                                        any_student_passes):  # noqa: F811
+def test_a_transfer_runs_every_model_on_the_gpu_in_bf16(bases, source_adapter, tmp_path, monkeypatch,
+                                                        any_student_passes):
     placed = []
     real = load.load_lm
 

@@ -15,7 +15,6 @@ from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.store.store import Store
 from serve.variants import variant_kind
-from tests.adapters.test_translora import bases, source_adapter  # noqa: F401  (fixtures)
 from tests.models import write_tiny_causal
 
 DECISIONS = {"t1": "student", "t2": "fail", "t3": "unchanged", "t4": "student"}
@@ -24,7 +23,7 @@ OPTIONS = {"samples": 2, "max_attempts": 48, "steps": 2}
 
 
 @pytest.fixture
-def store(bases, source_adapter, tmp_path) -> Store:  # noqa: F811
+def store(bases, source_adapter, tmp_path) -> Store:
     """Two bases of one architecture and tokenizer (the source adapter fits both), a tenant's adapter each on
     the old one."""
     store = Store(tmp_path / "store", create=True)
@@ -105,7 +104,7 @@ def test_a_dry_run_says_what_would_move_and_changes_nothing(store):
     assert lines[-1] == "nothing to transfer: every tenant that can move has been transferred"
 
 
-def test_a_request_in_flight_across_the_switch_is_answered_by_the_base_it_was_resolved_on(store, source_adapter):  # noqa: F811
+def test_a_request_in_flight_across_the_switch_is_answered_by_the_base_it_was_resolved_on(store, source_adapter):
     """t1 on the old base and its transfer on the new one (the source adapter itself here: where it lands is
     beside the point): a stream begun before the switch ends as the old base answers, one begun after is the new
     base's, and a rollback gives the old base's again; /v1/models says which base answers the name."""
