@@ -15,9 +15,12 @@ transfer of a 128-example adapter took 19.8 minutes on a 2-core CPU."""
 MINUTES_MEASURED = 19.8
 """That transfer's minutes (bench-results, Trans-LoRA: SmolLM2-135M to its new version, 128 inputs wanted, on
 an Intel Xeon with 2 cores): what an upgrade's estimate scales (serve/adapters/upgrade.py) until the upgrade has
-timed transfers of its own. It trained one student; the second that students.py adds where the filter refuses a
-quarter of the inputs added 1.3-3.7 minutes to the bench's other-shape transfers (bench-results, "The synthetic
-inputs, measured per target"), which this figure does not count."""
+timed transfers of its own. It trained one student (SECOND_STUDENT: where a transfer trains two)."""
+SECOND_STUDENT = 0.4
+"""How much longer a transfer runs, at most, where it trains a second student (students.py: the filter refused a
+quarter or more of the inputs, unless --filtered-only): 18-39% more on the bench's deeper-5 cells, which ran
+alone (bench-results, "The synthetic inputs, measured per target"). Whether it will is known only once the
+inputs are written, so a dry run gives the range."""
 PARAMS_MEASURED = 134_515_008
 """SmolLM2-135M's parameters, the base of that transfer."""
 WRITING = 0.5

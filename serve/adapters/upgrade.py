@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
-from serve.adapters.budget import MINUTES_MEASURED, PARAMS_MEASURED
+from serve.adapters.budget import MINUTES_MEASURED, PARAMS_MEASURED, SECOND_STUDENT
 from serve.adapters.translora import read_assets, trained_examples
 from serve.adapters.translora_store import adapters_of, move_adapter, transferred_name
 from serve.errors import ArtifactError, BadRequest
@@ -112,11 +112,15 @@ def minutes_each(store, from_base: str, to_base: str, moves: list[Move], samples
     return min(guess, budget_min) if budget_min else guess
 
 
-def dry_run(store, from_base: str, to_base: str, samples: int = 64, budget_min: float | None = None) -> list[str]:
-    """What an upgrade would do, a line a tenant, then the estimate."""
+def dry_run(store, from_base: str, to_base: str, samples: int = 64, budget_min: float | None = None,
+            measure_inputs: bool = True) -> list[str]:
+    """What an upgrade would do, a line a tenant, then the estimate: a range where a transfer may train a second
+    student (measure_inputs: budget.SECOND_STUDENT), at most the budget."""
     moves = plan(store, from_base, to_base)
     todo = [m for m in moves if to_transfer(store, m)]
     each = minutes_each(store, from_base, to_base, todo, samples, budget_min, []) if todo else 0.0
+    most = each * (1 + SECOND_STUDENT) if measure_inputs else each
+    most = min(most, budget_min) if budget_min else most
     lines = [(f"upgrade {from_base} -> {to_base}: {len(moves)} tenant adapter{'s' * (len(moves) != 1)}, "
               f"{len(todo)} to transfer")]
     for m in moves:
@@ -124,16 +128,24 @@ def dry_run(store, from_base: str, to_base: str, samples: int = 64, budget_min: 
             state = "switched" if store.manifest.aliases.get(m.name) == m.new else \
                 f"transferred before ({decision(store, 'done', m.new)}), not switched"
         else:
-            state = f"to transfer (~{each:.0f} min)" if m in todo else \
+            state = f"to transfer (~{_span(each, most)} min)" if m in todo else \
                 "cannot move: no discriminator beside it (trained without --discriminator); its name stays"
         lines.append(f"  {m.name}: {m.entry} -> {m.new}: {state}")
     if not todo:
         lines.append("nothing to transfer: every tenant that can move has been transferred")
-    else:
-        lines.append(f"about {each * len(todo):.0f} minutes here in all (~{each:.0f} a transfer"
-                     f"{f', at most --budget-min {budget_min:g}' if budget_min else ''}; a name switches as its "
-                     f"transfer is kept)")
+        return lines
+    cap = f", at most --budget-min {budget_min:g}" if budget_min else ""
+    why = "; the more where the filter refuses a quarter of the inputs and a second student trains" \
+        if most > each else ""
+    lines.append(f"about {_span(each * len(todo), most * len(todo))} minutes here in all (~{_span(each, most)} a "
+                 f"transfer{cap}{why}; a name switches as its transfer is kept)")
     return lines
+
+
+def _span(low: float, high: float) -> str:
+    """Minutes as "12", or "12-17" where the two differ once rounded."""
+    a, b = f"{low:.0f}", f"{high:.0f}"
+    return a if a == b else f"{a}-{b}"
 
 
 @dataclass

@@ -230,7 +230,8 @@ def cmd_store_upgrade(args: argparse.Namespace) -> None:
 
     store = open_store(args)
     if args.dry_run:
-        print("\n".join(upgrade.dry_run(store, args.from_base, args.to_base, args.samples, args.budget_min)))
+        print("\n".join(upgrade.dry_run(store, args.from_base, args.to_base, args.samples, args.budget_min,
+                                          not args.filtered_only)))
         return
     if args.rollback:
         names = upgrade.rollback(store, args.from_base, args.to_base)

@@ -104,6 +104,24 @@ def test_a_dry_run_says_what_would_move_and_changes_nothing(store):
     assert lines[-1] == "nothing to transfer: every tenant that can move has been transferred"
 
 
+@pytest.mark.parametrize("flags, most", [
+    ([], 10 * (1 + upgrade.SECOND_STUDENT)),  # a second student may train
+    (["--filtered-only"], 10),  # one student
+    (["--budget-min", "12"], 12),  # never beyond the budget
+])
+def test_a_dry_runs_estimate_counts_the_second_student_a_transfer_may_train(store, monkeypatch, capsys, flags, most):
+    from serve.cli import main
+
+    monkeypatch.setattr(upgrade, "minutes_each", lambda *args: 10.0)  # one student's transfer: 10 minutes
+    assert main(["store", "upgrade", "--store", str(store.root), "--from", "llama", "--to", "llama2", "--dry-run",
+                 *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    each, whole = (f"10-{most:.0f}", f"40-{4 * most:.0f}") if most > 10 else ("10", "40")  # four tenants
+    assert lines[1].endswith(f": to transfer (~{each} min)")
+    assert lines[-1].startswith(f"about {whole} minutes here in all (~{each} a transfer")
+    assert ("second student" in lines[-1]) == (most > 10)
+
+
 def test_a_request_in_flight_across_the_switch_is_answered_by_the_base_it_was_resolved_on(store, source_adapter):
     """t1 on the old base and its transfer on the new one (the source adapter itself here: where it lands is
     beside the point): a stream begun before the switch ends as the old base answers, one begun after is the new
