@@ -99,4 +99,4 @@ def synthetic_inputs(target_base: str | Path, judge: Callable[[list[str]], list[
                                    groups=groups)
 
     return sample_inputs(write, judge or (lambda xs: [True] * len(xs)), plan, set(seed_inputs), seed,
-                         lambda done, total: tick("generate", done, total), out_of_time)
+                         lambda done, total: tick("writing inputs", done, total), out_of_time)

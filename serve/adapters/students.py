@@ -26,7 +26,7 @@ MIN_REFUSED = 0.25
 """The share of the inputs as written that the discriminator refused, at least, for a second student to be worth
 its minutes: below it the two sets are nearly one."""
 Tick = Callable[[str, int, int], None]
-"""Progress, called as (phase, done, total)."""
+"""Progress, called as (phase, done, total) (translora.Progress)."""
 
 
 def input_sets(sampling: Sampling, filtered: bool, measure: bool) -> dict[str, list[str]]:
@@ -113,7 +113,7 @@ def train_students(t: Trainer, sets: dict[str, list[str]], taught: dict[str, Tra
     chosen, why, and each set's figures)."""
     students = {}
     for i, (name, inputs) in enumerate(sets.items()):
-        phase = "train" if len(sets) == 1 else f"train ({name})"
+        phase = "student training" + ("" if len(sets) == 1 else f" ({name})")
         students[name] = _student(t, inputs, taught, stage / f".student-{i}", phase)
     chosen, why = choose_inputs({name: s.early.best for name, s in students.items()})
     for f in students[chosen].out.iterdir():

@@ -74,7 +74,8 @@ DISC_RANK = 8
 DISC_STEPS = 60
 YES, NO = " yes", " no"
 Progress = Callable[[str, int, int], None]
-"""Called as (phase, done, total)."""
+"""Called as (phase, done, total); the phase as a progress line names it ("writing inputs", "teacher answering",
+"student training", "student training (as written)": students.train_students)."""
 
 
 class TaskInfo(StrictModel):
@@ -276,7 +277,7 @@ def teach(source_base: str | Path, adapter_dir: str | Path, task: TaskInfo, inpu
     outputs: list[str] = []
     for i in range(0, len(inputs), 8):
         outputs += generate(teacher, tok, inputs[i:i + 8], max_new, None, seed)
-        tick("teach", len(outputs), len(inputs))
+        tick("teacher answering", len(outputs), len(inputs))
     return {x: PromptExample(prompt=x, completion=y) if task.form == "prompt" else TextExample(text=f"{x}{y}")
             for x, y in zip(inputs, outputs) if y.strip()}
 

@@ -27,9 +27,6 @@ from serve.store.writer import atomic_write
 
 SWITCHED = ("moved", "kept")
 """Decisions that switch a tenant's name: the guard kept a student, or the source adapter unchanged."""
-STAGES = {"generate": "writing inputs", "teach": "teacher answering", "train": "student training"}
-"""Trans-LoRA's progress stages (translora.transfer's progress), as a progress line names them; a stage's
-"(detail)" is kept after its name ("train (as written)": students.train_students)."""
 
 
 @dataclass(frozen=True)
@@ -233,9 +230,7 @@ def _ticker(who: str, say: Callable[[str], None], clock: Callable[[], float], st
             return
         last[:] = [stage, tenth]
         spent = (clock() - started) / 60
-        name, detail = stage.split(" (", 1) if " (" in stage else (stage, "")
-        named = STAGES.get(name, name) + (f" ({detail}" if detail else "")
-        say(f"{who}: {named} {done}/{total}, {spent:.1f} min; ~{max(each - spent, 0):.0f} min "
+        say(f"{who}: {stage} {done}/{total}, {spent:.1f} min; ~{max(each - spent, 0):.0f} min "
             f"left for it, ~{max(each - spent, 0) + after:.0f} for the upgrade")
 
     return tick

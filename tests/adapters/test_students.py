@@ -57,7 +57,7 @@ def test_a_transfer_trains_a_student_per_set_and_writes_the_one_chosen(bases, so
                                 steps=10, progress=lambda *a: ticks.append(a[0]))
     sets = report.inputs["sets"]
     assert set(sets) == {KEPT, WRITTEN} and all(s["inputs"] == 4 and s["loss"] is not None for s in sets.values())
-    assert {"train (kept by the discriminator)", "train (as written)"} <= set(ticks)
+    assert {"student training (kept by the discriminator)", "student training (as written)"} <= set(ticks)
     best = {name: Score(s["loss"], s["accuracy"], report.validation["examples"]) for name, s in sets.items()}
     assert report.inputs["chosen"] == choose_inputs(best)[0]
     chosen = sets[report.inputs["chosen"]]
