@@ -255,10 +255,11 @@ class DecodeBatch:
 
     def _continuable(self, launched: "_Launched") -> bool:
         """Whether the next step can be launched from this one's tokens on the device: a replayed decode step
-        whose rows are still exactly the running rows, with no prompt waiting to be written and no row reading
-        its logits afterwards (the next replay overwrites them)."""
+        whose rows are still exactly the running rows, whose graph still reads where their variants' tensors are
+        (an attach for a row left waiting can move a stack), with no prompt waiting to be written and no row
+        reading its logits afterwards (the next replay overwrites them)."""
         return (launched.out.graph is not None and not launched.prefills and not self.prefilling
-                and launched.decode == self.decoding
+                and launched.decode == self.decoding and self.rt.graphs.current(launched.out.graph)
                 and not any(s.done or s.params.logprobs is not None or s.written >= self.rt.kv.positions
                             for s in launched.decode.values()))
 

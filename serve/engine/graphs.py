@@ -37,6 +37,8 @@ class _Graph:
     slots and lengths."""
     logits: torch.Tensor
     """[kept, vocab] fp32: what a replay writes."""
+    key: tuple
+    """StepGraphs._key at capture: its buckets, its families and the versions of their tensors' addresses."""
 
 
 class StepGraphs:
@@ -52,9 +54,19 @@ class StepGraphs:
 
     def _key(self, inputs, plan: BatchPlan) -> tuple:
         families = tuple(sorted(plan.families))
+        return (inputs.decode_rows, inputs.prompt_tokens, families, *self._versions(families))
+
+    def _versions(self, families: tuple[str, ...]) -> tuple:
+        """The families' versions and the NeuZip base's: each changes when a tensor a graph reads moves (None: a
+        family gone)."""
         coded = self.rt.coded.version if self.rt.coded is not None else 0
-        return (inputs.decode_rows, inputs.prompt_tokens, families,
-                tuple(getattr(self.rt.families[f], "version", 0) for f in families), coded)
+        return tuple(getattr(self.rt.families.get(f), "version", None) for f in families), coded
+
+    def current(self, g: _Graph) -> bool:
+        """Whether g still reads where its families' tensors are: kept under its key, and no stack, map buffer,
+        EMR group or decoded weight moved since (an admission's attach or a store change between two steps
+        can, while the rows running stay the same)."""
+        return self.graphs.get(g.key) is g and g.key[3:] == self._versions(g.key[2])
 
     def run(self, inputs, plan: BatchPlan) -> _Graph:
         """Replay the step's graph (captured now if need be); its logits [kept, vocab] fp32 are in the graph's
@@ -80,6 +92,8 @@ class StepGraphs:
         bucket = g.logits.shape[0]
         if g.inputs.numel() != 4 * bucket:
             raise RuntimeError("only a decode-only step's graph is launched from its last tokens")
+        if not self.current(g):
+            raise RuntimeError("a graph whose families' tensors moved is captured again, not continued")
         ids, positions, _, lengths = g.inputs.split([bucket] * 4)
         live = lengths > 0
         ids.copy_(tokens[:bucket])
@@ -141,5 +155,5 @@ class StepGraphs:
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
         self.capture_bytes += torch.cuda.memory_allocated(rt.device) - before
-        g = self.graphs[key] = _Graph(graph.replay, static, logits)
+        g = self.graphs[key] = _Graph(graph.replay, static, logits, key)
         return g

@@ -215,7 +215,8 @@ def test_any_schedule_gives_every_request_the_tokens_it_gives_alone(rt, requests
 class EagerGraphs(StepGraphs):
     """StepGraphs whose 'capture' is a closure running the step eagerly from the same static inputs: the graph
     bookkeeping, the steps launched from the last one's tokens (continue_) and the batch's step in flight, on a
-    CPU. A captured kernel reads the adapter pool's maps from their buffers; eagerly, the plan prepared last."""
+    CPU. A captured kernel reads the adapter pool's maps from their buffers; eagerly, the plan prepared last. A
+    real graph replayed after its families' tensors moved reads freed memory: here it fails."""
 
     def __init__(self, rt):
         super().__init__(rt)
@@ -237,13 +238,14 @@ class EagerGraphs(StepGraphs):
         logits = torch.empty(len(inputs.kept or inputs.ids), rt.model.config.vocab_size)
 
         def replay():
+            assert self._versions(key[2]) == key[3:], "a graph replayed after its families' tensors moved"
             with rt.corrections.planned(self.prepared):
                 out = rt.model(input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),
                                use_cache=True, kv_layout=layout, logits_to_keep=0 if kept is None else kept)
             logits.copy_(out.logits[0].float())
 
         self.captures += 1
-        self.graphs[key] = g = _Graph(replay, static, logits)
+        self.graphs[key] = g = _Graph(replay, static, logits, key)
         g.replay()
         return g
 
@@ -295,3 +297,40 @@ def test_steps_replayed_from_static_inputs_give_every_row_the_tokens_of_eager_st
     assert continued > 3  # steps launched from the last one's tokens, read a call later
     assert parked_once == eager  # a row parked while a step was in flight resumes as if it had never left
     assert rt.kv.free_slots == rt.kv.slots and rt.slot_refs() == {}
+
+
+def test_a_row_left_waiting_whose_attach_moved_the_adapter_stacks_ends_the_graphs_continuation(tmp_path):
+    """Two KV slots, both running LoRA rows launched step after step from the last one's tokens; a third row's
+    attach grows the adapter pool's stacks (new addresses) and, no KV slot free, it waits: the next step is
+    captured again rather than continued from a graph that reads the old stacks, and every row gets the tokens of
+    eager steps."""
+    rt = BaseModelRuntime("tiny", write_tiny_causal(tmp_path / "m"),
+                          batch=BatchConfig(max_batch_size=2, max_step_tokens=20, max_model_len=64))
+    rt.eos_ids = set()
+    a, b, c = (lora(rt, name, 4, seed) for name, seed in (("a", 1), ("b", 2), ("c", 3)))
+    pool = rt.families["lora"]
+
+    def generate() -> tuple[dict, list[int]]:
+        batch, got, calls, moved = DecodeBatch(rt), {}, 0, []
+        batch.run([NewRow(0, [3, 5, 7], SamplingParams(max_tokens=12), a),
+                   NewRow(1, [4, 6], SamplingParams(max_tokens=12), b)])
+        waiting = []
+        while len(batch) or waiting:
+            calls += 1
+            new = [NewRow(2, [8, 9], SamplingParams(max_tokens=3), c)] if calls == 4 else waiting
+            before = pool.version
+            step = batch.run(new)
+            moved += [calls] if step.waiting == [2] and pool.version != before else []
+            waiting = [r for r in new if r.tag in step.waiting]  # asked again each step, as the scheduler does
+            got.update({t: g.token_ids for t, g in step.finished})
+            assert calls < 100
+        batch.close()
+        return got, moved
+
+    rt.use_fixed_shapes(True)
+    rt.graphs = graphs = EagerGraphs(rt)
+    graphed, moved = generate()  # first: the stacks grow for c (they stay grown)
+    rt.graphs = None
+    eager, _ = generate()
+    assert moved == [4] and graphs.continued > 3  # the case arose: c waited, its attach moved the stacks
+    assert graphed == eager and len(graphed) == 3
