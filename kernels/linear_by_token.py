@@ -48,7 +48,7 @@ def _linear_by_token_kernel(
     """One program: stack row `r`, BLOCK_M tokens, BLOCK_N outputs; nothing unless some token of the block maps
     to r."""
     pid_n = tl.program_id(0)
-    r = tl.program_id(1)
+    r = tl.program_id(1).to(tl.int64)  # r * stride_ws passes 2^31 on a stack of lm_heads (128256 x 4096 a row)
     pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < T
