@@ -137,8 +137,9 @@ def hf_step_ms(model, rows: int, context: int, repeats: int, device: torch.devic
 
 
 def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: int, bandwidth: float | None,
-                rows_list=ROWS, profile: bool = False) -> list[dict]:
-    """profile: the adapters' step at the most rows also profiled (its entry's "profile")."""
+                rows_list=ROWS, profile: bool = False, neuzip: bool = True) -> list[dict]:
+    """profile: the adapters' step at the most rows also profiled (its entry's "profile"); neuzip: on CUDA, the
+    same rows on the base held as NeuZip (neuzip_step), whose compression runs on the host first."""
     from transformers import AutoModelForCausalLM
 
     from serve.config import BatchConfig, SlotsConfig
@@ -175,7 +176,7 @@ def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: in
         if kernels is not None:
             entry["profile"] = kernels
     steps = dict(rt.step_counts)
-    if device.type == "cuda":
+    if device.type == "cuda" and neuzip:
         rows_out[-1]["neuzip"] = neuzip_step(model_dir, rt, adapters[:most], context, repeats, rows_out[-1])
     with_peft = peft_steps(plain, rt, adapters, rows_list, context, repeats, device, model_dir)
     for entry, peft in zip(rows_out, with_peft):
@@ -247,8 +248,8 @@ def device_name(device: torch.device) -> str:
         p = torch.cuda.get_device_properties(device)
         import triton
 
-        return (f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / (1 << 30):.0f} GiB; torch {torch.__version__},"
-                f" Triton {triton.__version__}")
+        return (f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / (1 << 30):.0f} GiB; "
+                f"torch {torch.__version__}, Triton {triton.__version__}")
     return machine()
 
 
@@ -262,10 +263,11 @@ def bandwidth_of(device: torch.device) -> float | None:
 def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = False, repeats: int = 21,
                      context: int | None = None, shapes: list[str] | None = None, e2e: bool = True,
                      rounds: int | None = None, steps: bool = True, profile: bool = False, traffic: bool = False,
-                     traffic_requests: int | None = None) -> dict:
+                     traffic_requests: int | None = None, neuzip: bool = True) -> dict:
     """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table;
     profile: the adapters' step at 64 rows profiled for each shape (printed, and in the JSON); traffic: the
-    real-traffic runs (traffic_requests: how many requests, instead of the workload's)."""
+    real-traffic runs (traffic_requests: how many requests, instead of the workload's); neuzip: on CUDA, each
+    shape's NeuZip row (compressing Llama-3-8B's shape takes minutes of the host)."""
     dev = torch.device(device)
     work.mkdir(parents=True, exist_ok=True)
     bandwidth = bandwidth_of(dev)
@@ -293,7 +295,7 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
         for shape in names if steps else []:
             print(f"{shape}: building", flush=True)
             d = build_model_dir(shape, work / shape, dev)
-            report["steps"][shape] = bench_steps(d, dev, ctx, repeats, bandwidth, profile=profile)
+            report["steps"][shape] = bench_steps(d, dev, ctx, repeats, bandwidth, profile=profile, neuzip=neuzip)
         if e2e:
             d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
             report["end_to_end"] = bench_end_to_end(d, work / "e2e-1b", dev, GPU_WORKLOAD, (RANK,), 1, rounds or 1)
@@ -346,8 +348,8 @@ def print_report(report: dict) -> None:
         print(f"  engine, adapters      {e['engine_tok_s']:>9.1f} tokens/s   (outputs equal PEFT's: "
               f"{e['engine_equal_peft']})")
         print(f"  engine, base rows     {e['engine_base_tok_s']:>9.1f} tokens/s")
-        print(f"  engine, adapters, {e['engine_wide_rows']} rows a step {e['engine_wide_tok_s']:>9.1f} tokens/s   (outputs "
-              f"equal PEFT's: {e['engine_wide_equal_peft']})")
+        print(f"  engine, adapters, {e['engine_wide_rows']} rows a step {e['engine_wide_tok_s']:>9.1f} tokens/s   "
+              f"(outputs equal PEFT's: {e['engine_wide_equal_peft']})")
         print(f"  transformers, base    {e['transformers_tok_s']:>9.1f} tokens/s")
         print(f"  peft mixed batch      {e['peft_tok_s']:>9.1f} tokens/s   ({e['peft_requests_timed']} requests timed)")
         print(f"  engine / peft {e['engine_tok_s'] / e['peft_tok_s']:.2f}x, engine / transformers "

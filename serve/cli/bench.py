@@ -48,7 +48,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
     run_engine_bench(Path(out), Path(args.work), args.device, args.large, args.repeats, args.context,
                      args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end, rounds=args.rounds,
                      steps=not args.no_steps, profile=args.profile, traffic=args.traffic,
-                     traffic_requests=args.traffic_requests)
+                     traffic_requests=args.traffic_requests, neuzip=not args.no_neuzip)
 
 
 def cmd_bench_logprobs(args: argparse.Namespace) -> None:
@@ -152,10 +152,13 @@ def _add_engine(bench: argparse._SubParsersAction) -> None:
     en.add_argument("--no-end-to-end", action="store_true", help="decode steps only")
     en.add_argument("--no-steps", action="store_true", help="end to end only")
     en.add_argument("--rounds", type=int, help="end-to-end rounds, the systems taking turns (CPU 3, CUDA 1)")
-    en.add_argument("--profile", action="store_true", help="profile the adapters' step at the most rows (torch.profiler)")
-    en.add_argument("--traffic", action="store_true", help="the real-traffic runs too: Poisson arrivals at three rates, "
-                    "news-article prompts, every kind of row, beside the same requests in lockstep")
+    en.add_argument("--profile", action="store_true",
+                    help="profile the adapters' step at the most rows (torch.profiler)")
+    en.add_argument("--traffic", action="store_true", help="the real-traffic runs too: Poisson arrivals at three "
+                    "rates, news-article prompts, every kind of row, beside the same requests in lockstep")
     en.add_argument("--traffic-requests", type=int, help="requests of each real-traffic run (CPU 32, CUDA 384)")
+    en.add_argument("--no-neuzip", action="store_true", help="on CUDA, no NeuZip row (its compression runs on the "
+                    "host: minutes for Llama-3-8B's shape)")
     lp = add_command(bench, "logprobs", cmd_bench_logprobs, "every kind's log probabilities through the engine against "
                      "transformers in fp32 with the variant's weights (vLLM's check_logprobs_close)")
     lp.add_argument("--out", help="default: bench-results/logprobs-cpu.json or logprobs-gpu.json")
