@@ -10,8 +10,12 @@ import argparse
 import json
 from pathlib import Path
 
-MOVED, FILTERED = "Trans-LoRA", "Trans-LoRA, the filter's inputs only"
-SLUG = {MOVED: "moved", FILTERED: "filtered"}
+from serve.adapters.students import KEPT, WRITTEN
+from serve.adapters.translora import REPORT_FILE
+from serve.bench.translora import TRANSFER_DIRS
+from serve.bench.translora_table import FILTERED, MOVED
+
+SLUG = {row: TRANSFER_DIRS[row] for row in (MOVED, FILTERED)}
 
 
 def validation(s: dict) -> str:
@@ -23,8 +27,8 @@ def rows(work: Path, part: dict):
         for task, t in tasks.items():
             metric = t["metric"]
             for i, seed in enumerate(t["seeds"]):
-                reports = {row: json.loads((work / f"{target}-{task}-s{seed}-{SLUG[row]}" /
-                                            "translora_report.json").read_text()) for row in SLUG}
+                reports = {row: json.loads((work / f"{target}-{task}-s{seed}-{SLUG[row]}" / REPORT_FILE).read_text())
+                           for row in SLUG}
                 inputs = reports[MOVED]["inputs"]
                 sets = inputs["sets"]
                 held = {row: t["runs"][row][i] for row in SLUG}
@@ -32,9 +36,8 @@ def rows(work: Path, part: dict):
                 yield (f"{target} {task} ({seed})", f"{reports[MOVED]['generation']['acceptance_rate']:.0%}",
                        f"{reports[MOVED]['accepted']}/{reports[MOVED]['attempts']}",
                        f"{reports[FILTERED]['accepted']}/{reports[FILTERED]['attempts']}",
-                       "written" if inputs["chosen"] == "as written" else "kept",
-                       " / ".join(validation(sets[k]) for k in ("kept by the discriminator", "as written")
-                                  if k in sets),
+                       "written" if inputs["chosen"] == WRITTEN else "kept",
+                       " / ".join(validation(sets[k]) for k in (KEPT, WRITTEN) if k in sets),
                        " / ".join("refused" if held[r] is None else f"{held[r][metric]:.3f}" for r in SLUG),
                        " / ".join("-" if g is None else f"{g['mean']:.0%}" for g in gaps.values()),
                        " / ".join(f"{sum(reports[r]['seconds'].values()) / 60:.1f}" for r in SLUG))
