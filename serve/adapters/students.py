@@ -111,10 +111,10 @@ def train_students(t: Trainer, sets: dict[str, list[str]], taught: dict[str, Tra
     """A student per set (input_sets) on the teacher's examples of its inputs, trained in stage's subfolders; the
     chosen one's files moved into stage and the folders removed. (the chosen student, the report's `inputs`:
     chosen, why, and each set's figures)."""
-    students = {}
+    students, evaluate = {}, _validation_score(t.target_base, t.held)
     for i, (name, inputs) in enumerate(sets.items()):
         phase = "student training" + ("" if len(sets) == 1 else f" ({name})")
-        students[name] = _student(t, inputs, taught, stage / f".student-{i}", phase)
+        students[name] = _student(t, inputs, taught, EarlyStopping(evaluate), stage / f".student-{i}", phase)
     chosen, why = choose_inputs({name: s.early.best for name, s in students.items()})
     for f in students[chosen].out.iterdir():
         os.replace(f, stage / f.name)
@@ -124,12 +124,12 @@ def train_students(t: Trainer, sets: dict[str, list[str]], taught: dict[str, Tra
                               "sets": {name: s.summary() for name, s in students.items()}}
 
 
-def _student(t: Trainer, inputs: list[str], taught: dict[str, TrainExample], out: Path, phase: str) -> Student:
-    """One student trained on the teacher's examples of `inputs` into out, stopped early on the validation set where
-    t.early_stop."""
+def _student(t: Trainer, inputs: list[str], taught: dict[str, TrainExample], early: EarlyStopping, out: Path,
+             phase: str) -> Student:
+    """One student trained on the teacher's examples of `inputs` into out, validated by `early` (and stopped early
+    where t.early_stop)."""
     data = [taught[x] for x in inputs if x in taught]
     steps, lr = student_schedule(len(data), t.steps, t.lr, fitted=t.start is not None)
-    early = _early_stopping(t.target_base, t.held)
     result = train_adapter(t.target_base, data, out, init=t.init, rank=t.rank, steps=steps, lr=lr, seed=t.seed,
                            progress=lambda step, loss: t.tick(phase, step, steps),
                            early_stopping=early if t.early_stop else None, start_from=t.start,
@@ -137,11 +137,11 @@ def _student(t: Trainer, inputs: list[str], taught: dict[str, TrainExample], out
     return Student(out, result, early, steps, lr, len(inputs), len(data))
 
 
-def _early_stopping(target_base: str | Path, held: list[PromptExample]) -> EarlyStopping:
-    """Early stopping of a student on the target base by its score on the real validation completions (its
-    accuracy first where they are labels)."""
+def _validation_score(target_base: str | Path, held: list[PromptExample]) -> Callable[[object], Score]:
+    """A student's score on the target base's tokens of the real validation completions (its accuracy first where
+    they are labels): what every student of the transfer is validated by (one tokenizer load for all)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_base)
     labels = labels_of(held)
-    return EarlyStopping(lambda model: score(model, tok, held, labels))
+    return lambda model: score(model, tok, held, labels)
