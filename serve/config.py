@@ -132,6 +132,20 @@ class EngineConfig(StrictModel):
     "off": every step runs eagerly. Ignored on CPU."""
 
 
+class StructuredOutputsConfig(StrictModel):
+    """Grammars of structured outputs and tool calls (serve/engine/grammars.py), per base."""
+
+    cache_mib: Annotated[float, Field(gt=0)] = 128
+    """Compiled grammars kept, the least recently used evicted first (a JSON schema's grammar over a 49k-token
+    vocabulary takes about 1.5 MiB)."""
+    tenant_share: Annotated[float, Field(gt=0, le=1)] = 0.25
+    """The part of cache_mib one tenant's grammars may hold: past it, its own least recently used go first."""
+    compile_timeout_s: Annotated[float, Field(gt=0, le=600)] = 10.0
+    """A request whose grammar compiles longer is refused (400); the compile goes on, and is kept if it ends."""
+    max_compiling: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Grammars compiling or waiting to at once; a request with another new one is refused (429)."""
+
+
 class AdminConfig(StrictModel):
     sources: list[str] = []
     """Where POST /v1/admin/variants may read a variant from besides the store's own `incoming/` folder: local path
@@ -190,6 +204,7 @@ class ServeConfig(StrictModel):
     engine: EngineConfig = EngineConfig()
     slots: SlotsConfig = SlotsConfig()
     limits: LimitsConfig = LimitsConfig()
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     admin: AdminConfig = AdminConfig()
 
     @model_validator(mode="before")

@@ -148,6 +148,23 @@ def _steps(snapshots: list[dict]) -> list[CounterMetricFamily]:
     return [steps, tokens]
 
 
+def _grammars(snapshots: list[dict]) -> list[Metric]:
+    """Structured outputs' grammars, by base: compiled, found (in the cache, or compiling for another request),
+    evicted, refused (by the library, or past the compile bound); and the bytes the cache holds."""
+    events = CounterMetricFamily("manyfold_grammar_events", "Grammars of structured outputs: compile (compiled), hit "
+                                 "(in the cache or compiling already: nothing compiled), eviction, refused (the "
+                                 "library refused it, or it compiled past the bound: a 400)", labels=["base", "event"])
+    held = GaugeMetricFamily("manyfold_grammar_cache_bytes", "Bytes of compiled grammars each base keeps",
+                             labels=["base"])
+    stats = [s.get("grammars", {}) for s in snapshots]
+    for base in sorted({b for by in stats for b in by}):
+        for event, key in (("compile", "compiles"), ("hit", "hits"), ("eviction", "evictions"),
+                           ("refused", "refused")):
+            events.add_metric([base, event], sum(by.get(base, {}).get(key, 0) for by in stats))
+        held.add_metric([base], sum(by.get(base, {}).get("bytes", 0) for by in stats))
+    return [events, held]
+
+
 def _residency(models: list) -> GaugeMetricFamily:
     """Bounded as model labels are: the models held in memory first, then others, up to MAX_MODEL_LABELS."""
     resident = GaugeMetricFamily("manyfold_variant_resident", "1 at the tier where a model's weights are: hot "
@@ -272,6 +289,7 @@ class Metrics:
         families.append(_by_base("manyfold_kv_store_bytes", "Bytes of each causal base's KV store, allocated once",
                                  snapshots, "kv_bytes"))
         families += _steps(snapshots)
+        families += _grammars(snapshots)
         families.append(_node_cache(snapshots))
         families += _vllm(snapshots)
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]

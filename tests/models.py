@@ -34,6 +34,24 @@ def write_tiny_causal(path: Path, seed: int = 0, hidden: int = 32, layers: int =
     return path
 
 
+def write_tiny_chat_lm(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template (49,152 tokens, byte-level BPE): what
+    structured outputs and tool calls need to write JSON, at a tiny model's cost."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from serve.data.models import smollm2_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    tok.save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                      tie_word_embeddings=True, initializer_range=0.5)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 def write_perturbed(src: Path, dst: Path, seed: int, scale: float = 0.02, only: str | None = None,
                     labels: list[str] | None = None) -> Path:
     """A 'fine-tune' of the model in src: every float tensor (or those containing `only`) nudged; with

@@ -29,6 +29,12 @@ def cmd_bench_generation(args: argparse.Namespace) -> None:
     run_generation_bench(_store_dir(args), Path(args.out), args.rate, args.duration, args.max_tokens)
 
 
+def cmd_bench_structured(args: argparse.Namespace) -> None:
+    from serve.bench.structured import run_structured_bench
+
+    run_structured_bench(_store_dir(args), Path(args.out), args.max_tokens)
+
+
 def cmd_bench_mixed(args: argparse.Namespace) -> None:
     from serve.bench.mixed import run_mixed_bench
 
@@ -221,6 +227,11 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--rate", type=float, default=4.0, help="offered requests per second")
     g.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per mode")
     g.add_argument("--max-tokens", type=int, default=24)
+    st = add_command(bench, "structured", cmd_bench_structured, "structured outputs in the mixed step: 16 rows over "
+                     "four kinds, half under a JSON schema, against all free; compile times; answers that validate")
+    st.add_argument("--store", help="the demo store (default: built if missing)")
+    st.add_argument("--out", default="bench-results/structured.json")
+    st.add_argument("--max-tokens", type=int, default=96, help="of each answer")
     mx = add_command(bench, "mixed", cmd_bench_mixed, "one forward for rows of many variants against the alternatives")
     mx.add_argument("--out", default="bench-results/mixed.json")
     mx.add_argument("--repeats", type=int, default=5)

@@ -122,17 +122,19 @@ class EngineReplica:
         return await self._answer(self.engine.embed(model, texts, truncate, tenant))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict] | None = None, tenant: Tenant | None = None):
-        return await self._answer(self.engine.complete(model, params, prompt=prompt, messages=messages,
+                       messages: list[dict] | None = None, tools: list[dict] | None = None,
+                       tenant: Tenant | None = None):
+        return await self._answer(self.engine.complete(model, params, prompt=prompt, messages=messages, tools=tools,
                                                        tenant=tenant))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                              messages: list[dict] | None = None, tenant: Tenant | None = None):
+                              messages: list[dict] | None = None, tools: list[dict] | None = None,
+                              tenant: Tenant | None = None):
         """Called with handle.options(stream=True): each TextDelta goes to the ingress as it comes."""
         async with self._serving():
             try:
                 async for delta in self.engine.complete_stream(model, params, prompt=prompt, messages=messages,
-                                                               tenant=tenant):
+                                                               tools=tools, tenant=tenant):
                     yield delta
             except ManyfoldError as e:
                 if e.http_status >= 500:

@@ -80,17 +80,18 @@ class Router:
         return await self._call(handle.embed.remote(model, texts, truncate, tenant))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict] | None = None, tenant: Tenant | None = None):
+                       messages: list[dict] | None = None, tools: list[dict] | None = None,
+                       tenant: Tenant | None = None):
         handle, model = await self._handle(model)
-        return await self._call(handle.complete.remote(model, params, prompt=prompt, messages=messages,
+        return await self._call(handle.complete.remote(model, params, prompt=prompt, messages=messages, tools=tools,
                                                        tenant=tenant))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                              messages: list[dict] | None = None,
+                              messages: list[dict] | None = None, tools: list[dict] | None = None,
                               tenant: Tenant | None = None) -> AsyncIterator[TextDelta]:
         handle, model = await self._handle(model)
         deltas = handle.options(stream=True).complete_stream.remote(model, params, prompt=prompt, messages=messages,
-                                                                    tenant=tenant)
+                                                                    tools=tools, tenant=tenant)
         try:
             with self._replica_errors():
                 async for delta in deltas:

@@ -61,7 +61,7 @@ class Detokenizer:
         gen, params = r.gen, r.params
         if params.max_tokens == 0:  # the prompt alone was asked for (echo)
             return True
-        if tok in self.rt.eos_ids:
+        if (tok in self.rt.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
             gen.finish_reason, gen.end_token = "stop", tok
             self.flush(r)
             return True
@@ -73,7 +73,7 @@ class Detokenizer:
         for x in params.stop:
             at = gen.text.find(x, max(0, before - longest_stop + 1))
             if at >= 0:
-                gen.text = gen.text[:at]
+                gen.text = gen.text[:at + len(x) if params.include_stop_str_in_output else at]
                 gen.finish_reason = "stop"
                 return True
         if len(gen.token_ids) >= params.max_tokens:
@@ -110,8 +110,9 @@ class Detokenizer:
     def _decode_new(self, r: RowText, final: bool = False) -> None:
         decode = self.rt.tokenizer.decode
         ids = r.tail + r.gen.token_ids
-        known = decode(ids[r.prefix_offset:r.read_offset], skip_special_tokens=True)
-        text = decode(ids[r.prefix_offset:], skip_special_tokens=True)
+        skip = r.params.skip_special_tokens
+        known = decode(ids[r.prefix_offset:r.read_offset], skip_special_tokens=skip)
+        text = decode(ids[r.prefix_offset:], skip_special_tokens=skip)
         if len(text) > len(known) and (final or not text.endswith("\ufffd")):  # half a character waits
             r.gen.text += text[len(known):]
             r.prefix_offset, r.read_offset = r.read_offset, len(ids)

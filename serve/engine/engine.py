@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -21,6 +22,7 @@ from serve.config import ServeConfig
 from serve.engine import faults
 from serve.engine.cache import VariantCache
 from serve.engine.forwards import Forwards
+from serve.engine.grammars import Grammars
 from serve.engine.memory import MIB, MemoryPlan, reserved_bytes, resident_bytes, working_bytes
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Op
@@ -59,6 +61,10 @@ class Engine:
         self._only = set(bases) if bases is not None else None
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-compute")
         """The one thread that runs forwards and touches slots and families."""
+        self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-grammar")
+        """The thread that compiles structured outputs' grammars, off the step and the event loop."""
+        self.grammars: dict[str, Grammars] = {}
+        """By causal base: its compiled grammars (serve/engine/grammars.py)."""
         c = config.cache
         self.cache = VariantCache(self._load_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
                                   tuple(c.pinned), copier=self._compute)
@@ -78,6 +84,11 @@ class Engine:
                                             self.config.engine)
         self.cache.buffers.reserve(self._reserve_layout(name))
         self.cache.buffers.refill()
+        rt = self.bases[name]
+        if rt.kv is not None:
+            self.grammars[name] = Grammars(partial(rt.prompts.tokenizer.from_pretrained, files.base_dir(entry)),
+                                           rt.model.config.vocab_size, rt.eos_ids, self.config.structured_outputs,
+                                           self._compiling)
 
     def _keep_decoded(self, target: int | None) -> MemoryPlan:
         """neuzip_decoded_mib: auto: the memory plan (serve/engine/memory.py), its free bytes kept decoded by the
@@ -196,6 +207,7 @@ class Engine:
                 "step_tokens": {name: dict(rt.token_counts) for name, rt in self.bases.items() if rt.token_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},
                 "preemptions": dict(self.scheduler.preemptions),
+                "grammars": {name: g.counters() for name, g in self.grammars.items()},
                 "load": self._load(), "max_batch_size": self.config.batch.max_batch_size,
                 "node_cache": self._node_cache()}
 
@@ -293,19 +305,21 @@ class Engine:
         return await self._submit("embed", base, variant, key, texts, tenant)
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict] | None = None, tenant: Tenant | None = None) -> Generation:
-        """A text completion of `prompt`, or a chat completion of `messages` under the base's chat template."""
-        return await self._submit(*await self._generation_row(model, params, prompt, messages), tenant)
+                       messages: list[dict] | None = None, tools: list[dict] | None = None,
+                       tenant: Tenant | None = None) -> Generation:
+        """A text completion of `prompt`, or a chat completion of `messages` (and the tools the model may call, in
+        OpenAI's form) under the base's chat template."""
+        return await self._submit(*await self._generation_row(model, params, prompt, messages, tools, tenant), tenant)
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                              messages: list[dict] | None = None,
+                              messages: list[dict] | None = None, tools: list[dict] | None = None,
                               tenant: Tenant | None = None) -> AsyncIterator[TextDelta]:
         """complete(), as text pieces while the tokens come. Text that may yet turn out to be the start of a
         stop string is held back until it cannot (half characters never reach the text: it is decoded
         incrementally)."""
         updates: asyncio.Queue[tuple[str, int] | None] = asyncio.Queue()  # one per decode step: <= max_tokens + 1
-        row = self.scheduler.submit(*await self._generation_row(model, params, prompt, messages), stream=updates,
-                                    tenant=tenant)
+        row = self.scheduler.submit(*await self._generation_row(model, params, prompt, messages, tools, tenant),
+                                    stream=updates, tenant=tenant)
         held = max((len(s) for s in params.stop), default=1) - 1
         sent = sent_tokens = 0
         with_prompt = params.echo or params.logprobs is not None  # the first piece carries the prompt
@@ -314,31 +328,41 @@ class Engine:
                 text, tokens = update
                 end = len(text) - held
                 if end > sent:
-                    yield TextDelta(text[sent:end], logprobs=row.logprobs(sent_tokens, tokens),
+                    yield TextDelta(text[sent:end], completion_tokens=tokens, prompt_tokens=len(row.payload[0]),
+                                    logprobs=row.logprobs(sent_tokens, tokens),
                                     **_prompt_of(row.generation, with_prompt))
                     sent, sent_tokens, with_prompt = end, tokens, False
             gen = row.future.result()
-            yield TextDelta(gen.text[sent:], gen, logprobs=None if gen.logprobs is None else gen.logprobs[sent_tokens:],
+            yield TextDelta(gen.text[sent:], gen, completion_tokens=gen.completion_tokens,
+                            prompt_tokens=gen.prompt_tokens, logprobs=None if gen.logprobs is None else gen.logprobs[sent_tokens:],
                             **_prompt_of(gen, with_prompt))
         finally:
             row.cancelled = not row.future.done()
 
     async def _generation_row(self, model: str, params: SamplingParams, prompt: str | list[int] | None,
-                              messages: list[dict] | None) -> tuple[Op, str, str | None, str | None, tuple]:
-        """Without max_tokens a row may run to the end of the context, within the server's max_tokens."""
+                              messages: list[dict] | None, tools: list[dict] | None, tenant: Tenant | None
+                              ) -> tuple[Op, str, str | None, str | None, tuple]:
+        """Without max_tokens a row may run to the end of the context, within the server's max_tokens. A row with a
+        constraint waits here for its grammar (compiled on a worker thread, or from the cache): a constraint the
+        grammar library refuses is the request's error before anything runs."""
         base, variant, key = await self.resolve(model)
         rt = self.bases[base]
         rt.require(model, encoder=False)
         if messages is not None:
-            ids = rt.prompts.chat(messages)
+            ids = rt.prompts.chat(messages, tools)
         elif isinstance(prompt, list):
             ids = rt.prompts.check_token_ids(prompt)
         else:
             ids = rt.prompts.encode(prompt or "")
         rt.prompts.check_fits(ids, params.max_tokens)
+        rt.prompts.check_sampling(params)
         if params.max_tokens is None:
             params = replace(params, max_tokens=min(self.config.limits.max_tokens, rt.max_length - len(ids)))
-        return "generate", base, variant, key, (ids, params)
+        grammar = None
+        if params.constraint is not None:
+            who = tenant.name if tenant is not None else model
+            grammar = await self.grammars[base].compile(params.constraint, who)
+        return "generate", base, variant, key, (ids, params, grammar)
 
     async def _submit(self, op: Op, base: str, variant: str | None, key: str | None, payload,
                       tenant: Tenant | None = None):
@@ -360,6 +384,7 @@ class Engine:
         """Stop taking requests and wait (bounded) for those already queued or running."""
         await self.scheduler.drain(timeout_s)
         self._compute.shutdown(wait=True)
+        self._compiling.shutdown(wait=False, cancel_futures=True)
         self.catalog.close()
 
 

@@ -27,9 +27,10 @@ import torch
 from serve.engine import faults
 from serve.engine.batch import RowSlot
 from serve.engine.detokenize import Detokenizer, RowText
+from serve.engine.grammars import RowGrammar
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Step
-from serve.engine.sampling import sample
+from serve.engine.sampling import RowSampling, sample, sampling_metadata
 from serve.engine.steps import Prefill, StepOutput, StepRunner
 from serve.engine.types import Generation, SamplingParams
 from serve.variants.base import LoadedVariant
@@ -43,6 +44,8 @@ class NewRow:
     params: SamplingParams
     """max_tokens is set (0 or more): the engine resolves a default before a row gets here."""
     variant: LoadedVariant | None = None
+    grammar: Any = None
+    """Its constraint's compiled grammar (serve/engine/grammars.py), compiled before the row was queued."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -62,15 +65,25 @@ class _Seq(RowText):
     """The token it feeds at the next decode step (None while its prompt is being written)."""
     echo_logits: list[torch.Tensor] = field(default_factory=list)
     """An echoing row's logits of its prompt's positions so far, a chunk a tensor."""
+    grammar: RowGrammar | None = None
+    """Where its output is constrained: its place in the grammar."""
+    end_ids: frozenset[int] = frozenset()
+    """The tokens that end it (min_tokens keeps them out)."""
     done: bool = False
     failed: BaseException | None = None
     """It failed alone (detokenising): it leaves the batch with this error, the other rows go on."""
 
     @classmethod
-    def start(cls, row: NewRow, slot: RowSlot, kv: int, name: str) -> "_Seq":
+    def start(cls, row: NewRow, slot: RowSlot, kv: int, name: str, eos_ids: set[int]) -> "_Seq":
         p = row.params
         rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-        return cls.after(row.prompt, p, name, rng=rng, tag=row.tag, slot=slot, kv=kv, prompt=list(row.prompt))
+        grammar = RowGrammar(row.grammar) if row.grammar is not None else None
+        ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
+        return cls.after(row.prompt, p, name, rng=rng, tag=row.tag, slot=slot, kv=kv, prompt=list(row.prompt),
+                         grammar=grammar, end_ids=ends)
+
+    def sampling(self) -> RowSampling:
+        return RowSampling(self.params, self.rng, self.prompt, self.gen.token_ids, self.end_ids, self.grammar)
 
     @property
     def echoes(self) -> bool:
@@ -202,7 +215,7 @@ class DecodeBatch:
                 self._resume(*parked, slot, kv)
                 continue
             name = row.variant.entry if row.variant is not None else self.rt.name
-            self.prefilling.append(_Seq.start(row, slot, kv, name))
+            self.prefilling.append(_Seq.start(row, slot, kv, name, self.rt.eos_ids))
 
     def _park(self, tags: Sequence[Any]) -> list[Any]:
         """The decoding rows tagged out of the batch, their keys and values kept; -> the tags parked."""
@@ -256,12 +269,13 @@ class DecodeBatch:
     def _continuable(self, launched: "_Launched") -> bool:
         """Whether the next step can be launched from this one's tokens on the device: a replayed decode step
         whose rows are still exactly the running rows, whose graph still reads where their variants' tensors are
-        (an attach for a row left waiting can move a stack), with no prompt waiting to be written and no row
-        reading its logits afterwards (the next replay overwrites them)."""
+        (an attach for a row left waiting can move a stack), with no prompt waiting to be written, no row reading
+        its logits afterwards (the next replay overwrites them) and no row whose controls change with the token it
+        takes (a grammar's mask, penalties, min_tokens: the host must read it first)."""
         return (launched.out.graph is not None and not launched.prefills and not self.prefilling
                 and launched.decode == self.decoding and self.rt.graphs.current(launched.out.graph)
                 and not any(s.done or s.params.logprobs is not None or s.written >= self.rt.kv.positions
-                            for s in launched.decode.values()))
+                            or s.sampling().reads_its_tokens for s in launched.decode.values()))
 
     def _continue(self, launched: "_Launched") -> "_Launched":
         faults.hit("decode", [s.name for s in launched.decode.values()])
@@ -272,13 +286,13 @@ class DecodeBatch:
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple["_Seq", int]]
                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Every row of logits sampled on the device (greedy where no row reads it: a decode step's sampling has
-        its bucket's shapes) -> (tokens, their host copy, the event it is ready at; None on a CPU)."""
-        params: list[SamplingParams | None] = [None] * logits.shape[0]
-        rngs: list[torch.Generator | None] = [None] * logits.shape[0]
+        """Every row of logits sampled on the device (its argmax where no row reads it: a decode step's sampling has
+        its bucket's shapes), each under its row's controls -> (tokens, their host copy, the event it is ready at;
+        None on a CPU). A constrained row's bitmask is filled here, on the host, while the step runs on a GPU."""
+        rows: list[RowSampling | None] = [None] * logits.shape[0]
         for s, i in sampling:
-            params[i], rngs[i] = s.params, s.rng
-        tokens = sample(logits, params, rngs)
+            rows[i] = s.sampling()
+        tokens = sample(logits, sampling_metadata(rows, logits.shape[1], logits.device))
         if not tokens.is_cuda:
             return tokens, tokens, None
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -337,7 +351,12 @@ class DecodeBatch:
         for s, tok in zip(seqs, chosen):
             s.next_token = tok
             try:
+                if s.grammar is not None and not s.grammar.accept(tok):
+                    raise RuntimeError(f"its grammar refused token {tok}, sampled under its own mask")
                 s.done = self.text.advance(s, tok)
+                if not s.done and s.grammar is not None and s.grammar.complete:  # its end token, ignored (ignore_eos)
+                    s.gen.finish_reason, s.done = "stop", True
+                    self.text.flush(s)
             except Exception as e:  # this row's text alone: it leaves with the error, the batch goes on
                 s.failed, s.done = e, True
             if not s.done and s.written >= self.rt.kv.positions:  # its slot is full (the engine's checks forbid it)

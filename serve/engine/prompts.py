@@ -6,7 +6,20 @@ state on every call and raises "Already borrowed" when two threads call it at on
 shared between threads.
 """
 
+import json
+
+from serve.engine.types import SamplingParams
 from serve.errors import BadRequest
+
+TOOL_PROMPT = """You may call these tools. To call one, answer with only this, one block a call:
+<tool_call>
+{{"name": "<the tool's name>", "arguments": <its arguments, a JSON object>}}
+</tool_call>
+Otherwise, answer as usual. The tools, as JSON:
+{tools}"""
+"""How tools reach a model whose chat template does not take them (as TGI's tool_prompt does): a system message (before
+the conversation's own system message, in the same message), in Hermes' form of a call, which the ingress reads back
+(serve/http/tools.py)."""
 
 
 def token_counts(tokenizer, texts: list[str]) -> list[int]:
@@ -27,17 +40,39 @@ class Prompts:
                 raise BadRequest(f"input {i}: {n} tokens; model '{self.name}' reads at most {self.max_input_tokens} "
                                  f"(send truncate: true to cut it)")
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    @property
+    def takes_tools(self) -> bool:
+        """The chat template renders tools itself (it reads a `tools` variable), and tool calls and results with
+        them."""
+        return "tools" in (self.tokenizer.chat_template or "")
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """messages (and tools) in OpenAI's form, under the template: with the template's own tools where it takes
+        them, or else TOOL_PROMPT as a system message and the calls and their results written as text."""
         if not self.tokenizer.chat_template:
             raise BadRequest(f"model '{self.name}' has no chat template")
         from jinja2 import TemplateError
 
+        if self.takes_tools:
+            messages, extra = [_structured_calls(m) for m in messages], {"tools": tools} if tools else {}
+        else:
+            messages, extra = [_calls_as_text(m) for m in messages], {}
+            if tools:
+                messages = with_tool_prompt(messages, tools)
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+                                                     return_dict=False, **extra)
         except TemplateError as e:  # the template's own check, such as roles it does not take
             raise BadRequest(f"messages: the chat template of '{self.name}' refuses them: {e}") from None
         return list(ids)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Token ids a request's controls name are in the vocabulary."""
+        vocab = len(self.tokenizer)
+        for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            for i in ids:
+                if not 0 <= i < vocab:
+                    raise BadRequest(f"{field}: token id {i} is outside the vocabulary (0 to {vocab - 1})")
 
     def check_token_ids(self, ids: list[int]) -> list[int]:
         vocab = len(self.tokenizer)
@@ -63,3 +98,38 @@ class Prompts:
         if max_tokens is not None and n + max_tokens > context:
             raise BadRequest(f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context} "
                              f"tokens")
+
+
+def with_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    prompt = TOOL_PROMPT.format(tools=listing)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        return [{**messages[0], "content": prompt + "\n\n" + messages[0]["content"]}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def _calls_as_text(m: dict) -> dict:
+    """A message as a template that knows no tools reads it: an assistant's calls as <tool_call> blocks after its
+    text, a tool's result inside <tool_response>."""
+    if m["role"] == "tool":
+        return {"role": "tool", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+    if not m.get("tool_calls"):
+        return m
+    blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": {c["function"]["arguments"]}}}'
+              f"\n</tool_call>" for c in m["tool_calls"]]
+    text = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+    return {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+
+
+def _structured_calls(m: dict) -> dict:
+    """A message as templates that take tools read it (transformers' convention): a call's arguments as a mapping."""
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except ValueError:
+            raise BadRequest(f"messages: tool call '{c['id']}' has arguments that are not JSON") from None
+        calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
+    return {**m, "tool_calls": calls}

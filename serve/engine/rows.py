@@ -22,6 +22,7 @@ class Row:
     """The key of the cache entry it runs ("<name>@<revision>", its group's for a group member); None for the
     base itself."""
     payload: Any
+    """generate: (prompt ids, SamplingParams[, its compiled grammar]); classify and embed: the texts."""
     future: asyncio.Future
     model: str | None = None
     """The model id it asked for: the entry itself, or one of a group's members ("<group>/<task>")."""

@@ -20,15 +20,56 @@ class Tenant:
     """Its share of the engine when tenants wait for it."""
 
 
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a row's output must match (structured outputs), as the grammar library compiles it
+    (serve/engine/grammars.py): plain text, so that it crosses from the ingress to a replica as it is."""
+
+    kind: ConstraintKind
+    spec: str = ""
+    """json: a JSON schema, as JSON text; regex: a pattern; choice: a JSON list of the strings allowed; grammar: an
+    EBNF grammar (xgrammar's dialect, as vLLM takes it); json_object: nothing (any JSON object)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """A row's sampling controls, with OpenAI's and vLLM's meanings (serve/engine/sampling.py applies them)."""
+
     max_tokens: int | None = 16
     """None: up to the end of the context, within the server's limit. 0: the prompt only (with echo)."""
     temperature: float = 0.0
     """0 is greedy."""
     top_p: float = 1.0
+    top_k: int = 0
+    """The k most likely tokens only; 0: all."""
+    min_p: float = 0.0
+    """Tokens less likely than min_p times the most likely one are left out."""
+    repetition_penalty: float = 1.0
+    """Logits of tokens in the prompt or the output so far divided by it where positive, multiplied where negative
+    (transformers' and vLLM's rule); 1: none."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: each logit less this times the token's count in the output so far."""
+    presence_penalty: float = 0.0
+    """OpenAI's: each logit less this where the token is in the output so far."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, added to its logit) pairs."""
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the row as its end-of-turn token does (counted, in neither its tokens nor its text)."""
+    include_stop_str_in_output: bool = False
+    """A stop string (or stop token's text) ending the text stays in it."""
+    min_tokens: int = 0
+    """The end-of-turn and stop tokens are not sampled before this many tokens."""
+    ignore_eos: bool = False
+    """The end-of-turn token does not end the row (it is kept as any token): it runs to max_tokens or a stop."""
+    skip_special_tokens: bool = True
+    """Special tokens are left out of the text."""
+    constraint: Constraint | None = None
+    """Structured outputs: the output matches it, every token sampled under its grammar's mask."""
     logprobs: int | None = None
     """Each generated token's log probability with this many top alternatives; None: none."""
     echo: bool = False
@@ -72,6 +113,9 @@ class TextDelta:
 
     text: str
     final: Generation | None = None
+    completion_tokens: int = 0
+    """Completion tokens so far (vLLM's continuous usage)."""
+    prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     """The generated tokens this piece completes (when asked)."""
     prompt_text: str | None = None

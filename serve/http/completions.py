@@ -1,8 +1,11 @@
-"""OpenAI's generation routes: POST /v1/completions and /v1/chat/completions, whole or streamed, with
-logprobs (and echo for completions) in the shapes OpenAI's clients parse."""
+"""OpenAI's generation routes: POST /v1/completions and /v1/chat/completions, whole or streamed, with logprobs (and
+echo for completions), n choices a prompt, structured outputs and tool calls, in the shapes OpenAI's clients parse.
+
+A request of P prompts and n choices is P x n rows, choice i x n + j of prompt i drawing from seed + j."""
 
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 
@@ -10,6 +13,7 @@ from serve.config import LimitsConfig
 from serve.engine.types import SamplingParams, TextDelta, TokenLogprob
 from serve.errors import TooLarge
 from serve.http import schemas as S
+from serve.http import tools as T
 from serve.http.auth import allow, share, tenant
 from serve.http.disconnect import while_connected
 from serve.http.limits import check_max_tokens, check_texts
@@ -29,31 +33,33 @@ async def completions(body: S.CompletionRequest, request: Request, state: State,
     if len(prompts) > state.limits.max_inputs:
         raise TooLarge(f"prompt: at most {state.limits.max_inputs} prompts per request, got {len(prompts)}")
     check_texts(state.limits, [p for p in prompts if isinstance(p, str)])
-    params = _sampling(state.limits, body, body.max_tokens, logprobs=body.logprobs, echo=body.echo)
+    choices = per_choice(_sampling(state.limits, body, body.max_tokens, logprobs=body.logprobs, echo=body.echo),
+                         body.n)
+    rows = [(p, params) for p in prompts for params in choices]
     want = body.logprobs is not None
     ticket = state.tenant_gate.admit(t)
     if body.stream:
-        streams = [state.backend.complete_stream(body.model, params, prompt=p, tenant=share(t)) for p in prompts]
+        streams = [state.backend.complete_stream(body.model, params, prompt=p, tenant=share(t)) for p, params in rows]
         return await stream(request, state.metrics, body, streams, S.CompletionChunk, "cmpl",
-                            _completion_chunks(body, len(prompts)), ticket)
+                            _completion_chunks(body, len(rows)), ticket)
     with ticket:
         gens = await while_connected(request, gather_all(
-            state.backend.complete(body.model, params, prompt=p, tenant=share(t)) for p in prompts))
-        ticket.tokens = usage(*gens).total_tokens
-    choices = []
+            state.backend.complete(body.model, params, prompt=p, tenant=share(t)) for p, params in rows))
+        ticket.tokens = usage(gens, body.n).total_tokens
+    out = []
     for i, gen in enumerate(gens):
-        count_tokens(state.metrics, body.model, gen)
+        count_tokens(state.metrics, body.model, gen, first=i % body.n == 0)
         entries = ((gen.prompt_logprobs or []) if body.echo else []) + (gen.logprobs or [])
         lp = completion_logprobs(entries, 0 if body.echo else len(gen.prompt_text)) if want else None
         text = gen.prompt_text + gen.text if body.echo else gen.text
-        choices.append(S.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=gen.finish_reason))
+        out.append(S.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=gen.finish_reason))
     return S.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
-                                choices=choices, usage=usage(*gens))
+                                choices=out, usage=usage(gens, body.n))
 
 
-def _completion_chunks(body: S.CompletionRequest, n_prompts: int) -> Choice:
+def _completion_chunks(body: S.CompletionRequest, rows: int) -> Choice:
     """A streamed completion's choice maker: it keeps each row's character offset for text_offset."""
-    offsets = [0] * n_prompts
+    offsets = [0] * rows
 
     def chunk(i: int, d: TextDelta, head: bool, reason: str | None) -> S.CompletionChunkChoice:
         text, entries = d.text, d.logprobs or []
@@ -75,36 +81,79 @@ async def chat(body: S.ChatCompletionRequest, request: Request, state: State,
     check_texts(state.limits, [m.text() for m in body.messages])
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(state.limits, body, body.max_completion_tokens or body.max_tokens, logprobs=top)
-    messages = [{k: v for k, v in {"role": m.role, "content": m.text(), "name": m.name,
-                                    "tool_call_id": m.tool_call_id}.items() if v is not None}
-                for m in body.messages]
+    params = replace(params, constraint=T.call_constraint(body) or params.constraint)
+    messages, tools = [m.as_dict() for m in body.messages], T.tools_for_prompt(body)
+    choices = per_choice(params, body.n)
     ticket = state.tenant_gate.admit(t)
     if body.stream:
-        def chunk(i: int, d: TextDelta, head: bool, reason: str | None) -> S.ChatChunkChoice:
-            return S.ChatChunkChoice(index=i, delta=S.ChatDelta(role="assistant" if head else None, content=d.text),
-                                     logprobs=chat_logprobs(d.logprobs, top), finish_reason=reason)
-
-        return await stream(request, state.metrics, body,
-                            [state.backend.complete_stream(body.model, params, messages=messages, tenant=share(t))],
-                            S.ChatCompletionChunk, "chatcmpl", chunk, ticket)
+        return await stream(request, state.metrics, body, [
+            state.backend.complete_stream(body.model, p, messages=messages, tools=tools, tenant=share(t))
+            for p in choices], S.ChatCompletionChunk, "chatcmpl", _chat_chunks(body, top), ticket)
     with ticket:
-        gen = await while_connected(request, state.backend.complete(body.model, params, messages=messages,
-                                                                    tenant=share(t)))
-        ticket.tokens = usage(gen).total_tokens
-    count_tokens(state.metrics, body.model, gen)
-    return S.ChatCompletionResponse(
-        id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
-        choices=[S.ChatChoice(index=0, message=S.AssistantMessage(content=gen.text),
-                              logprobs=chat_logprobs(gen.logprobs, top), finish_reason=gen.finish_reason)],
-        usage=usage(gen))
+        gens = await while_connected(request, gather_all(
+            state.backend.complete(body.model, p, messages=messages, tools=tools, tenant=share(t)) for p in choices))
+        ticket.tokens = usage(gens, body.n).total_tokens
+    out = []
+    for i, gen in enumerate(gens):
+        count_tokens(state.metrics, body.model, gen, first=i == 0)
+        content, calls = T.read_calls(body, gen.text)
+        out.append(S.ChatChoice(index=i, message=T.tool_message(body, content, calls),
+                                logprobs=chat_logprobs(gen.logprobs, top),
+                                finish_reason=T.finish_reason(body, calls, gen.finish_reason)))
+    return S.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
+                                    choices=out, usage=usage(gens, body.n))
+
+
+def _chat_chunks(body: S.ChatCompletionRequest, top: int | None) -> Choice:
+    """A streamed chat's choice maker: each choice's text goes through its StreamedCalls, which holds back what may
+    be a tool call (None: nothing to send for this piece)."""
+    calls: dict[int, T.StreamedCalls] = {}
+
+    def chunk(i: int, d: TextDelta, head: bool, reason: str | None) -> S.ChatChunkChoice | None:
+        split = calls.setdefault(i, T.StreamedCalls(body))
+        delta = split.piece(d.text)
+        if reason is not None:
+            last, reason = split.end(reason)
+            delta = _merged(delta, last)
+        if delta is None and reason is None and not d.logprobs:
+            return None
+        delta = delta or S.ChatDelta()
+        if head:
+            delta.role = "assistant"
+        return S.ChatChunkChoice(index=i, delta=delta, logprobs=chat_logprobs(d.logprobs, top), finish_reason=reason)
+
+    return chunk
+
+
+def _merged(a: S.ChatDelta | None, b: S.ChatDelta | None) -> S.ChatDelta | None:
+    """Two deltas of one chunk (a piece's content, then what the end releases)."""
+    if a is None or b is None:
+        return a or b
+    content = (a.content or "") + (b.content or "")
+    return S.ChatDelta(content=content or None, tool_calls=a.tool_calls or b.tool_calls,
+                       function_call=a.function_call or b.function_call)
 
 
 def _sampling(limits: LimitsConfig, body: S._Sampling, max_tokens: int | None, logprobs: int | None = None,
               echo: bool = False) -> SamplingParams:
     """The request's sampling fields as the engine takes them, once max_tokens is within the server's limit."""
     check_max_tokens(limits, max_tokens)
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          seed=body.seed, stop=body.stops(), logprobs=logprobs, echo=echo)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+        min_p=body.min_p, repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        logit_bias=tuple((int(k), v) for k, v in sorted((body.logit_bias or {}).items(), key=lambda kv: int(kv[0]))),
+        seed=body.seed, stop=body.stops(), stop_token_ids=tuple(body.stop_token_ids or ()),
+        include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, constraint=body.constraint(),
+        logprobs=logprobs, echo=echo)
+
+
+def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """A prompt's n choices: choice j draws from seed + j (unseeded choices draw independently)."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + j) for j in range(n)]
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> S.CompletionLogprobs:

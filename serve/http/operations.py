@@ -1,4 +1,4 @@
-"""Routes for operating the server: GET /healthz (liveness), /readyz (readiness), /metrics (Prometheus text) and
+"""Routes for operating the server: GET /healthz and /health (liveness), /readyz (readiness), /metrics (Prometheus text) and
 /v1/models (what the caller's tenant may call, with kind, parent base and residency)."""
 
 from typing import Annotated
@@ -19,8 +19,10 @@ MAX_MODELS_PAGE = 10_000
 
 
 @router.get("/healthz")
+@router.get("/health")
 async def healthz():
-    """Liveness: this process answers. Whether models do is /readyz."""
+    """Liveness: this process answers (/health is vLLM's name, which its benchmark clients ask first). Whether models
+    do is /readyz."""
     return {"status": "ok"}
 
 

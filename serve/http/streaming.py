@@ -22,8 +22,9 @@ from serve.metrics import Metrics
 
 SSE_DONE = "data: [DONE]\n\n"
 
-Choice = Callable[[int, TextDelta, bool, str | None], BaseModel]
-"""choice(index, delta, is_first, finish_reason) -> one choice of a chunk."""
+Choice = Callable[[int, TextDelta, bool, str | None], BaseModel | None]
+"""choice(index, delta, is_first, finish_reason) -> one choice of a chunk (None: nothing to send for this piece; a
+piece with a finish reason always sends one). is_first: nothing of this choice was sent yet."""
 
 
 async def stream(request: Request, metrics: Metrics, body: S._Sampling, streams: list[AsyncIterator[TextDelta]],
@@ -48,22 +49,29 @@ async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts:
                   choice: Choice, ticket: Ticket) -> AsyncIterator[str]:
     pieces: asyncio.Queue = asyncio.Queue()  # at most one item per token of every stream
     pumps = [asyncio.create_task(_pump(pieces, i, d, s)) for i, (d, s) in enumerate(zip(firsts, streams))]
-    open_, started, finals = len(streams), set(), []
+    open_, started, finals = len(streams), set(), [None] * len(streams)
+    latest = list(firsts)
+    """Each stream's latest piece: its token counts so far."""
+    options = body.stream_options or S.StreamOptions()
     try:
         while open_:
             i, d = await pieces.get()
             if isinstance(d, Exception):
                 raise d
             reason = d.final.finish_reason if d.final else None
-            yield sse(chunk(choices=[choice(i, d, i not in started, reason)]))
-            started.add(i)
+            latest[i] = d
+            c = choice(i, d, i not in started, reason)
+            if c is not None:
+                now = usage(latest, body.n) if options.continuous_usage_stats else None  # vLLM's: so far
+                yield sse(chunk(choices=[c], usage=now))
+                started.add(i)
             if d.final is not None:
                 open_ -= 1
-                finals.append(d.final)
-                count_tokens(metrics, body.model, d.final)
-                ticket.tokens += d.final.prompt_tokens + d.final.completion_tokens
-        if body.stream_options and body.stream_options.include_usage:
-            yield sse(chunk(choices=[], usage=usage(*finals)))
+                finals[i] = d.final
+                count_tokens(metrics, body.model, d.final, first=i % body.n == 0)
+                ticket.tokens += d.final.completion_tokens + (d.final.prompt_tokens if i % body.n == 0 else 0)
+        if options.include_usage:
+            yield sse(chunk(choices=[], usage=usage(finals, body.n)))
         yield SSE_DONE
     except ManyfoldError as e:
         log_refused(request, e.http_status, f"in a stream: {e}")

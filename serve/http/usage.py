@@ -4,10 +4,12 @@ from serve.http import schemas as S
 from serve.metrics import Metrics
 
 
-def usage(*gens) -> S.Usage:
-    """Summed over the generations of one request (one per prompt); completion counts every token sampled, the
-    end-of-turn token included (Generation.completion_tokens)."""
-    prompt, completion = sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens)
+def usage(gens: list, n: int = 1) -> S.Usage:
+    """Summed over the generations of one request (or their latest streamed pieces), n choices a prompt, in order:
+    a prompt counts once, as OpenAI and vLLM count it; completion counts every token sampled, the end-of-turn token
+    included (Generation.completion_tokens)."""
+    prompt = sum(g.prompt_tokens for g in gens[::n])
+    completion = sum(g.completion_tokens for g in gens)
     return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -17,7 +19,9 @@ def input_usage(result) -> S.InputUsage:
                         truncated_inputs=result.truncated)
 
 
-def count_tokens(metrics: Metrics, model: str, gen) -> None:
+def count_tokens(metrics: Metrics, model: str, gen, first: bool = True) -> None:
+    """first: the generation is its prompt's first choice (a prompt's tokens count once)."""
     label = metrics.model_label(model)
-    metrics.tokens.labels(label, "prompt").inc(gen.prompt_tokens)
+    if first:
+        metrics.tokens.labels(label, "prompt").inc(gen.prompt_tokens)
     metrics.tokens.labels(label, "completion").inc(gen.completion_tokens)

@@ -3,13 +3,16 @@ shapes do not depend on which adapters, full fine-tunes or EMR tasks its rows ru
 inputs (prompt chunks and every kind of row included) give the tokens eager steps give, and any schedule of
 admissions, finishes and cancellations gives every request the tokens it gives alone."""
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from serve.config import BatchConfig
+from serve.config import BatchConfig, StructuredOutputsConfig
 from serve.engine.batch import BatchPlan
 from serve.engine.generation import DecodeBatch, NewRow
 from serve.engine.graphs import StepGraphs, _Graph
@@ -334,3 +337,61 @@ def test_a_row_left_waiting_whose_attach_moved_the_adapter_stacks_ends_the_graph
     eager, _ = generate()
     assert moved == [4] and graphs.continued > 3  # the case arose: c waited, its attach moved the stacks
     assert graphed == eager and len(graphed) == 3
+
+
+def choice_grammar(rt: BaseModelRuntime, words: list[str]):
+    """A grammar of one or more of the words (compiled as a request's would be), and the ids they take."""
+    from serve.engine.grammars import Grammars
+    from serve.engine.types import Constraint
+
+    grammar = " ".join(f'"{w}"' for w in words[:1]) + "".join(f' | "{w}"' for w in words[1:])
+    grammars = Grammars(lambda: rt.tokenizer, rt.model.config.vocab_size, rt.eos_ids, StructuredOutputsConfig(),
+                        ThreadPoolExecutor(1))
+    compiled = asyncio.run(grammars.compile(Constraint("grammar", f"root ::= ({grammar})+"), "t"))
+    return compiled, {rt.tokenizer.convert_tokens_to_ids(w) for w in words}
+
+
+CONTROLLED = [SamplingParams(max_tokens=7, repetition_penalty=1.8),
+              SamplingParams(max_tokens=6, temperature=0.9, top_k=5, seed=11),
+              SamplingParams(max_tokens=5, logit_bias=((9, 6.0), (12, -50.0))),
+              SamplingParams(max_tokens=8, temperature=0.7, top_p=0.5, min_p=0.1, frequency_penalty=1.2,
+                             presence_penalty=0.3, seed=12),
+              SamplingParams(max_tokens=6, min_tokens=4, stop_token_ids=(10, 11, 13)),
+              SamplingParams(max_tokens=6),
+              SamplingParams(max_tokens=6, temperature=1.2, seed=13)]
+"""Rows' controls; the last two are constrained by a grammar too."""
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_rows_of_every_kind_each_under_its_own_controls_give_the_tokens_each_gives_alone(rt, graphed):
+    """One step holds the base, adapters, a full fine-tune and EMR tasks, each row under other sampling controls
+    (penalties, bias, top-k/top-p/min-p with seeds, min_tokens with stop tokens, a grammar): every row gets the
+    tokens it gets alone, eagerly and from replayed graphs, and a constrained row takes only its grammar's tokens."""
+    variants = [None, lora(rt, "a", 4, 1), full(rt, "f", 3), *random_emr_group(rt, "g", 2, 5), lora(rt, "b", 8, 2),
+                None]
+    compiled, allowed = choice_grammar(rt, ["cat", "dog", "sat"])
+    rows = [NewRow(i, [3 + i, 5, 7, 9 - i], p, v, compiled if i >= 5 else None)
+            for i, (p, v) in enumerate(zip(CONTROLLED, variants))]
+
+    def run(batch_rows: list[NewRow]) -> dict:
+        batch, got = DecodeBatch(rt), {}
+        batch.run(batch_rows)
+        while len(batch):
+            step = batch.run([])
+            assert not step.failed, step.failed
+            got.update({t: g.token_ids for t, g in step.finished})
+        batch.close()
+        return got
+
+    rt.use_fixed_shapes(graphed)
+    rt.graphs = EagerGraphs(rt) if graphed else None
+    try:
+        alone = {t: v for r in rows for t, v in run([r]).items()}
+        together = run(rows)
+    finally:
+        rt.graphs = None
+        rt.use_fixed_shapes(False)
+    assert together == alone and len(together) == len(rows)
+    for t in (5, 6):  # the grammar's words, then perhaps its end (an end token that ends nothing here: eos_ids)
+        assert set(together[t][:-1]) <= allowed and together[t][-1] in allowed | {rt.tokenizer.eos_token_id}
+    assert not set(together[4][:4]) & {10, 11, 13}  # min_tokens holds the stop tokens back

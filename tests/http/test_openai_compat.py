@@ -1,5 +1,6 @@
 """What the ecosystem's clients send: log probabilities and echo, token-id and batched prompts, the chat message
-shapes of current clients, and 422s that name the field, the limit and the value."""
+shapes of current clients, and 422s that name the field, the limit and the value (structured outputs, tools and
+the sampling controls: test_structured.py)."""
 
 import json
 
@@ -149,16 +150,17 @@ def test_current_chat_message_shapes_are_accepted(client):
 
 @pytest.mark.parametrize("path,body,fragment", [
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop: List should have at most 4 items"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, "n: Input should be less than or equal to 1"),
+    ("/v1/completions", {"prompt": "a", "n": 9}, "n: Input should be less than or equal to 8"),
     ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs: Input should be less than or equal to 5"),
     ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt: List should have at least 1 item"),
     ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt.1: List should have at least 1 item"),
     ("/v1/completions", {"prompt": ["a"] * 5}, "prompt: at most 4 prompts per request, got 5"),
     ("/v1/completions", {"prompt": [999999]}, "prompt: token id 999999 is outside the vocabulary"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
-     "tools: not supported"),
+     "tools.0.function: Field required"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
-                              "response_format": {"type": "json_object"}}, "response_format.type"),
+                              "response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "audio": {}}, "audio: not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content.0.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
@@ -189,7 +191,7 @@ def words(n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("body,status,message", [
-    ({**CHAT, "tools": [{"type": "function"}]}, 422, "tools: not supported by this server"),
+    ({**CHAT, "modalities": ["audio"]}, 422, "modalities: not supported by this server"),
     ({**CHAT, "top_logprobs": 2}, 422, "top_logprobs: needs logprobs: true"),
     ({**CHAT, "model": "minilm-clf"}, 400,
      "model 'minilm-clf' is not a causal language model (its base 'minilm' is an encoder)"),
