@@ -130,6 +130,30 @@ def test_openai_client_streams_over_ray(server):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_constraints_tools_and_n_cross_ray_to_the_replica(server):
+    """What a request carries beyond its prompt reaches the engine through the router and the replica: a choice
+    constraint, tools (the model reads them: its prompt grows), n choices with their seeds, a grammar that the
+    model's vocabulary cannot write (400 from the replica), continuous usage."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+    c = client.completions.create(model="tiny-lm", prompt="the cat", max_tokens=6, n=3, temperature=1.0, seed=5,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert [x.text.strip() for x in c.choices] and all(x.text.strip() in ("yes", "no") for x in c.choices)
+    ask = [{"role": "user", "content": "the cat"}]
+    tool = {"type": "function", "function": {"name": "walk", "parameters": {"type": "object"}}}
+    plain = client.chat.completions.create(model="tiny-lm-top", messages=ask, max_tokens=2)
+    told = client.chat.completions.create(model="tiny-lm-top", messages=ask, max_tokens=2, tools=[tool])
+    assert told.usage.prompt_tokens > plain.usage.prompt_tokens
+    with pytest.raises(BadRequestError, match="no token of this model's vocabulary can start it"):
+        client.chat.completions.create(model="tiny-lm", messages=ask, max_tokens=2, response_format={
+            "type": "json_object"})
+    chunks = list(client.completions.create(model="tiny-lm", prompt="the", max_tokens=5, stream=True,
+                                            extra_body={"ignore_eos": True, "stream_options": {
+                                                "include_usage": True, "continuous_usage_stats": True}}))
+    assert all(ch.usage is not None for ch in chunks) and chunks[-1].usage.completion_tokens == 5
+
+
 def test_classifier_over_http_equals_transformers(server, http):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

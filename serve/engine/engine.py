@@ -334,7 +334,8 @@ class Engine:
                     sent, sent_tokens, with_prompt = end, tokens, False
             gen = row.future.result()
             yield TextDelta(gen.text[sent:], gen, completion_tokens=gen.completion_tokens,
-                            prompt_tokens=gen.prompt_tokens, logprobs=None if gen.logprobs is None else gen.logprobs[sent_tokens:],
+                            prompt_tokens=gen.prompt_tokens,
+                            logprobs=None if gen.logprobs is None else gen.logprobs[sent_tokens:],
                             **_prompt_of(gen, with_prompt))
         finally:
             row.cancelled = not row.future.done()

@@ -33,6 +33,7 @@ from serve.engine.rows import Step
 from serve.engine.sampling import RowSampling, sample, sampling_metadata
 from serve.engine.steps import Prefill, StepOutput, StepRunner
 from serve.engine.types import Generation, SamplingParams
+from serve.errors import BadRequest
 from serve.variants.base import LoadedVariant
 
 
@@ -351,8 +352,9 @@ class DecodeBatch:
         for s, tok in zip(seqs, chosen):
             s.next_token = tok
             try:
-                if s.grammar is not None and not s.grammar.accept(tok):
-                    raise RuntimeError(f"its grammar refused token {tok}, sampled under its own mask")
+                if s.grammar is not None and not s.grammar.accept(tok):  # its mask left it no token
+                    raise BadRequest(f"structured output: after {len(s.gen.token_ids)} tokens the grammar allows no "
+                                     f"token of this model's vocabulary")
                 s.done = self.text.advance(s, tok)
                 if not s.done and s.grammar is not None and s.grammar.complete:  # its end token, ignored (ignore_eos)
                     s.gen.finish_reason, s.done = "stop", True

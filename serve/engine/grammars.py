@@ -13,7 +13,6 @@ its CUDA kernel applies a batch's bitmask on the device; measured on the project
 
 import asyncio
 import json
-import logging
 import re
 import time
 from collections import OrderedDict
@@ -29,9 +28,12 @@ from serve.config import StructuredOutputsConfig
 from serve.engine.types import Constraint
 from serve.errors import BadRequest, Overloaded
 
-log = logging.getLogger("manyfold.engine")
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """Where in xgrammar's sources an error was raised (its messages start with it): not the client's business."""
+
+
+class Unwritable(Exception):
+    """A grammar the model's vocabulary cannot begin to write (a word-level vocabulary and JSON, say)."""
 
 
 def bitmask_for(rows: int, vocab: int) -> torch.Tensor:
@@ -148,6 +150,9 @@ class Grammars:
             self.stats.refused += 1
             raise BadRequest(f"structured output ({c.kind}): compiling its grammar took longer than "
                              f"{self.config.compile_timeout_s:g} s") from None
+        except Unwritable as e:
+            self.stats.refused += 1
+            raise BadRequest(f"structured output ({c.kind}): {e}") from None
         except (RuntimeError, ValueError) as e:  # xgrammar's refusals (InvalidJSONError is a ValueError)
             self.stats.refused += 1
             reason = _LOCATION.sub("", (str(e).strip().splitlines() or [type(e).__name__])[-1])[:300]
@@ -168,6 +173,10 @@ class Grammars:
         else:
             out = self._compiler.compile_grammar(text)
         self.stats.compile_seconds = [*self.stats.compile_seconds[-255:], time.perf_counter() - start]
+        first = bitmask_for(1, self.vocab)
+        xgr.GrammarMatcher(out).fill_next_token_bitmask(first, 0)
+        if not first.any():
+            raise Unwritable("no token of this model's vocabulary can start it")
         return out
 
     def _compiled(self, key: tuple[str, str], done: asyncio.Future, tenant: str) -> None:

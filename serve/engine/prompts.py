@@ -69,7 +69,8 @@ class Prompts:
     def check_sampling(self, params: SamplingParams) -> None:
         """Token ids a request's controls name are in the vocabulary."""
         vocab = len(self.tokenizer)
-        for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        named = (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids))
+        for field, ids in named:
             for i in ids:
                 if not 0 <= i < vocab:
                     raise BadRequest(f"{field}: token id {i} is outside the vocabulary (0 to {vocab - 1})")

@@ -26,15 +26,18 @@ class StreamOptions(_Request):
 
 
 JsonSchema = Annotated[dict | str, Field(description="a JSON schema, as an object or as JSON text")]
+Regex = Annotated[str, Field(min_length=1, max_length=10_000)]
+Choices = Annotated[list[Annotated[str, Field(max_length=1000)]], Field(min_length=1, max_length=256)]
+Grammar = Annotated[str, Field(min_length=1, max_length=100_000)]
 
 
 class StructuredOutputs(_Request):
     """vLLM's `structured_outputs`: exactly one of these."""
 
     json_: JsonSchema | None = Field(None, alias="json")
-    regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
-    choice: Annotated[list[Annotated[str, Field(max_length=1000)]], Field(min_length=1, max_length=256)] | None = None
-    grammar: Annotated[str, Field(min_length=1, max_length=100_000)] | None = None
+    regex: Regex | None = None
+    choice: Choices | None = None
+    grammar: Grammar | None = None
     """EBNF (xgrammar's dialect, as vLLM's default backend takes it)."""
     json_object: Literal[True] | None = None
 
@@ -96,9 +99,9 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     guided_json: JsonSchema | None = None
-    guided_regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
-    guided_choice: Annotated[list[Annotated[str, Field(max_length=1000)]], Field(min_length=1, max_length=256)] | None = None
-    guided_grammar: Annotated[str, Field(min_length=1, max_length=100_000)] | None = None
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -145,7 +148,8 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
-    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
     """A text, a list of texts, a list of token ids, or a list of lists of token ids: n choices each, in order."""
     max_tokens: Annotated[int, Field(ge=0)] = 16
     """OpenAI's default for completions."""
@@ -320,7 +324,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"tool_choice: function '{choice.name}' is not in tools")
         asked = self.constraints_asked()
         if self.forces_call() and asked:
-            raise ValueError(f"{asked[0]}: not with tool_choice {choice if isinstance(choice, str) else 'naming a function'}")
+            forced = choice if isinstance(choice, str) else "naming a function"
+            raise ValueError(f"{asked[0]}: not with tool_choice {forced}")
         return self
 
     def constraints_asked(self) -> list[str]:

@@ -366,7 +366,8 @@ CONTROLLED = [SamplingParams(max_tokens=7, repetition_penalty=1.8),
 def test_rows_of_every_kind_each_under_its_own_controls_give_the_tokens_each_gives_alone(rt, graphed):
     """One step holds the base, adapters, a full fine-tune and EMR tasks, each row under other sampling controls
     (penalties, bias, top-k/top-p/min-p with seeds, min_tokens with stop tokens, a grammar): every row gets the
-    tokens it gets alone, eagerly and from replayed graphs, and a constrained row takes only its grammar's tokens."""
+    tokens it gets alone, eagerly and from replayed graphs (every step still replayed), and a constrained row takes
+    only its grammar's tokens."""
     variants = [None, lora(rt, "a", 4, 1), full(rt, "f", 3), *random_emr_group(rt, "g", 2, 5), lora(rt, "b", 8, 2),
                 None]
     compiled, allowed = choice_grammar(rt, ["cat", "dog", "sat"])
@@ -385,6 +386,7 @@ def test_rows_of_every_kind_each_under_its_own_controls_give_the_tokens_each_giv
 
     rt.use_fixed_shapes(graphed)
     rt.graphs = EagerGraphs(rt) if graphed else None
+    rt.step_counts.clear()
     try:
         alone = {t: v for r in rows for t, v in run([r]).items()}
         together = run(rows)
@@ -392,6 +394,7 @@ def test_rows_of_every_kind_each_under_its_own_controls_give_the_tokens_each_giv
         rt.graphs = None
         rt.use_fixed_shapes(False)
     assert together == alone and len(together) == len(rows)
+    assert set(rt.step_counts) == ({"graphed"} if graphed else {"eager:cpu"})  # controls and masks keep the graph
     for t in (5, 6):  # the grammar's words, then perhaps its end (an end token that ends nothing here: eos_ids)
         assert set(together[t][:-1]) <= allowed and together[t][-1] in allowed | {rt.tokenizer.eos_token_id}
     assert not set(together[4][:4]) & {10, 11, 13}  # min_tokens holds the stop tokens back
