@@ -58,7 +58,7 @@ def plan_arrivals(rates: dict[Caller, float], prompts: list[str], duration_s: fl
 
 def log(msg: str) -> None:
     """Progress on stderr, timestamped, so a long run shows where it is."""
-    print(f"[fairness {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[loadtest {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 async def stream_one(client: httpx.AsyncClient, caller: Caller, prompt: str, max_tokens: int, rec: Record,

@@ -69,14 +69,15 @@ def main(argv: list[str] | None = None) -> dict:
         args.store = str(build_demo_store().root)
     config = {"store": args.store, "port": free_port(), "limits": {"max_tokens": 256}}
     with Server(config, args.start_timeout_s) as url:
-        report = {"machine": machine(), "models": list(MIX), "health": httpx.get(f"{url}/health").status_code}
+        report = {"machine": machine(), "models": list(MIX), "health": httpx.get(f"{url}/health").status_code,
+                  "seconds": {}}
         for name, check in (("parse", lambda: parsed(url, args.requests)), ("langchain", lambda: langchain(url)),
                             ("tools", lambda: tool_calls(url)), ("choice", lambda: choices(url)),
                             ("ignore_eos", lambda: exact_tokens(url))):
             t0 = time.perf_counter()
             report[name] = check()
-            report[name]["seconds"] = time.perf_counter() - t0
-            log(f"{name}: {json.dumps({k: v for k, v in report[name].items() if k != 'examples'})}")
+            report["seconds"][name] = time.perf_counter() - t0
+            log(f"{name}: {json.dumps(report[name])}")
     print_report(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

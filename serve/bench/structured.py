@@ -5,7 +5,7 @@ NeuZip, four of each, each asked to read a BBC News article (the test split, pac
 that matches ARTICLE's schema:
 - the decode step at 16 rows, half of them under the schema's grammar (its bitmask filled and applied every step)
   against all of them free, compile excluded: median seconds of the steps where all 16 rows decode, taken by the
-  batch itself (serve/engine/generation.py) with the same prompts. A step holds one base's rows, so this runs on
+  batch itself (serve/engine/generation.py) with the same prompts, a wave of each in turn, three times. A step holds one base's rows, so this runs on
   the plain base (the adapter, the task, the fine-tune and the base itself) and on the NeuZip base (the base, its
   adapter and its fine-tune) in turn;
 - a grammar's compile, cold (the tokenizer's tables too, then another schema) and cached;
@@ -63,7 +63,7 @@ def valid(text: str) -> bool:
         return False
 
 
-def run_structured_bench(store_root: Path | None, out: Path, max_tokens: int = 96) -> dict:
+def run_structured_bench(store_root: Path | None, out: Path, max_tokens: int = 96, repeats: int = 3) -> dict:
     """store_root None: the demo store, built if missing."""
     from serve.config import ServeConfig
     from serve.engine.engine import Engine
@@ -79,7 +79,8 @@ def run_structured_bench(store_root: Path | None, out: Path, max_tokens: int = 9
     chats = prompts()
     constraint = Constraint("json", json.dumps(SCHEMA))
     report = {"machine": machine(), "rows": ROWS, "schema": SCHEMA, "compile_ms": _compile_times(engine)}
-    report["steps"] = {name: _step_times(engine, models, chats, constraint) for name, models in STEP_SETS.items()}
+    report["steps"] = {name: _step_times(engine, models, chats, constraint, repeats)
+                       for name, models in STEP_SETS.items()}
     greedy = SamplingParams(max_tokens=max_tokens)
     report["answers"] = {how: _answers(engine, chats, replace(greedy, constraint=c))
                          for how, c in (("constrained", constraint), ("free", None))}
@@ -106,30 +107,30 @@ def _compile_times(engine) -> dict:
     return {"cold_first": first, "cold": second, "cached": cached, "compiles": grammars.stats.compiles}
 
 
-def _step_times(engine, models: tuple[str, ...], chats: list[list[dict]], constraint) -> dict:
-    """Median seconds of a decode step with all ROWS rows decoding: all free, then every other row under the
-    constraint (greedy, ignore_eos: every row runs past STEP_TOKENS)."""
+def _step_times(engine, models: tuple[str, ...], chats: list[list[dict]], constraint, repeats: int) -> dict:
+    """Median seconds of a decode step with all ROWS rows decoding: all free, and every other row under the
+    constraint (greedy, ignore_eos: every row runs past STEP_TOKENS), a wave of each in turn `repeats` times after
+    one untimed wave (the first use of a variant's slots and an EMR task's formed weights)."""
+    return asyncio.run(_timed_steps(engine, models, chats, constraint, repeats))
+
+
+async def _timed_steps(engine, models: tuple[str, ...], chats: list[list[dict]], constraint, repeats: int) -> dict:
     from serve.engine.generation import DecodeBatch, NewRow
     from serve.engine.types import SamplingParams
 
     params = SamplingParams(max_tokens=STEP_TOKENS + 8, ignore_eos=True)
-
-    async def held():
-        out = []
-        for m in models:
-            _, _, key = await engine.resolve(m)
-            out.append((m, await engine.cache.acquire(key) if key else None))
-        return out
-
-    holds = asyncio.run(held())
-    rt = engine.bases[(asyncio.run(engine.resolve(models[0])))[0]]
-    compiled = asyncio.run(engine.grammars[rt.name].compile(constraint, "bench"))
+    holds = []
+    for m in models:
+        base, _, key = await engine.resolve(m)
+        holds.append((m, await engine.cache.acquire(key) if key else None))
+    rt = engine.bases[base]
+    compiled = await engine.grammars[rt.name].compile(constraint, "bench")
     rows = [(rt.prompts.chat(chats[i]), holds[i % len(holds)]) for i in range(ROWS)]
-    out = {"models": list(models)}
-    for how in ("free", "half constrained"):
+
+    def wave(constrained: bool) -> list[float]:
         batch, seconds = DecodeBatch(rt), []
         batch.run([NewRow(i, ids, params, h.variant.member(m) if h else None,
-                          compiled if how != "free" and i % 2 else None) for i, (ids, (m, h)) in enumerate(rows)])
+                          compiled if constrained and i % 2 else None) for i, (ids, (m, h)) in enumerate(rows)])
         while len(batch) and len(seconds) < STEP_TOKENS:
             full = len(batch.decoding) == ROWS and not batch.prefilling
             t0 = time.perf_counter()
@@ -137,11 +138,21 @@ def _step_times(engine, models: tuple[str, ...], chats: list[list[dict]], constr
             if full:
                 seconds.append(time.perf_counter() - t0)
         batch.close()
-        out[how] = {"median_s": statistics.median(seconds), "steps": len(seconds)}
+        return seconds
+
+    times: dict[str, list[float]] = {"free": [], "half constrained": []}
+    try:
+        wave(False)
+        for _ in range(repeats):
+            for how in times:
+                times[how] += wave(how != "free")
+    finally:
+        for _, h in holds:
+            if h is not None:
+                engine.cache.release(h)
+    out = {"models": list(models), "repeats": repeats}
+    out |= {how: {"median_s": statistics.median(t), "steps": len(t)} for how, t in times.items()}
     out["ratio"] = out["half constrained"]["median_s"] / out["free"]["median_s"]
-    for _, h in holds:
-        if h is not None:
-            engine.cache.release(h)
     return out
 
 

@@ -32,7 +32,7 @@ def cmd_bench_generation(args: argparse.Namespace) -> None:
 def cmd_bench_structured(args: argparse.Namespace) -> None:
     from serve.bench.structured import run_structured_bench
 
-    run_structured_bench(_store_dir(args), Path(args.out), args.max_tokens)
+    run_structured_bench(_store_dir(args), Path(args.out), args.max_tokens, args.repeats)
 
 
 def cmd_bench_mixed(args: argparse.Namespace) -> None:
@@ -232,6 +232,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--store", help="the demo store (default: built if missing)")
     st.add_argument("--out", default="bench-results/structured.json")
     st.add_argument("--max-tokens", type=int, default=96, help="of each answer")
+    st.add_argument("--repeats", type=int, default=3, help="timed waves of each kind of step, in turn")
     mx = add_command(bench, "mixed", cmd_bench_mixed, "one forward for rows of many variants against the alternatives")
     mx.add_argument("--out", default="bench-results/mixed.json")
     mx.add_argument("--repeats", type=int, default=5)
