@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from serve.config import StructuredOutputsConfig
 from serve.engine.types import Constraint
@@ -32,26 +31,34 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """Where in xgrammar's sources an error was raised (its messages start with it): not the client's business."""
 
 
+def _xgrammar():
+    """xgrammar, imported at its first use (a quarter of a second): a process never asked for a constraint does not
+    load it."""
+    import xgrammar
+
+    return xgrammar
+
+
 class Unwritable(Exception):
     """A grammar the model's vocabulary cannot begin to write (a word-level vocabulary and JSON, say)."""
 
 
 def bitmask_for(rows: int, vocab: int) -> torch.Tensor:
     """[rows, ceil(vocab / 32)] int32 on the host, every token allowed."""
-    return xgr.allocate_token_bitmask(rows, vocab)
+    return _xgrammar().allocate_token_bitmask(rows, vocab)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """logits [k, vocab]: the tokens a row's bitmask leaves out set to -inf, for the given rows (xgrammar's kernel: its
     Triton kernel on CUDA, its C++ loop on a CPU)."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 class RowGrammar:
     """One row's place in its grammar (the compute thread's): what it may take next, and whether it is complete."""
 
     def __init__(self, compiled: Any):
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = _xgrammar().GrammarMatcher(compiled)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -158,6 +165,7 @@ class Grammars:
 
     def _compile(self, key: tuple[str, str]) -> Any:
         """On the worker thread."""
+        xgr = _xgrammar()
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab,
                                                       stop_token_ids=self.end_ids or None)  # None: the tokenizer's

@@ -128,14 +128,10 @@ class _Sampling(_Request):
         """What the output must match, however the request named it (None: free text)."""
         if self.structured_outputs is not None:
             return self.structured_outputs.constraint()
-        if self.guided_json is not None:
-            return json_constraint(self.guided_json)
-        if self.guided_regex is not None:
-            return Constraint("regex", self.guided_regex)
-        if self.guided_choice is not None:
-            return Constraint("choice", json.dumps(self.guided_choice))
-        if self.guided_grammar is not None:
-            return Constraint("grammar", self.guided_grammar)
+        for name in GUIDED:
+            if getattr(self, name) is not None:
+                older = {name.removeprefix("guided_"): getattr(self, name)}
+                return StructuredOutputs.model_validate(older).constraint()
         return None
 
     def stops(self) -> tuple[str, ...]:

@@ -150,6 +150,8 @@ class StreamedCalls:
         self.sent = 0
         """Characters of text sent as content (or as a named call's arguments)."""
         self.call_id = new_call_id()
+        self.named = False
+        """A named function's first delta (its id and name) is out."""
 
     def piece(self, text: str) -> S.ChatDelta | None:
         """More text -> the delta to send now (None: nothing yet)."""
@@ -191,7 +193,7 @@ class StreamedCalls:
         return S.ChatDelta(content=out)
 
     def _named_arguments(self) -> S.ChatDelta | None:
-        first = self.sent == 0
+        first, self.named = not self.named, True
         piece, self.sent = self.text[self.sent:], len(self.text)
         if not piece and not first:
             return None
@@ -206,8 +208,7 @@ class StreamedCalls:
         if self.sent:
             return False
         head = self.text.lstrip()
-        return not head or head[0] in "{[" or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)]) \
-            or head.startswith(PYTHON_TAG)
+        return not head or head[0] in "{[" or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)])
 
     def _safe_end(self) -> int:
         """Where the text that cannot be part of a call ends."""

@@ -170,3 +170,25 @@ def test_every_kinds_log_probabilities_on_cuda_pass_against_transformers_in_fp32
     report = run_logprobs_check(tmp_path / "out.json", tmp_path / "work", "cuda", "tiny", rows=2, new_tokens=8)
     assert report["passed"], report["kinds"]
     assert all(set(by) == {"graphed"} for by in report["steps"].values())
+
+
+def test_rows_under_controls_and_grammars_on_cuda_graphs_answer_as_the_cpu_engine(store_root):
+    """Sampling metadata and a grammar's bitmask (xgrammar's kernel on CUDA) applied to a graphed step's logits:
+    every kind's rows, greedy and seeded, each under its own controls, give the CPU engine's tokens, and every
+    step still replays its graph."""
+    from serve.engine.types import Constraint
+
+    cpu, gpu = Engine(ServeConfig(store=store_root)), Engine(ServeConfig(store=store_root, device="cuda"))
+    choice = Constraint("choice", '["cat", "dog", "sun"]')
+    rows = [("lm", SamplingParams(max_tokens=6, repetition_penalty=1.5)),
+            ("lm-lora", SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=3)),
+            ("lm-top", SamplingParams(max_tokens=6, logit_bias=((9, 5.0),), min_tokens=3)),
+            ("lm-emr/t1", SamplingParams(max_tokens=6, constraint=choice)),
+            ("lm-pissa", SamplingParams(max_tokens=6, temperature=1.0, seed=4, constraint=choice))]
+
+    async def serve(eng):
+        gens = await asyncio.gather(*(eng.complete(m, p, prompt="the cat sat") for m, p in rows))
+        return [g.token_ids for g in gens]
+
+    assert asyncio.run(serve(gpu)) == asyncio.run(serve(cpu))
+    assert set(gpu.bases["lm"].step_counts) == {"graphed"}

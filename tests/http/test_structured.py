@@ -79,7 +79,7 @@ def steps_run(client) -> int:
 
 
 def test_parse_gives_an_object_of_the_pydantic_model_and_a_second_request_compiles_nothing(client, oa):
-    for seed in range(4):
+    for seed in range(2):
         before = grammar_events(client)
         r = oa.beta.chat.completions.parse(model=MODEL, messages=ASK, response_format=Ticket, temperature=1.0,
                                            seed=seed, max_tokens=100)
@@ -110,7 +110,7 @@ def test_structured_outputs_and_the_older_guided_names_constrain_completions_ali
     for name, extra in (("structured_outputs", {"structured_outputs": {field: value}}),
                         ("guided", {f"guided_{field}": value})):
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Answer:", "max_tokens": 40,
-                                                 "temperature": 1.0, "seed": 7, "n": 3, **extra})
+                                                 "temperature": 1.0, "seed": 7, "n": 2, **extra})
         assert r.status_code == 200, r.text
         texts[name] = [c["text"] for c in r.json()["choices"]]
         assert all(c["finish_reason"] == "stop" for c in r.json()["choices"])
@@ -129,7 +129,7 @@ def test_a_schema_cut_by_max_tokens_ends_with_length_and_streams_as_text(client)
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_tool_call_has_arguments_that_validate_against_its_function(client, oa, stream):
-    for seed in range(4):
+    for seed in range(2):
         kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                   max_tokens=80, temperature=1.0, seed=seed)
         if stream:
