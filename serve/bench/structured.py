@@ -5,9 +5,9 @@ NeuZip, four of each, each asked to read a BBC News article (the test split, pac
 that matches ARTICLE's schema:
 - the decode step at 16 rows, half of them under the schema's grammar (its bitmask filled and applied every step)
   against all of them free, compile excluded: median seconds of the steps where all 16 rows decode, taken by the
-  batch itself (serve/engine/generation.py) with the same prompts, a wave of each in turn, three times. A step holds one base's rows, so this runs on
-  the plain base (the adapter, the task, the fine-tune and the base itself) and on the NeuZip base (the base, its
-  adapter and its fine-tune) in turn;
+  batch itself (serve/engine/generation.py) with the same prompts, a wave of each in turn, three times. A step
+  holds one base's rows, so this runs on the plain base (the adapter, the task, the fine-tune and the base itself)
+  and on the NeuZip base (the base, its adapter and its fine-tune) in turn;
 - a grammar's compile, cold (the tokenizer's tables too, then another schema) and cached;
 - the share of the 16 answers that parse and validate against the schema, with the constraint and without it
   (the same prompt, which spells the schema out), greedy, through Engine.complete.

@@ -102,6 +102,7 @@ class Prompts:
 
 
 def with_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """TOOL_PROMPT first in the conversation's own system (or developer) message, or as a system message of its own."""
     listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
     prompt = TOOL_PROMPT.format(tools=listing)
     if messages and messages[0]["role"] in ("system", "developer"):

@@ -1,5 +1,5 @@
-"""Routes for operating the server: GET /healthz and /health (liveness), /readyz (readiness), /metrics (Prometheus text) and
-/v1/models (what the caller's tenant may call, with kind, parent base and residency)."""
+"""Routes for operating the server: GET /healthz and /health (liveness), /readyz (readiness), /metrics (Prometheus
+text) and /v1/models (what the caller's tenant may call, with kind, parent base and residency)."""
 
 from typing import Annotated
 
