@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from peft.utils.other import get_pattern_key
 from safetensors import safe_open
 
 from serve.codecs.fmdelta_file import match_base_name
@@ -127,13 +126,21 @@ def check_servable(path: Path, cfg: dict) -> None:
 
 def module_scale(cfg: dict, module: str, rank: int) -> float:
     """PEFT's scaling for one module: alpha / r, or alpha / sqrt(r) with rslora (patterns resolved)."""
-    r_key = get_pattern_key(list(cfg.get("rank_pattern") or {}), module)
-    expected = (cfg.get("rank_pattern") or {}).get(r_key, cfg["r"])
+    expected = _per_module(cfg.get("rank_pattern"), module, cfg["r"])
     if rank != expected:
         raise VariantIncompatible(f"module '{module}' has rank {rank}; its adapter_config.json says {expected}")
-    a_key = get_pattern_key(list(cfg.get("alpha_pattern") or {}), module)
-    alpha = (cfg.get("alpha_pattern") or {}).get(a_key, cfg["lora_alpha"])
+    alpha = _per_module(cfg.get("alpha_pattern"), module, cfg["lora_alpha"])
     return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+
+def _per_module(patterns: dict | None, module: str, default: float) -> float:
+    """A module's value in PEFT's rank_pattern or alpha_pattern, resolved as PEFT resolves it. peft is imported only
+    for an adapter that has patterns: importing it takes seconds, and every process that serves imports this module."""
+    if not patterns:
+        return default
+    from peft.utils.other import get_pattern_key
+
+    return patterns.get(get_pattern_key(list(patterns), module), default)
 
 
 def parse_adapter(path: Path, shapes: dict[str, list[int]], base: str, max_rank: int
