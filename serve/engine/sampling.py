@@ -46,9 +46,7 @@ class RowSampling:
     @property
     def controlled(self) -> bool:
         """Anything but the argmax of its logits: sampled, or a control changes them."""
-        p = self.params
-        return (p.temperature > 0 or bool(p.logit_bias) or self.penalized or self.held_open
-                or self.grammar is not None)
+        return self.params.temperature > 0 or bool(self.params.logit_bias) or self.reads_its_tokens
 
     @property
     def reads_its_tokens(self) -> bool:

@@ -95,7 +95,7 @@ async def chat(body: S.ChatCompletionRequest, request: Request, state: State,
         ticket.tokens = usage(gens, body.n).total_tokens
     out = []
     for i, gen in enumerate(gens):
-        count_tokens(state.metrics, body.model, gen, first=i == 0)
+        count_tokens(state.metrics, body.model, gen, first=i % body.n == 0)
         content, calls = T.read_calls(body, gen.text)
         out.append(S.ChatChoice(index=i, message=T.tool_message(body, content, calls),
                                 logprobs=chat_logprobs(gen.logprobs, top),

@@ -68,8 +68,9 @@ async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts:
             if d.final is not None:
                 open_ -= 1
                 finals[i] = d.final
-                count_tokens(metrics, body.model, d.final, first=i % body.n == 0)
-                ticket.tokens += d.final.completion_tokens + (d.final.prompt_tokens if i % body.n == 0 else 0)
+                first = i % body.n == 0  # its prompt's first choice: the prompt's tokens count once
+                count_tokens(metrics, body.model, d.final, first=first)
+                ticket.tokens += d.final.completion_tokens + (d.final.prompt_tokens if first else 0)
         if options.include_usage:
             yield sse(chunk(choices=[], usage=usage(finals, body.n)))
         yield SSE_DONE
