@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from serve.config import LimitsConfig
 from serve.engine.types import SamplingParams, TextDelta, TokenLogprob
 from serve.errors import TooLarge
+from serve.http import generation_schemas as G
 from serve.http import schemas as S
 from serve.http import tools as T
 from serve.http.auth import allow, share, tenant
@@ -26,7 +27,7 @@ router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=S.CompletionResponse)
-async def completions(body: S.CompletionRequest, request: Request, state: State,
+async def completions(body: G.CompletionRequest, request: Request, state: State,
                       t: TenantEntry | None = Depends(tenant)):
     allow(request, t, body.model)
     prompts = body.prompts()
@@ -57,7 +58,7 @@ async def completions(body: S.CompletionRequest, request: Request, state: State,
                                 choices=out, usage=usage(gens, body.n))
 
 
-def _completion_chunks(body: S.CompletionRequest, rows: int) -> Choice:
+def _completion_chunks(body: G.CompletionRequest, rows: int) -> Choice:
     """A streamed completion's choice maker: it keeps each row's character offset for text_offset."""
     offsets = [0] * rows
 
@@ -75,7 +76,7 @@ def _completion_chunks(body: S.CompletionRequest, rows: int) -> Choice:
 
 
 @router.post("/v1/chat/completions", response_model=S.ChatCompletionResponse)
-async def chat(body: S.ChatCompletionRequest, request: Request, state: State,
+async def chat(body: G.ChatCompletionRequest, request: Request, state: State,
                t: TenantEntry | None = Depends(tenant)):
     allow(request, t, body.model)
     check_texts(state.limits, [m.text() for m in body.messages])
@@ -104,7 +105,7 @@ async def chat(body: S.ChatCompletionRequest, request: Request, state: State,
                                     choices=out, usage=usage(gens, body.n))
 
 
-def _chat_chunks(body: S.ChatCompletionRequest, top: int | None) -> Choice:
+def _chat_chunks(body: G.ChatCompletionRequest, top: int | None) -> Choice:
     """A streamed chat's choice maker: each choice's text goes through its StreamedCalls, which holds back what may
     be a tool call (None: nothing to send for this piece)."""
     calls: dict[int, T.StreamedCalls] = {}
@@ -134,7 +135,7 @@ def _merged(a: S.ChatDelta | None, b: S.ChatDelta | None) -> S.ChatDelta | None:
                        function_call=a.function_call or b.function_call)
 
 
-def _sampling(limits: LimitsConfig, body: S._Sampling, max_tokens: int | None, logprobs: int | None = None,
+def _sampling(limits: LimitsConfig, body: G._Sampling, max_tokens: int | None, logprobs: int | None = None,
               echo: bool = False) -> SamplingParams:
     """The request's sampling fields as the engine takes them, once max_tokens is within the server's limit."""
     check_max_tokens(limits, max_tokens)

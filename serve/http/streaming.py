@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from serve.engine.types import TextDelta
 from serve.errors import ManyfoldError
+from serve.http import generation_schemas as G
 from serve.http import schemas as S
 from serve.http.disconnect import while_connected
 from serve.http.errors import internal_error, log_refused, manyfold_message, request_id
@@ -27,7 +28,7 @@ Choice = Callable[[int, TextDelta, bool, str | None], BaseModel | None]
 piece with a finish reason always sends one). is_first: nothing of this choice was sent yet."""
 
 
-async def stream(request: Request, metrics: Metrics, body: S._Sampling, streams: list[AsyncIterator[TextDelta]],
+async def stream(request: Request, metrics: Metrics, body: G._Sampling, streams: list[AsyncIterator[TextDelta]],
                  kind: type[BaseModel], prefix: str, choice: Choice, ticket: Ticket) -> StreamingResponse:
     """Server-sent events of `kind` chunks, each holding choice(index, delta, is_first, finish_reason) of one
     of the streams (one per prompt), as they come. The first piece of every stream is awaited before the
@@ -44,7 +45,7 @@ async def stream(request: Request, metrics: Metrics, body: S._Sampling, streams:
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts: list[TextDelta],
+async def _events(request: Request, metrics: Metrics, body: G._Sampling, firsts: list[TextDelta],
                   streams: list[AsyncIterator[TextDelta]], chunk: Callable[..., BaseModel],
                   choice: Choice, ticket: Ticket) -> AsyncIterator[str]:
     pieces: asyncio.Queue = asyncio.Queue()  # at most one item per token of every stream
@@ -52,7 +53,7 @@ async def _events(request: Request, metrics: Metrics, body: S._Sampling, firsts:
     open_, started, finals = len(streams), set(), [None] * len(streams)
     latest = list(firsts)
     """Each stream's latest piece: its token counts so far."""
-    options = body.stream_options or S.StreamOptions()
+    options = body.stream_options or G.StreamOptions()
     try:
         while open_:
             i, d = await pieces.get()

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from serve.engine.types import Constraint
+from serve.http import generation_schemas as G
 from serve.http import schemas as S
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -31,19 +32,19 @@ class Call:
     """JSON text."""
 
 
-def tools_for_prompt(body: S.ChatCompletionRequest) -> list[dict] | None:
+def tools_for_prompt(body: G.ChatCompletionRequest) -> list[dict] | None:
     """The tools as the chat template takes them (OpenAI's form); None when the model is not to call any."""
     if body.chosen_tool() == "none":
         return None
     return [{"type": "function", "function": f.model_dump(exclude_none=True, by_alias=True)} for f in body.tool_defs()]
 
 
-def call_constraint(body: S.ChatCompletionRequest) -> Constraint | None:
+def call_constraint(body: G.ChatCompletionRequest) -> Constraint | None:
     """What the output must match when the request requires a call (None: it does not)."""
     choice, defs = body.chosen_tool(), body.tool_defs()
-    if isinstance(choice, S.NamedFunction):
+    if isinstance(choice, G.NamedFunction):
         f = next(f for f in defs if f.name == choice.name)
-        return S.json_constraint(f.parameters or ANY_OBJECT)
+        return G.json_constraint(f.parameters or ANY_OBJECT)
     if choice != "required":
         return None
     one_of = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters or ANY_OBJECT},
@@ -51,15 +52,15 @@ def call_constraint(body: S.ChatCompletionRequest) -> Constraint | None:
     calls = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
     if not body.parallel_tool_calls:
         calls["maxItems"] = 1
-    return S.json_constraint(calls)
+    return G.json_constraint(calls)
 
 
-def read_calls(body: S.ChatCompletionRequest, text: str) -> tuple[str | None, list[Call]]:
+def read_calls(body: G.ChatCompletionRequest, text: str) -> tuple[str | None, list[Call]]:
     """The answer's text -> (its content, None where it is only calls; its calls)."""
     choice = body.chosen_tool()
     if choice == "none":
         return text, []
-    if isinstance(choice, S.NamedFunction):
+    if isinstance(choice, G.NamedFunction):
         return None, [Call(choice.name, text)]
     names = {f.name for f in body.tool_defs()}
     if choice == "required":
@@ -119,7 +120,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_message(body: S.ChatCompletionRequest, content: str | None, calls: list[Call]) -> S.AssistantMessage:
+def tool_message(body: G.ChatCompletionRequest, content: str | None, calls: list[Call]) -> S.AssistantMessage:
     """The answer as OpenAI shapes it: tool_calls, or with the deprecated functions, function_call (its first)."""
     if not calls:
         return S.AssistantMessage(content=content)
@@ -130,7 +131,7 @@ def tool_message(body: S.ChatCompletionRequest, content: str | None, calls: list
         S.CalledTool(id=new_call_id(), function=S.CalledFunction(name=c.name, arguments=c.arguments)) for c in calls])
 
 
-def finish_reason(body: S.ChatCompletionRequest, calls: list[Call], reason: str) -> str:
+def finish_reason(body: G.ChatCompletionRequest, calls: list[Call], reason: str) -> str:
     """An answer that called tools ends with tool_calls (function_call, deprecated), unless it was cut short."""
     if not calls or reason == "length":
         return reason
@@ -143,7 +144,7 @@ class StreamedCalls:
     under a required call, all of it; under "auto", all of it while the answer may be a call in JSON form. A named
     function's arguments stream as they come."""
 
-    def __init__(self, body: S.ChatCompletionRequest):
+    def __init__(self, body: G.ChatCompletionRequest):
         self.body = body
         self.choice = body.chosen_tool()
         self.text = ""
@@ -158,7 +159,7 @@ class StreamedCalls:
         self.text += text
         if self.choice == "none":
             return self._content(len(self.text))
-        if isinstance(self.choice, S.NamedFunction):
+        if isinstance(self.choice, G.NamedFunction):
             return self._named_arguments()
         if self.choice == "required" or self._may_be_json_call():
             return None
@@ -168,7 +169,7 @@ class StreamedCalls:
         """The answer is whole -> (the last delta: held content, or the calls; the finish reason)."""
         if self.choice == "none":
             return self._content(len(self.text)), reason
-        if isinstance(self.choice, S.NamedFunction):
+        if isinstance(self.choice, G.NamedFunction):
             return self._named_arguments(), finish_reason(self.body, [Call(self.choice.name, "")], reason)
         if self.choice == "required":
             outside, calls = ("", _json_calls(self.text, {f.name for f in self.body.tool_defs()}))

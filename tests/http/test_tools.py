@@ -8,15 +8,15 @@ import pytest
 
 from serve.data.models import smollm2_dir
 from serve.engine.prompts import TOOL_PROMPT, Prompts
-from serve.http import schemas as S
+from serve.http import generation_schemas as G
 from serve.http.tools import StreamedCalls, read_calls
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
 
 
-def request(**kw) -> S.ChatCompletionRequest:
-    return S.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+def request(**kw) -> G.ChatCompletionRequest:
+    return G.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                    tools=[{"type": "function", "function": f} for f in (WEATHER, TIME)], **kw)
 
 
@@ -41,7 +41,7 @@ def test_auto_reads_calls_in_the_models_own_forms_and_leaves_other_text_as_text(
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
-def streamed(body: S.ChatCompletionRequest, pieces: list[str], reason: str = "stop") -> tuple[list, str]:
+def streamed(body: G.ChatCompletionRequest, pieces: list[str], reason: str = "stop") -> tuple[list, str]:
     split = StreamedCalls(body)
     deltas = [split.piece(p) for p in pieces]
     last, reason = split.end(reason)
