@@ -2,7 +2,7 @@
 
 Sixteen rows at once over a PiSSA adapter (served as LoRA), an EMR task, a full fine-tune and the base held as
 NeuZip, four of each, each asked to read a BBC News article (the test split, packaged) and answer with a JSON object
-that matches ARTICLE's schema:
+that matches Article's schema:
 - the decode step at 16 rows, half of them under the schema's grammar (its bitmask filled and applied every step)
   against all of them free, compile excluded: median seconds of the steps where all 16 rows decode, taken by the
   batch itself (serve/engine/generation.py) with the same prompts, a wave of each in turn, three times. A step
@@ -166,11 +166,12 @@ def _answers(engine, chats: list[list[dict]], params) -> dict:
     t0 = time.perf_counter()
     gens = asyncio.run(everything())
     seconds = time.perf_counter() - t0
+    ok = [valid(g.text) for g in gens]
     by_model = {m: {"valid": 0, "rows": 0} for m in MIX}
-    for i, g in enumerate(gens):
+    for i, good in enumerate(ok):
         by_model[MIX[i % len(MIX)]]["rows"] += 1
-        by_model[MIX[i % len(MIX)]]["valid"] += valid(g.text)
-    return {"valid": sum(valid(g.text) for g in gens), "rows": len(gens), "by_model": by_model, "seconds": seconds,
+        by_model[MIX[i % len(MIX)]]["valid"] += good
+    return {"valid": sum(ok), "rows": len(gens), "by_model": by_model, "seconds": seconds,
             "finish": {r: sum(g.finish_reason == r for g in gens) for r in ("stop", "length")},
             "examples": [g.text for g in gens[:len(MIX)]]}
 
