@@ -30,19 +30,20 @@ __all__ = ["DecodeGroup", "HostStacks", "NO_SLOT", "Segments", "bgmv_expand", "b
            "rotary_store", "silu_mul", "unpack_bits"]
 
 
-def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, max_length: int) -> torch.Tensor:
-    """o[b] = attention of q[b] over slot b's first lengths[b] keys and values (GQA); a new [B, H, D] tensor."""
-    return dispatch(decode_attention_torch, decode_attention_triton, q)(q, k_store, v_store, lengths, scale,
-                                                                        max_length)
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, max_length: int) -> torch.Tensor:
+    """o[b] = attention of q[b] over the first lengths[b] keys and values of row b's blocks (block_tables[b]),
+    GQA; a new [B, H, D] tensor."""
+    return dispatch(decode_attention_torch, decode_attention_triton, q)(q, k_cache, v_cache, block_tables, lengths,
+                                                                        scale, max_length)
 
 
-def chunk_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, chunks: torch.Tensor, scale: float,
-                    max_tokens: int, o: torch.Tensor) -> torch.Tensor:
-    """o[t] = causal attention of q[t] over its chunk's slot up to its own position, for every token of every chunk
-    (start, length, slot, first) in one launch on CUDA; o's other rows untouched. Returns o."""
-    return dispatch(chunk_attention_torch, chunk_attention_triton, q)(q, k_store, v_store, chunks, scale, max_tokens,
-                                                                      o)
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    chunks: torch.Tensor, scale: float, max_tokens: int, o: torch.Tensor) -> torch.Tensor:
+    """o[t] = causal attention of q[t] over its chunk's row's blocks up to its own position, for every token of every
+    chunk (start, length, row, first) in one launch on CUDA; o's other rows untouched. Returns o."""
+    return dispatch(chunk_attention_torch, chunk_attention_triton, q)(q, k_cache, v_cache, block_tables, chunks,
+                                                                      scale, max_tokens, o)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,12 +52,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 k_store: torch.Tensor, v_store: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
                  ) -> torch.Tensor:
-    """q and k rotated as transformers' apply_rotary_pos_emb rotates them, q in place, k and v written into the KV
-    store at (slots[t], positions[t]); one launch on CUDA. Returns q."""
-    return dispatch(rotary_store_torch, rotary_store_triton, q)(q, k, v, cos, sin, k_store, v_store, slots,
-                                                                positions)
+    """q and k rotated as transformers' apply_rotary_pos_emb rotates them, q in place, k and v written into the paged
+    KV cache at (blocks[t], offsets[t]); one launch on CUDA. Returns q."""
+    return dispatch(rotary_store_torch, rotary_store_triton, q)(q, k, v, cos, sin, k_cache, v_cache, blocks,
+                                                                offsets)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

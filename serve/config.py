@@ -26,9 +26,14 @@ class CacheConfig(StrictModel):
     """Variants never evicted; they count against the device budget."""
 
 
+DEFAULT_KV_ROWS = 16
+"""Rows of max_model_len whose positions a KV cache holds when batch.kv_cache_mib is not set (the slots the store
+held by default before it was paged)."""
+
+
 class BatchConfig(StrictModel):
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
-    """Rows run together in one engine step."""
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 256
+    """Rows run together in one engine step at most (a causal base's rows are held to what its KV cache holds)."""
     batch_wait_timeout_s: Annotated[float, Field(ge=0, le=1)] = 0.005
     """How long the scheduler waits for more rows before running a partial batch."""
     max_queue: Annotated[int, Field(ge=1)] = 256
@@ -39,15 +44,19 @@ class BatchConfig(StrictModel):
     """Tokens one generation step runs (vLLM's max_num_batched_tokens): every running row's next token, then the
     admitted prompts' tokens up to this budget, a long prompt over several steps."""
     max_model_len: Annotated[int, Field(ge=16, le=1 << 20)] = 2048
-    """Positions a causal row may hold, prompt and generated tokens together (at most the model's own): the
-    length of each slot of the KV store, and the context a request is checked against."""
+    """Positions a causal row may hold, prompt and generated tokens together (at most the model's own, and the
+    KV cache's): the context a request is checked against."""
     fairness: Literal["vtc", "fcfs"] = "vtc"
     """The order waiting rows are taken in, per replica (serve/engine/fairness.py). "vtc": by tenant, the one served
     fewest weighted tokens first (S-LoRA's Virtual Token Counter), so one tenant's flood cannot starve the rest;
     with no tenants configured each model is a tenant. "fcfs": first come, first served."""
     kv_cache_mib: Annotated[float, Field(gt=0)] | None = None
-    """Memory for a causal base's KV store, allocated once: its slots (rows) hold max_model_len positions each, at
-    most max_batch_size of them. None: max_batch_size slots."""
+    """Memory for a causal base's KV cache, allocated once: the blocks it buys are shared by the running rows, each
+    holding the blocks its positions fill (serve/engine/kv_store.py). None: the positions of DEFAULT_KV_ROWS rows of
+    max_model_len."""
+    kv_block_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 16
+    """Positions a KV block holds (vLLM's block_size): a row wastes less than one block. At max_model_len or more,
+    one block a row: the slot store, each row holding a whole context from its start."""
 
 
 class SlotsConfig(StrictModel):

@@ -66,12 +66,12 @@ def _vllm(snapshots: list[dict]) -> list:
     for base in sorted(set(bases) | {b for c in counts for b in c}):
         preempted.add_metric([base], sum(c.get(base, 0) for c in counts))
     out.append(preempted)
-    kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV store's slots in use (1: every slot; a slot "
-                           "holds max_model_len positions)", labels=["model_name"])
-    slots = [s.get("kv_slots", {}) for s in snapshots]
-    for base in sorted({b for by in slots for b in by}):
-        total = sum(by[base]["slots"] for by in slots if base in by)
-        kv.add_metric([base], sum(by[base]["used"] for by in slots if base in by) / total if total else 0.0)
+    kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV cache's blocks held by running rows (1: "
+                           "every block)", labels=["model_name"])
+    blocks = [s.get("kv_blocks", {}) for s in snapshots]
+    for base in sorted({b for by in blocks for b in by}):
+        total = sum(by[base]["blocks"] for by in blocks if base in by)
+        kv.add_metric([base], sum(by[base]["used"] for by in blocks if base in by) / total if total else 0.0)
     out.append(kv)
     running = GaugeMetricFamily("vllm:num_requests_running", "Requests in a generation batch", labels=["model_name"])
     waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests not yet answered nor in a generation batch",

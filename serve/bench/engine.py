@@ -45,7 +45,7 @@ import torch
 from serve.bench.engine_models import (ALL_LINEARS, build_model_dir, emr_tasks, floor_ms, loaded_adapter,
                                        module_dims, peft_with, top2_finetune, top_layers, write_adapter)
 from serve.bench.engine_e2e import CPU_WORKLOAD, GPU_WORKLOAD, bench_end_to_end
-from serve.bench.engine_traffic import CPU_TRAFFIC, GPU_TRAFFIC, bench_traffic, print_traffic
+from serve.bench.engine_traffic import CPU_TRAFFIC, GPU_TRAFFIC, LAYOUTS, RATES, bench_traffic, print_traffic
 from serve.bench.report import NO_GPU, finish, machine, median_time, sync
 
 ROWS = (1, 16, 64)
@@ -216,7 +216,7 @@ def neuzip_step(model_dir: Path, bf16, adapters: list, context: int, repeats: in
     decoded = rt.coded.decoded_size
     saved = sum(p.numel() * p.element_size() for p in bf16.model.parameters()) - rt.nbytes
     adapter = sum(t.numel() * t.element_size() for t in adapters[0].tensors.values())
-    slot = bf16.kv.nbytes // (bf16.kv.slots + 1)
+    slot = bf16.kv.position_bytes * bf16.kv.positions  # a row of the whole context
     out = {"step_ms": step_ms, "decode_ms": decode_ms, "bf16_step_ms": entry["engine_lora_ms"],
            "step_over_decode_plus_bf16": step_ms / (decode_ms + entry["engine_lora_ms"]),
            "decoder_gb_s": decoded / decode_ms / 1e6, "decoded_gb": decoded / 1e9, "saved_gb": saved / 1e9,
@@ -263,10 +263,12 @@ def bandwidth_of(device: torch.device) -> float | None:
 def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = False, repeats: int = 21,
                      context: int | None = None, shapes: list[str] | None = None, e2e: bool = True,
                      rounds: int | None = None, steps: bool = True, profile: bool = False, traffic: bool = False,
-                     traffic_requests: int | None = None, neuzip: bool = True) -> dict:
+                     traffic_requests: int | None = None, neuzip: bool = True,
+                     traffic_rates: tuple[float, ...] = RATES, kv_layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
     """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table;
     profile: the adapters' step at 64 rows profiled for each shape (printed, and in the JSON); traffic: the
-    real-traffic runs (traffic_requests: how many requests, instead of the workload's); neuzip: on CUDA, each
+    real-traffic runs (traffic_requests: how many requests, instead of the workload's; traffic_rates: the Poisson
+    runs' rates, fractions of lockstep's; kv_layouts: the KV layouts each is run in); neuzip: on CUDA, each
     shape's NeuZip row (compressing Llama-3-8B's shape takes minutes of the host)."""
     dev = torch.device(device)
     work.mkdir(parents=True, exist_ok=True)
@@ -288,7 +290,8 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
             report["end_to_end"] = bench_end_to_end(smollm2_dir(), work / "e2e-cpu", dev, CPU_WORKLOAD, (8, 16),
                                                     None, rounds or 3)
         if traffic:
-            report["traffic"] = bench_traffic(smollm2_dir(), work / "traffic-cpu", dev, workload)
+            report["traffic"] = bench_traffic(smollm2_dir(), work / "traffic-cpu", dev, workload,
+                                              rates=traffic_rates, layouts=kv_layouts)
     else:
         ctx = context or 512
         names = shapes or ["smollm2-135m", "llama-3.2-1b"] + (["llama-3-8b"] if large else [])
@@ -301,7 +304,8 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
             report["end_to_end"] = bench_end_to_end(d, work / "e2e-1b", dev, GPU_WORKLOAD, (RANK,), 1, rounds or 1)
         if traffic:
             d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
-            report["traffic"] = bench_traffic(d, work / "traffic-1b", dev, workload, bandwidth)
+            report["traffic"] = bench_traffic(d, work / "traffic-1b", dev, workload, bandwidth, traffic_rates,
+                                              kv_layouts)
     return finish(report, out, print_report)
 
 

@@ -138,7 +138,7 @@ def floor_ms(rt, rows: int, context: int, bandwidth: float | None, variants: lis
     if bandwidth is None:
         return None
     weights = sum(p.numel() * p.element_size() for p in rt.model.parameters() if not p.is_meta)
-    kv = rows * (context + 1) * rt.kv.nbytes // (rt.kv.slots + 1) // rt.kv.positions
+    kv = rows * (context + 1) * rt.kv.position_bytes
     return 1e3 * (weights + kv + variant_bytes(variants or [])) / bandwidth
 
 

@@ -7,9 +7,12 @@ full fine-tunes of the top two layers (FM-Delta) and on the three tasks of one E
 fine-tunes). Each request is streamed through Engine.complete_stream, the scheduler, the cache and the pools, as
 a server runs it, greedy and without an end-of-text stop (every run writes the same tokens).
 
-For each run: tokens/s (output tokens over the time from the first arrival to the last answer), time to first
-token and time per output token after it (p50, p99), and the share of steps and of decode tokens that ran in
-graphed launches (serve/engine/steps.py counts them). "lockstep" submits the same requests at once: the rows and
+Each run twice, at the same KV memory (batch.kv_cache_mib's default, DEFAULT_KV_ROWS rows of max_model_len): in the
+slot layout (one block of max_model_len a row, as the store was before it was paged) and in blocks of 16. For each
+run: tokens/s (output tokens over the time from the first arrival to the last answer), time to first token and
+time per output token after it (p50, p99), the rows running at once (mean and most over the steps), the share of
+the blocks held that hold written tokens, rows parked for want of blocks, and the share of steps and of decode
+tokens that ran in graphed launches (serve/engine/steps.py counts them). "lockstep" submits the same requests at once: the rows and
 lengths of the Poisson runs, the engine's best case, whose requests per second are the saturation the rates are
 fractions of. On a CPU the packaged SmolLM2-135M-Instruct and the articles' own tokens; on CUDA a model built from
 its config (random weights) and random tokens with the articles' lengths (throughput does not depend on either).
@@ -49,8 +52,12 @@ class TrafficWorkload:
     outputs: tuple[int, int] = (16, 256)
 
 
-CPU_TRAFFIC = TrafficWorkload(requests=32, tenants=12, max_batch=16)
-GPU_TRAFFIC = TrafficWorkload(requests=384, tenants=64, max_batch=64)
+CPU_TRAFFIC = TrafficWorkload(requests=32, tenants=12, max_batch=256)
+GPU_TRAFFIC = TrafficWorkload(requests=384, tenants=64, max_batch=256)
+LAYOUTS = {"slots": None, "paged": 16}
+"""KV layouts compared, by their block tokens (None: max_model_len, one block a row)."""
+CONTEXT = 2048
+"""max_model_len of the runs (the server's default): the slot layout holds DEFAULT_KV_ROWS rows of it."""
 
 
 @dataclass(frozen=True)
@@ -151,14 +158,14 @@ def traffic_store(model_dir: Path, work: Path, workload: TrafficWorkload) -> Pat
 class TrafficRun:
     """One Engine over the traffic store; each call serves a list of requests arriving at given times."""
 
-    def __init__(self, store_root: Path, device: torch.device, workload: TrafficWorkload):
+    def __init__(self, store_root: Path, device: torch.device, workload: TrafficWorkload,
+                 block_tokens: int | None = None):
         from serve.config import ServeConfig
         from serve.engine.engine import Engine
 
-        context = workload.max_prompt + workload.outputs[1]
         cfg = ServeConfig(store=store_root, device=str(device),
                           batch={"max_batch_size": workload.max_batch, "max_queue": 4096, "max_step_tokens": 512,
-                                 "max_model_len": context},
+                                 "max_model_len": CONTEXT, "kv_block_tokens": block_tokens or CONTEXT},
                           slots={"adapter_mib": 4096, "weights_mib": 4096},
                           cache={"device_mib": 8192, "cpu_mib": 8192}, limits={"max_tokens": workload.outputs[1]})
         self.engine, self.device = Engine(cfg), device
@@ -169,7 +176,11 @@ class TrafficRun:
         """Serve every request at its arrival (seconds from the start); -> the run's figures."""
         from serve.engine.types import SamplingParams
 
+        from serve.engine.kv_store import KVUsage
+
         steps, tokens = dict(self.rt.step_counts), dict(self.rt.token_counts)
+        parked = self.engine.scheduler.preemptions["bench"]
+        kv = self.rt.kv.usage = KVUsage()
         first: list[float] = [0.0] * len(requests)
         done: list[float] = [0.0] * len(requests)
         counts: list[int] = [0] * len(requests)
@@ -199,6 +210,8 @@ class TrafficRun:
         decode = token_delta.get("decode:graphed", 0) + token_delta.get("decode:eager", 0)
         return {"requests": len(requests), "seconds": seconds, "output_tokens": sum(counts),
                 "tok_s": sum(counts) / seconds, "req_s": len(requests) / seconds,
+                "rows_mean": kv.rows / max(1, kv.steps), "rows_most": kv.most_rows,
+                "kv_live": kv.live / max(1, kv.held), "parked": self.engine.scheduler.preemptions["bench"] - parked,
                 "ttft_p50_s": percentile(first, 0.5), "ttft_p99_s": percentile(first, 0.99),
                 "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
                 "steps": step_delta, "steps_graphed": step_delta.get("graphed", 0) / max(1, sum(step_delta.values())),
@@ -225,8 +238,10 @@ def floor_tok_s(rt, rows: int, context: int, bandwidth: float | None) -> float |
 
 
 def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: TrafficWorkload,
-                  bandwidth: float | None = None) -> dict:
-    """Lockstep, then Poisson at RATES of its requests per second; each run's figures."""
+                  bandwidth: float | None = None, rates: tuple[float, ...] = RATES,
+                  layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
+    """For each KV layout: lockstep, then Poisson at `rates` of the first layout's lockstep requests per second
+    (the same arrivals for each layout); each run's figures."""
     from transformers import AutoTokenizer
 
     if device.type == "cpu":
@@ -236,31 +251,40 @@ def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: T
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in json.loads(LENGTHS_FILE.read_text())]
     requests = plan(workload, prompts)
-    run = TrafficRun(traffic_store(model_dir, work, workload), device, workload)
-    if device.type == "cpu":  # every variant loaded once, with short requests
-        warm = [Request(m, requests[0].prompt[:16], 2) for m in sorted({r.model for r in requests})]
-    else:  # the same requests: every graph the runs replay is captured here
-        warm = requests
-    run(warm, [0.0] * len(warm))
-    lockstep = run(requests, [0.0] * len(requests))
-    print(f"  lockstep: {json.dumps(_rounded(lockstep))}", flush=True)
-    runs = {"lockstep": lockstep}
-    for k, fraction in enumerate(RATES):
-        rate = fraction * lockstep["req_s"]
-        runs[f"poisson {fraction:g}x"] = r = {"offered_req_s": rate, **run(requests, poisson(len(requests), rate, k))}
-        print(f"  poisson {fraction:g}x: {json.dumps(_rounded(r))}", flush=True)
-    asyncio.run(run.engine.drain(5))
     lengths = [len(r.prompt) for r in requests]
     outputs = [r.new_tokens for r in requests]
+    context = int(statistics.mean(lengths) + statistics.mean(outputs) / 2)
+    store = traffic_store(model_dir, work, workload)
+    runs: dict[str, dict] = {}
+    saturation, kv, floor = None, {}, None
+    for layout in layouts:
+        run = TrafficRun(store, device, workload, LAYOUTS[layout])
+        if device.type == "cpu":  # every variant loaded once, with short requests
+            warm = [Request(m, requests[0].prompt[:16], 2) for m in sorted({r.model for r in requests})]
+        else:  # the same requests: every graph the runs replay is captured here
+            warm = requests
+        run(warm, [0.0] * len(warm))
+        runs[f"{layout} lockstep"] = lockstep = run(requests, [0.0] * len(requests))
+        print(f"  {layout} lockstep: {json.dumps(_rounded(lockstep))}", flush=True)
+        saturation = saturation or lockstep["req_s"]
+        for k, fraction in enumerate(rates):
+            rate = fraction * saturation
+            runs[f"{layout} poisson {fraction:g}x"] = r = {"offered_req_s": rate,
+                                                           **run(requests, poisson(len(requests), rate, k))}
+            print(f"  {layout} poisson {fraction:g}x: {json.dumps(_rounded(r))}", flush=True)
+        asyncio.run(run.engine.drain(5))
+        kv = {"kv_cache_mib": run.rt.kv.nbytes / (1 << 20), **kv, layout: run.rt.kv.blocks}
+        floor = floor_tok_s(run.rt, workload.max_batch, context, bandwidth)
+        del run
     kinds = {k: sum(r.model.startswith(p) for r in requests) for k, p in
              (("lora", "tenant-"), ("full", "full-"), ("emr", "emr/"))}
-    context = int(statistics.mean(lengths) + statistics.mean(outputs) / 2)
     return {"requests": len(requests), "max_batch": workload.max_batch, "tenants": workload.tenants,
+            "max_model_len": CONTEXT, "kv_blocks": kv,
             "ranks": list(RANKS), "rows_by_kind": kinds,
             "prompt_tokens": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
             "output_tokens": {"min": min(outputs), "median": statistics.median(outputs), "max": max(outputs),
                               "total": sum(outputs)},
-            "floor_tok_s": floor_tok_s(run.rt, workload.max_batch, context, bandwidth), "runs": runs}
+            "floor_tok_s": floor, "runs": runs}
 
 
 def _rounded(d: dict) -> dict:
@@ -268,18 +292,22 @@ def _rounded(d: dict) -> dict:
 
 
 def print_traffic(t: dict) -> None:
+    blocks = t.get("kv_blocks", {})
     print(f"\nreal traffic: {t['requests']} requests, prompts {t['prompt_tokens']['min']}-{t['prompt_tokens']['max']} "
           f"tokens (median {t['prompt_tokens']['median']:.0f}) from BBC news, outputs {t['output_tokens']['min']}-"
           f"{t['output_tokens']['max']}; rows by kind {t['rows_by_kind']} (LoRA on all seven linears, ranks "
           f"{'-'.join(map(str, (t['ranks'][0], t['ranks'][-1])))}, {t['tenants']} power-law tenants; two top-two-"
-          f"layer fine-tunes; three EMR tasks of one group); max_batch_size {t['max_batch']}")
+          f"layer fine-tunes; three EMR tasks of one group); max_batch_size {t['max_batch']}, max_model_len "
+          f"{t.get('max_model_len')}; KV cache {blocks.get('kv_cache_mib', 0):.0f} MiB: "
+          + ", ".join(f"{k} {v} blocks" for k, v in blocks.items() if k != "kv_cache_mib"))
     if t.get("floor_tok_s"):
         print(f"floor: {t['floor_tok_s']:.0f} tokens/s (max_batch_size rows a decode step, the base's weights and the "
               "rows' keys and values read once a step)")
-    print(f"{'run':<16}{'offered req/s':>14}{'tokens/s':>10}{'TTFT p50':>10}{'p99 (s)':>9}{'TPOT p50':>10}"
-          f"{'p99 (ms)':>10}{'steps graphed':>15}{'decode graphed':>16}")
+    print(f"{'run':<24}{'offered req/s':>14}{'tokens/s':>10}{'TTFT p50':>10}{'p99 (s)':>9}{'TPOT p50':>10}"
+          f"{'p99 (ms)':>10}{'rows mean':>11}{'most':>6}{'KV live':>9}{'parked':>8}{'steps graphed':>15}")
     for name, r in t["runs"].items():
         offered = f"{r['offered_req_s']:.2f}" if "offered_req_s" in r else "all at once"
-        print(f"{name:<16}{offered:>14}{r['tok_s']:>10.1f}{r['ttft_p50_s']:>10.2f}{r['ttft_p99_s']:>9.2f}"
-              f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>10.1f}{r['steps_graphed']:>14.0%}"
-              f"{r['decode_tokens_graphed']:>16.0%}")
+        print(f"{name:<24}{offered:>14}{r['tok_s']:>10.1f}{r['ttft_p50_s']:>10.2f}{r['ttft_p99_s']:>9.2f}"
+              f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>10.1f}{r.get('rows_mean', 0):>11.1f}"
+              f"{r.get('rows_most', 0):>6}{r.get('kv_live', 0):>9.0%}{r.get('parked', 0):>8}"
+              f"{r['steps_graphed']:>14.0%}")

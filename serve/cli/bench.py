@@ -47,6 +47,19 @@ def cmd_bench_objects(args: argparse.Namespace) -> None:
     run_objects_bench(Path(args.out), args.repeats)
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    """'0.5,0.9' -> (0.5, 0.9); 'none' -> (); anything else is one line."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--traffic-rates: expected fractions such as 0.5,0.9 or 'none'; got '{text}'") from None
+    if not all(0 < x for x in out):
+        raise ConfigError(f"--traffic-rates: each rate must be above 0; got '{text}'")
+    return out
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> None:
     from serve.bench.engine import run_engine_bench
 
@@ -54,7 +67,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
     run_engine_bench(Path(out), Path(args.work), args.device, args.large, args.repeats, args.context,
                      args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end, rounds=args.rounds,
                      steps=not args.no_steps, profile=args.profile, traffic=args.traffic,
-                     traffic_requests=args.traffic_requests, neuzip=not args.no_neuzip)
+                     traffic_requests=args.traffic_requests, neuzip=not args.no_neuzip,
+                     traffic_rates=_fractions(args.traffic_rates), kv_layouts=tuple(args.kv_layouts.split(",")))
 
 
 def cmd_bench_logprobs(args: argparse.Namespace) -> None:
@@ -163,6 +177,11 @@ def _add_engine(bench: argparse._SubParsersAction) -> None:
     en.add_argument("--traffic", action="store_true", help="the real-traffic runs too: Poisson arrivals at three "
                     "rates, news-article prompts, every kind of row, beside the same requests in lockstep")
     en.add_argument("--traffic-requests", type=int, help="requests of each real-traffic run (CPU 32, CUDA 384)")
+    en.add_argument("--traffic-rates", default="0.5,0.75,0.9", help="the Poisson runs' rates, fractions of lockstep's "
+                    "requests/s (comma-separated; 'none': lockstep only)")
+    en.add_argument("--kv-layouts", default="slots,paged", choices=["slots,paged", "slots", "paged", "paged,slots"],
+                    help="the KV layouts each traffic run is served in, at the same memory: one block of max_model_len "
+                    "a row (slots), blocks of 16 (paged)")
     en.add_argument("--no-neuzip", action="store_true", help="on CUDA, no NeuZip row (its compression runs on the "
                     "host: minutes for Llama-3-8B's shape)")
     lp = add_command(bench, "logprobs", cmd_bench_logprobs, "every kind's log probabilities through the engine against "

@@ -23,7 +23,7 @@ from serve.engine import faults
 from serve.engine.cache import VariantCache
 from serve.engine.forwards import Forwards
 from serve.engine.grammars import Grammars
-from serve.engine.memory import MIB, MemoryPlan, reserved_bytes, resident_bytes, working_bytes
+from serve.engine.memory import MIB, PROFILE_ROWS, MemoryPlan, reserved_bytes, resident_bytes, working_bytes
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Op
 from serve.engine.scheduler import Scheduler
@@ -100,7 +100,7 @@ class Engine:
                                   "memory_target_mib (or give the replica Ray memory)")
             target = sum(targets) * MIB
         device = torch.device(self.config.device)
-        rows = self.config.batch.max_batch_size
+        rows = min(self.config.batch.max_batch_size, PROFILE_ROWS)
         working = max((working_bytes(rt, rows) for rt in self.bases.values()), default=0)  # one at a time
         groups = sum(v.kind == "emr" and v.base in self.bases for v in self._followed.manifest.variants.values())
         plan = MemoryPlan(target, resident_bytes(device), working, reserved_bytes(self.config, groups))
@@ -201,8 +201,8 @@ class Engine:
                 "memory_plan": self.memory_plan.to_dict() if self.memory_plan else None,
                 "base_bytes": {name: rt.nbytes for name, rt in self.bases.items()},
                 "kv_bytes": {name: rt.kv.nbytes for name, rt in self.bases.items() if rt.kv is not None},
-                "kv_slots": {name: {"used": rt.kv.slots - rt.kv.free_slots, "slots": rt.kv.slots}
-                             for name, rt in self.bases.items() if rt.kv is not None},
+                "kv_blocks": {name: {"used": rt.kv.pool.used, "blocks": rt.kv.blocks}
+                              for name, rt in self.bases.items() if rt.kv is not None},
                 "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts},
                 "step_tokens": {name: dict(rt.token_counts) for name, rt in self.bases.items() if rt.token_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},

@@ -140,6 +140,11 @@ class Fairness:
             holding[row.tenant] += 1
         return park, new
 
+    def victims(self, running: list) -> list:
+        """Running rows in the order they give up their KV blocks when the cache runs short: the most served tenant's
+        (vtc; its latest row first), or the latest row (fcfs), as vLLM preempts the last of its running queue."""
+        return sorted(running, key=self.key, reverse=True)
+
 
 class FairQueue:
     """The scheduler's bounded queue of rows not yet taken, in the policy's order: asyncio.Queue's put_nowait / get /

@@ -79,7 +79,7 @@ class RowGeneration:
     def __len__(self) -> int:
         return len(self.batch)
 
-    def run(self, new: list[Row], gone: list[Row], park: list[Row]) -> Step:
+    def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row]) -> Step:
         rows, failed = [], []
         for r in new:
             try:
@@ -87,7 +87,7 @@ class RowGeneration:
             except Exception as e:  # its variant no longer has the member it asked for, say
                 failed.append((r, e))
         with self.batch.rt.seconds.timing("step"):
-            step = self.batch.run(rows, gone, park)
+            step = self.batch.run(rows, gone, park, victims)
         step.failed += failed
         return step
 

@@ -1,5 +1,5 @@
 """Transformers layers that a generation step runs in fewer launches: Llama's attention (the rotary embedding and
-the KV store's write in one kernel) and its MLP (SiLU and the product in one).
+the KV cache's write in one kernel) and its MLP (SiLU and the product in one).
 
 Captured in a CUDA graph, a decode step of Llama-3-8B at 64 rows spent 1.1 of its 11.1 ms on the rotation's ten
 kernels and the store's two writes a layer, and 0.16 ms on the activation's two: every one of those kernels
@@ -20,7 +20,7 @@ from serve.engine.kv_store import KVStore, StepLayout, attend
 
 class StepAttention(LlamaAttention):
     """LlamaAttention; in a generation step, q, k and v rotated and stored by one kernel, then read from the
-    store as kv_store.attend reads it."""
+    cache as kv_store.attend reads it."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, past_key_values=None,
@@ -33,8 +33,8 @@ class StepAttention(LlamaAttention):
         v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
         cos, sin = position_embeddings  # [1, T, D]
         layer = past_key_values.layers[self.layer_idx]
-        rotary_store(q, k, v, cos[0], sin[0], layer.keys, layer.values, kv_layout.write_slots,
-                     kv_layout.write_positions)
+        rotary_store(q, k, v, cos[0], sin[0], layer.keys, layer.values, kv_layout.write_blocks,
+                     kv_layout.write_offsets)
         out = attend(q, layer.keys, layer.values, kv_layout, self.scaling)  # [T, H, D]
         return self.o_proj(out.reshape(1, tokens, -1)), None
 

@@ -28,6 +28,9 @@ class Generating:
     batch: GenerationBatch
     pending: list[Row] = field(default_factory=list)
     running: list[Row] = field(default_factory=list)
+    short: bool = False
+    """The last step left rows waiting (its KV cache or a variant pool had no room for them) or parked rows for
+    want of KV blocks: the batch is full though it runs fewer than max_batch_size rows."""
 
 
 class Generations:
@@ -112,10 +115,10 @@ class Generations:
                 new += self._next_rows(g)
                 if ended is not None:
                     self.seconds.add("scheduling", time.perf_counter() - ended)
-                step = await self._on_compute(g.batch.run, new, gone, park)
+                step = await self._on_compute(g.batch.run, new, gone, park, self.fairness.victims(g.running))
                 ended = time.perf_counter()
                 self.stepped()
-                self._after_step(g, new, step)
+                self._after_step(g, new, step, park)
                 new = []
             self._retire(base, g)
             await self._on_compute(g.batch.close)
@@ -141,8 +144,9 @@ class Generations:
         return gone
 
     def _crowded(self, g: Generating) -> Counter[str] | None:
-        """VTC with every slot of the batch taken: the running rows by tenant (None: no row is to be parked)."""
-        if self.fairness.policy != "vtc" or len(g.batch) < self.config.max_batch_size:
+        """VTC with the batch full (every row it may hold, or all its KV cache or variant pool holds): the running rows
+        by tenant (None: no row is to be parked)."""
+        if self.fairness.policy != "vtc" or (len(g.batch) < self.config.max_batch_size and not g.short):
             return None
         return Counter(r.tenant for r in g.running)
 
@@ -167,7 +171,8 @@ class Generations:
         new, g.pending = self.fairness.take(g.pending, max(0, self.config.max_batch_size - len(g.batch)))
         return new
 
-    def _after_step(self, g: Generating, new: list[Row], step: Step) -> None:
+    def _after_step(self, g: Generating, new: list[Row], step: Step, park: list[Row]) -> None:
+        g.short = bool(step.waiting) or any(r not in park for r in step.parked)
         for r, e in step.failed:
             if r in g.running:
                 g.running.remove(r)

@@ -1,13 +1,18 @@
 """Continuous batching for a causal LM: one running batch per base, whose rows may each be of another variant.
 
-Each row holds a slot of the base's KV store (serve/engine/kv_store.py) from admission to its last token, and
-every step is one forward over one flattened sequence of tokens (serve/engine/steps.py lays it out):
-- a decode token for every running row, row b at slot b (rows without one are padding: a row still
-  prefilling, a slot free), the rows rounded up to a bucket where shapes are fixed;
+Each row holds a lane of the base's KV cache (serve/engine/kv_store.py) from admission to its last token, and the
+blocks its positions fill: its prompt's at admission (a row waits while the cache has too few free), one more
+each time its length crosses a block. Where a running row needs a block and none is free, running rows are parked
+(their keys and values kept in host memory, their blocks given back) in the order the scheduler gives (the fairness
+policy's: the tenant served most, its latest row), the row itself last; a parked row resumes where it stopped
+once blocks are free. Every step is one forward over one flattened sequence of tokens (serve/engine/steps.py lays
+it out):
+- a decode token for every running row, row b at lane b (rows without one are padding: a row still
+  prefilling, a lane free), the rows rounded up to a bucket where shapes are fixed;
 - then the admitted prompts' next tokens, in admission order, up to the step's token budget
   (batch.max_step_tokens); a long prompt takes several steps, and a row whose prompt is all written samples
   its first token in the same step.
-Nothing is copied between rows: a finished row gives its slot back and the next admitted row writes over it.
+Nothing is copied between rows: a finished row gives its blocks back and the next admitted row writes over them.
 On CUDA a decode step that replays a graph is followed at once by the next, launched from its sampled tokens on
 the device before the host reads them, so the host's reading and detokenising overlap the GPU (see `run`).
 Each row keeps its variant's slot (serve/engine/slots.py) too, and the step's BatchPlan maps every token to its
@@ -58,7 +63,9 @@ class _Seq(RowText):
     slot: RowSlot | None
     """None once detached: a slot is given back exactly once, whatever fails."""
     kv: int | None
-    """Its KV store slot; None once given back."""
+    """Its KV lane; None once given back (with its blocks)."""
+    order: int = 0
+    """Its admission's number in the batch: the latest is parked first where the scheduler says nothing."""
     prompt: list[int]
     written: int = 0
     """Tokens of this row in the KV store: the prompt's so far, then every token fed back."""
@@ -75,13 +82,13 @@ class _Seq(RowText):
     """It failed alone (detokenising): it leaves the batch with this error, the other rows go on."""
 
     @classmethod
-    def start(cls, row: NewRow, slot: RowSlot, kv: int, name: str, eos_ids: set[int]) -> "_Seq":
+    def start(cls, row: NewRow, slot: RowSlot, kv: int, name: str, eos_ids: set[int], order: int) -> "_Seq":
         p = row.params
         rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         grammar = RowGrammar(row.grammar) if row.grammar is not None else None
         ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
         return cls.after(row.prompt, p, name, rng=rng, tag=row.tag, slot=slot, kv=kv, prompt=list(row.prompt),
-                         grammar=grammar, end_ids=ends)
+                         grammar=grammar, end_ids=ends, order=order)
 
     def sampling(self) -> RowSampling:
         return RowSampling(self.params, self.rng, self.prompt, self.gen.token_ids, self.end_ids, self.grammar)
@@ -97,7 +104,7 @@ class _Launched:
 
     out: StepOutput
     decode: dict[int, _Seq]
-    """KV slot -> the row whose decode token it ran."""
+    """KV lane -> the row whose decode token it ran."""
     prefills: list[Prefill]
     sampling: list[tuple[_Seq, int]]
     """(row, its row of logits) for the rows that sample from this step."""
@@ -118,7 +125,7 @@ class DecodeBatch:
         self.runner = StepRunner(rt)
         self.text = Detokenizer(rt)
         self.decoding: dict[int, _Seq] = {}
-        """KV slot -> its row, for rows whose prompt is written."""
+        """KV lane -> its row, for rows whose prompt is written."""
         self.prefilling: list[_Seq] = []
         """Admitted rows whose prompt is still being written, in admission order."""
         self.inflight: _Launched | None = None
@@ -126,6 +133,7 @@ class DecodeBatch:
         self.parked: list[tuple[_Seq, list]] = []
         """Rows taken out of the batch for now (run's park), each with its keys and values."""
         self._failed: list[tuple[Any, BaseException]] = []
+        self._admitted = 0
 
     def __len__(self) -> int:
         return len(self.decoding) + len(self.prefilling)
@@ -135,16 +143,19 @@ class DecodeBatch:
         return [(s.tag, s.gen) for s in self.decoding.values()]
 
     @torch.no_grad()
-    def run(self, new: Sequence[NewRow], abort: Sequence[Any] = (), park: Sequence[Any] = ()) -> Step:
+    def run(self, new: Sequence[NewRow], abort: Sequence[Any] = (), park: Sequence[Any] = (),
+            victims: Sequence[Any] = ()) -> Step:
         """Drop the rows tagged in abort, park the decoding rows tagged in park, admit new rows that get a variant
-        slot and a KV slot, then one step for every row; -> the tags of the rows that finished (with their
-        Generation), were parked, were left waiting for a free slot (new rows), and failed alone. If the step
-        raises, the batch is to be closed.
+        slot, a KV lane and their prompt's blocks, give every decoding row the block its next position needs
+        (parking rows, those tagged in victims first, where the cache has too few), then one step for every row;
+        -> the tags of the rows that finished (with their Generation), were parked, were left waiting for a free
+        slot or blocks (new rows), and failed alone. If the step raises, the batch is to be closed.
 
-        A parked row (preempted: the scheduler gives its slots to another tenant's row) keeps its keys and values
-        in host memory (KVStore.save) and all its state, and gives back both its slots; passed again in `new`
-        (its tag, its variant) it resumes at whatever KV slot is free, as if it had never left: nothing is
-        computed twice (vLLM's swap, not its recompute). A row still writing its prompt is not parked.
+        A parked row (preempted: the scheduler gives its slots to another tenant's row, or the cache ran short)
+        keeps its keys and values in host memory (KVStore.save) and all its state, and gives back its slots and
+        blocks; passed again in `new` (its tag, its variant) it resumes in whatever lane and blocks are free, as if
+        it had never left: nothing is computed twice (vLLM's swap, not its recompute). A row still writing its
+        prompt is not parked (its blocks were taken at admission).
 
         A decode step that replays a graph is followed at once by the next one, launched on the device from its
         sampled tokens before the host reads them (`_continue`): while the host detokenises a step, the GPU runs
@@ -156,7 +167,7 @@ class DecodeBatch:
             self.parked = [p for p in self.parked if not any(p[0].tag is t for t in abort)]
         step = Step()
         if park:
-            if self.inflight is not None:  # settled first: the step in flight writes the slots being given up
+            if self.inflight is not None:  # settled first: the step in flight writes the blocks being given up
                 inflight, self.inflight = self.inflight, None
                 self._read(inflight)
             step.finished += self._drop_finished()
@@ -169,6 +180,7 @@ class DecodeBatch:
             self._read(inflight)
         if self.inflight is None:
             finished = self._drop_finished()
+            step.parked += self._make_room(victims)
             if self.decoding or self.prefilling:
                 launched = self._launch()
                 if self._continuable(launched):
@@ -197,26 +209,56 @@ class DecodeBatch:
             raise errors[0]
 
     def _admit(self, new: Sequence[NewRow], step: Step) -> None:
-        """Each new row that gets a variant slot and a KV slot starts its prompt, or resumes where it was parked;
-        the others are step's waiting (no free slot) or failed (its attach, alone)."""
+        """Each new row that gets a KV lane, the blocks of its prompt and first token (a parked row: of what it had
+        written and its next token) and a variant slot starts its prompt, or resumes where it was parked; the others
+        are step's waiting (no free lane, blocks or slot) or failed (its attach, alone). Rows come in the fairness
+        policy's order, and once one finds too few blocks the rows after it wait too (as vLLM's scheduler stops at
+        the first), so a long prompt is not passed over for ever by shorter ones."""
+        kv = self.rt.kv
+        short = False
         for row in new:
+            parked = next((p for p in self.parked if p[0].tag is row.tag), None)
+            length = (parked[0].written if parked is not None else len(row.prompt)) + 1
+            short = short or not kv.free_lanes or not kv.fits(length)
+            if short:
+                step.waiting.append(row.tag)
+                continue
             try:
                 slot = self.rt.attach(row.variant)
             except Exception as e:  # this row alone
                 step.failed.append((row.tag, e))
                 continue
-            kv = self.rt.kv.take() if slot is not None else None
-            if kv is None:
-                if slot is not None:
-                    self.rt.detach(slot)
+            if slot is None:
                 step.waiting.append(row.tag)
                 continue
-            parked = next((p for p in self.parked if p[0].tag is row.tag), None)
+            lane = kv.take()
+            kv.grow(lane, length)
+            self._admitted += 1
             if parked is not None:
-                self._resume(*parked, slot, kv)
+                parked[0].order = self._admitted
+                self._resume(*parked, slot, lane)
                 continue
             name = row.variant.entry if row.variant is not None else self.rt.name
-            self.prefilling.append(_Seq.start(row, slot, kv, name, self.rt.eos_ids))
+            self.prefilling.append(_Seq.start(row, slot, lane, name, self.rt.eos_ids, self._admitted))
+
+    def _make_room(self, victims: Sequence[Any]) -> list[Any]:
+        """Every decoding row's block for the position it writes next; where the cache has none free, decoding rows
+        are parked until it has: the first of `victims` still decoding, else the latest admitted, the row itself
+        last of all. -> the tags parked."""
+        parked = []
+        for lane, s in sorted(self.decoding.items()):
+            while not s.done and self.decoding.get(lane) is s and not self.rt.kv.grow(lane, s.written + 1):
+                parked += self._park([self._victim(victims, s)])
+        return parked
+
+    def _victim(self, victims: Sequence[Any], needing: _Seq) -> Any:
+        """The tag of the decoding row to park for `needing`'s block."""
+        running = [s for s in self.decoding.values() if not s.done]
+        for tag in victims:
+            s = next((s for s in running if s.tag is tag), None)
+            if s is not None:
+                return s.tag
+        return max(running, key=lambda s: (s is not needing, s.order)).tag
 
     def _park(self, tags: Sequence[Any]) -> list[Any]:
         """The decoding rows tagged out of the batch, their keys and values kept; -> the tags parked."""
@@ -230,6 +272,7 @@ class DecodeBatch:
         return out
 
     def _resume(self, s: _Seq, saved: list, slot: RowSlot, kv: int) -> None:
+        """A parked row back in the batch, its keys and values written into its new lane's blocks."""
         self.rt.kv.restore(kv, saved)
         s.slot, s.kv = slot, kv
         self.decoding[kv] = s
@@ -263,9 +306,16 @@ class DecodeBatch:
             s.written += 1
         for p in prefills:
             p.row.written += p.length
+        self._observe()
         sampling = [(s, out.sample_at[kv]) for kv, s in decoding.items()]
-        sampling += [(p.row, out.sample_at[p.slot]) for p in prefills if p.samples]
+        sampling += [(p.row, out.sample_at[p.lane]) for p in prefills if p.samples]
         return _Launched(out, decoding, prefills, sampling, *self._sample(out.logits, sampling))
+
+    def _observe(self) -> None:
+        """The KV cache's use at this step (KVStore.usage)."""
+        rows = self._all()
+        self.rt.kv.usage.observe(len(rows), sum(s.written for s in rows),
+                                 sum(self.rt.kv.held(s.kv) for s in rows if s.kv is not None))
 
     def _continuable(self, launched: "_Launched") -> bool:
         """Whether the next step can be launched from this one's tokens on the device: a replayed decode step
@@ -275,7 +325,7 @@ class DecodeBatch:
         takes (a grammar's mask, penalties, min_tokens: the host must read it first)."""
         return (launched.out.graph is not None and not launched.prefills and not self.prefilling
                 and launched.decode == self.decoding and self.rt.graphs.current(launched.out.graph)
-                and not any(s.done or s.params.logprobs is not None or s.written >= self.rt.kv.positions
+                and not any(s.done or s.params.logprobs is not None or s.written >= self.rt.kv.held(s.kv)
                             or s.sampling().reads_its_tokens for s in launched.decode.values()))
 
     def _continue(self, launched: "_Launched") -> "_Launched":
@@ -283,6 +333,7 @@ class DecodeBatch:
         out = self.runner.continue_(launched.out, launched.tokens)
         for s in launched.decode.values():
             s.written += 1
+        self._observe()
         return _Launched(out, launched.decode, [], launched.sampling, *self._sample(out.logits, launched.sampling))
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple["_Seq", int]]
@@ -361,7 +412,7 @@ class DecodeBatch:
                     self.text.flush(s)
             except Exception as e:  # this row's text alone: it leaves with the error, the batch goes on
                 s.failed, s.done = e, True
-            if not s.done and s.written >= self.rt.kv.positions:  # its slot is full (the engine's checks forbid it)
+            if not s.done and s.written >= self.rt.kv.positions:  # its context is full (the engine's checks forbid it)
                 s.gen.finish_reason, s.done = "length", True
                 self.text.flush(s)
         for k in sorted({seqs[i].params.logprobs for i in asking}):

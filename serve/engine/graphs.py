@@ -2,7 +2,7 @@
 once and replayed.
 
 A step of B decode rows and P prompt tokens (buckets, serve/engine/steps.py) is the same launches whatever its
-rows hold: the KV store is written and read by slot, every family's per-token maps sit in buffers allocated once
+rows hold: the KV cache is written and read through block tables of a fixed width (rewritten in place), every family's per-token maps sit in buffers allocated once
 (serve/engine/token_maps.py), the attention reads each decode row's length and the chunk table on the device, and
 a NeuZip base's decode launches write buffers allocated once. So the step is captured whole, reading its inputs
 from static buffers, and each later step copies its inputs there (one copy), lets the families refill their maps,
@@ -34,7 +34,7 @@ class _Graph:
     """Runs the captured step again (CUDAGraph.replay)."""
     inputs: torch.Tensor
     """int64 on the device, StepInputs.packed's layout: a decode-only step's is [4 * B], ids, positions, write
-    slots and lengths."""
+    lanes and lengths."""
     logits: torch.Tensor
     """[kept, vocab] fp32: what a replay writes."""
     key: tuple
@@ -112,7 +112,7 @@ class StepGraphs:
         capture cost."""
         from serve.engine.steps import lay_out, row_bucket
 
-        buckets = sorted({row_bucket(n, self.rt.kv.slots) for n in range(1, self.rt.kv.slots + 1)})
+        buckets = sorted({row_bucket(n, self.rt.kv.lanes) for n in range(1, self.rt.kv.lanes + 1)})
         for bucket in buckets:
             inputs = lay_out({}, [], bucket, self.rt.kv.scratch, self.rt.tokenizer.pad_token_id)
             plan = BatchPlan([BASE_ROW] * bucket, self.rt.device, tokens=[1] * bucket)

@@ -17,6 +17,9 @@ from serve.config import ServeConfig
 PROFILE_TOKENS = 512
 """Tokens a row of the profile forward has: working memory is sized for prompts this long (longer ones are served,
 beyond the plan)."""
+PROFILE_ROWS = 16
+"""Rows of the profile forward at most: a generation step holds batch.max_step_tokens tokens whatever its rows,
+and an encoder's forwards are planned at up to this many rows of PROFILE_TOKENS."""
 MIB = 1 << 20
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from serve.config import BatchConfig, EngineConfig, SlotsConfig
+from serve.config import DEFAULT_KV_ROWS, BatchConfig, EngineConfig, SlotsConfig
 import serve.engine.adapter_pool  # noqa: F401  (registers the "lora" family)
 import serve.engine.emr_slots  # noqa: F401  (registers the "emr" family)
 import serve.engine.weight_pool  # noqa: F401  (registers the "weights" family)
@@ -22,7 +22,7 @@ from serve.engine import faults
 from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.fused import fuse_layers
 from serve.engine.graphs import StepGraphs
-from serve.engine.kv_store import ATTENTION, KVStore, slot_bytes
+from serve.engine.kv_store import ATTENTION, KVStore, token_bytes
 from serve.engine.layers import Corrections, wrap_modules, leaf_modules
 from serve.engine.neuzip import CodedWeights
 from serve.engine.neuzip import load_model as load_neuzip
@@ -82,7 +82,7 @@ class BaseModelRuntime:
         self.token_counts: Counter[str] = Counter()
         """Decode and prompt tokens by how their step ran: "decode:graphed", "prompt:eager", ..."""
         self.kv: KVStore | None = None
-        """A causal LM's KV store (serve/engine/kv_store.py), allocated once here."""
+        """A causal LM's KV cache (serve/engine/kv_store.py), allocated once here."""
         self.graphs: StepGraphs | None = None
         if self.causal:
             self._ready_to_generate(config, batch, engine)
@@ -111,12 +111,18 @@ class BaseModelRuntime:
         return host, digests, streams
 
     def _ready_to_generate(self, config, batch: BatchConfig, engine: EngineConfig) -> None:
-        """The attention that reads the KV store, the store itself, layers fused where they can be
-        (serve/engine/fused.py), and on CUDA the base rows' step graphs."""
+        """The attention that reads the KV cache, the cache itself, layers fused where they can be
+        (serve/engine/fused.py), and on CUDA the base rows' step graphs. A cache smaller than max_model_len
+        positions is what a row may hold."""
         self.model.set_attn_implementation(ATTENTION)
         fuse_layers(self.model)
         dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
-        self.kv = KVStore(config, kv_slots(batch, config, self.max_length, dtype), self.max_length, dtype, self.device)
+        block = min(batch.kv_block_tokens, self.max_length)
+        blocks = kv_blocks(batch, config, self.max_length, block, dtype)
+        if blocks * block < self.max_length:
+            self.max_length = self.max_input_tokens = blocks * block
+            self.prompts.limit(self.max_length, "KV cache")
+        self.kv = KVStore(config, batch.max_batch_size, blocks, block, self.max_length, dtype, self.device)
         if self.device.type == "cuda" and engine.cuda_graphs == "auto":
             self.graphs = StepGraphs(self)
             self.graphs.warm_up()
@@ -246,13 +252,12 @@ class BaseModelRuntime:
             raise BadRequest(f"model '{model}' is not {need}{base}")
 
 
-def kv_slots(batch: BatchConfig, config, positions: int, dtype: torch.dtype) -> int:
-    """Rows the KV store holds: max_batch_size, or fewer where batch.kv_cache_mib cannot hold that many slots of
-    `positions` positions (at least one)."""
+def kv_blocks(batch: BatchConfig, config, positions: int, block_tokens: int, dtype: torch.dtype) -> int:
+    """Blocks of `block_tokens` positions the KV cache holds: what batch.kv_cache_mib buys (None: DEFAULT_KV_ROWS
+    rows of `positions`), at least one."""
     if batch.kv_cache_mib is None:
-        return batch.max_batch_size
-    fits = int(batch.kv_cache_mib * (1 << 20)) // slot_bytes(config, positions, dtype)
-    return max(1, min(batch.max_batch_size, fits))
+        return DEFAULT_KV_ROWS * -(-positions // block_tokens)
+    return max(1, int(batch.kv_cache_mib * (1 << 20)) // (block_tokens * token_bytes(config, dtype)))
 
 
 def encoder_limit(model_dir: str | Path, positions: int) -> int:

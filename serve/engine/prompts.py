@@ -33,6 +33,14 @@ class Prompts:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_input_tokens = max_input_tokens
+        self.context = "context"
+        """What bounds a row's positions, as errors name it."""
+
+    def limit(self, positions: int, by: str) -> None:
+        """Rows hold at most `positions` positions, bounded by `by` (the KV cache where it holds fewer than
+        max_model_len), which errors name."""
+        self.max_length = self.max_input_tokens = positions
+        self.context = by
 
     def check_inputs_fit(self, texts: list[str]) -> None:
         for i, n in enumerate(token_counts(self.tokenizer, texts)):
@@ -88,17 +96,15 @@ class Prompts:
     def check_fits(self, prompt: list[int], max_tokens: int | None) -> None:
         """max_tokens None: the client sent none, so the prompt alone must leave room for one token (and the
         message names no max it never sent)."""
-        n, context = len(prompt), self.max_length
+        n, context = len(prompt), f"the {self.context} of {self.max_length} tokens"
         if not prompt:
             raise BadRequest("the prompt encodes to no tokens")
-        if max_tokens is None and n > context:
-            raise BadRequest(f"prompt ({n} tokens) exceeds the context of {context} tokens")
-        if max_tokens is None and n == context:
-            raise BadRequest(f"prompt ({n} tokens) fills the context of {context} tokens, leaving no room for a "
-                             f"completion")
-        if max_tokens is not None and n + max_tokens > context:
-            raise BadRequest(f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context} "
-                             f"tokens")
+        if max_tokens is None and n > self.max_length:
+            raise BadRequest(f"prompt ({n} tokens) exceeds {context}")
+        if max_tokens is None and n == self.max_length:
+            raise BadRequest(f"prompt ({n} tokens) fills {context}, leaving no room for a completion")
+        if max_tokens is not None and n + max_tokens > self.max_length:
+            raise BadRequest(f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds {context}")
 
 
 def with_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:

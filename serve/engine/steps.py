@@ -2,11 +2,11 @@
 the KV store, what it reads, which variant it runs, and which logits come back.
 
 The layout (the generation's own rows are serve/engine/generation.py's):
-    tokens 0..B-1    a decode token for slots 0..B-1: a running row's last token at its next position, or
-                     padding (a free slot, a row still prefilling) that writes to the scratch slot and reads
-                     nothing. B covers the highest running slot, rounded up to a row bucket where shapes are fixed.
+    tokens 0..B-1    a decode token for lanes 0..B-1: a running row's last token at its next position, or
+                     padding (a free lane, a row still prefilling) that writes through the scratch lane and reads
+                     nothing. B covers the highest running lane, rounded up to a row bucket where shapes are fixed.
     tokens B..T-1    the step's prefill chunks, one after another; where shapes are fixed, their tokens padded to
-                     a token bucket P (padding writes to the scratch slot and reads nothing), at most CHUNK_ROWS
+                     a token bucket P (padding writes through the scratch lane and reads nothing), at most CHUNK_ROWS
                      chunks, and the chunk table padded to that many rows.
 Logits are computed only for the tokens some row reads (`kept`): the running rows', the last token of each prompt
 that ends in this step, and every token of an echoing prompt; where shapes are fixed, B + CHUNK_ROWS of them
@@ -62,8 +62,8 @@ class Prefill:
 
     row: Any
     """Its generation row (the caller's: serve/engine/generation.py's _Seq)."""
-    slot: int
-    """Its KV slot."""
+    lane: int
+    """Its KV lane (its row of the block tables)."""
     first: int
     """The position of its first token."""
     length: int
@@ -79,15 +79,15 @@ class StepOutput:
     logits: torch.Tensor
     """[kept, vocab] fp32 (a replayed graph's: overwritten by its next replay)."""
     sample_at: dict[int, int]
-    """KV slot -> its row of logits to sample from."""
+    """KV lane -> its row of logits to sample from."""
     chunk_at: dict[int, tuple[int, int]]
-    """KV slot -> the rows of logits of its echoing chunk."""
+    """KV lane -> the rows of logits of its echoing chunk."""
     graph: Any = None
     """The graph a decode step replayed (serve/engine/graphs.py), None for an eager step: the next decode step
     can then be launched from this one's tokens without the host (StepRunner.continue_)."""
 
     def chunk_logits(self, p: Prefill) -> torch.Tensor:
-        start, end = self.chunk_at[p.slot]
+        start, end = self.chunk_at[p.lane]
         return self.logits[start:end]
 
 
@@ -100,13 +100,13 @@ class StepInputs:
     tokens: list[int]
     ids: list[int]
     positions: list[int]
-    write_slots: list[int]
+    write_lanes: list[int]
     lengths: list[int]
     """[B]: keys each decode row attends to (0: padding)."""
     kept: list[int] | None
     """Token indices whose logits come back; None: every token."""
     chunks: list[int]
-    """The chunk table, flat: (first token, length, slot, first position) a chunk; [] when the step has none."""
+    """The chunk table, flat: (first token, length, lane, first position) a chunk; [] when the step has none."""
     chunk_tokens: int
     """The chunks' token bucket (fixed shapes), or their longest."""
     sample_at: dict[int, int]
@@ -122,13 +122,13 @@ class StepInputs:
         return len(self.ids) - self.decode_rows
 
     def packed(self) -> torch.Tensor:
-        """ids, positions, write slots, lengths, kept indices and the chunk table in one host tensor: one copy to
+        """ids, positions, write lanes, lengths, kept indices and the chunk table in one host tensor: one copy to
         the device."""
-        return torch.tensor(self.ids + self.positions + self.write_slots + self.lengths + (self.kept or [])
+        return torch.tensor(self.ids + self.positions + self.write_lanes + self.lengths + (self.kept or [])
                             + self.chunks, dtype=torch.long)
 
     def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(ids [1, T], positions [1, T], write slots [T], lengths [B], kept [K] or None, chunks [C, 4] or None) from
+        """(ids [1, T], positions [1, T], write lanes [T], lengths [B], kept [K] or None, chunks [C, 4] or None) from
         packed()'s copy."""
         t = len(self.ids)
         parts = flat.split([t, t, t, self.decode_rows, len(self.kept or []), len(self.chunks)])
@@ -139,19 +139,19 @@ class StepInputs:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, StepLayout]:
         """(ids [1, T], positions [1, T], kept or None, the StepLayout) from packed()'s copy on the device.
         max_length: what the decode rows may read (default: this step's longest; a graph replayed for later steps
-        says the store's positions)."""
-        ids, positions, slots, lengths, kept, chunks = self.unpack(flat)
+        says the cache's positions)."""
+        ids, positions, lanes, lengths, kept, chunks = self.unpack(flat)
         longest = max(self.lengths, default=0) if max_length is None else max_length
-        return ids, positions, kept, StepLayout(slots, positions[0], lengths, longest, self.decode_rows, chunks,
+        return ids, positions, kept, StepLayout(lanes, positions[0], lengths, longest, self.decode_rows, chunks,
                                                 self.chunk_tokens)
 
 
 def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int,
             prompt_bucket: int | None = None) -> StepInputs:
-    """decoding: KV slot -> a running row (.slot its RowSlot, .next_token, .written: its next position).
+    """decoding: KV lane -> a running row (.slot its RowSlot, .next_token, .written: its next position).
     prompt_bucket: fixed shapes: the prefills' tokens padded to it, their chunks to chunk_rows(prompt_bucket) (None:
     as they are)."""
-    rows, tokens, ids, positions, slots, lengths = [], [], [], [], [], []
+    rows, tokens, ids, positions, lanes, lengths = [], [], [], [], [], []
     kept: list[int] = []
     sample_at: dict[int, int] = {}
     chunk_at: dict[int, tuple[int, int]] = {}
@@ -161,7 +161,7 @@ def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scra
         tokens.append(1)
         ids.append(s.next_token if s is not None else pad_id)
         positions.append(s.written if s is not None else 0)
-        slots.append(b if s is not None else scratch)
+        lanes.append(b if s is not None else scratch)
         lengths.append(s.written + 1 if s is not None else 0)
         if s is not None:
             sample_at[b] = len(kept)
@@ -173,17 +173,17 @@ def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scra
         tokens.append(p.length)
         ids += p.tokens
         positions += range(p.first, p.first + p.length)
-        slots += [p.slot] * p.length
-        chunks += [start, p.length, p.slot, p.first]
+        lanes += [p.lane] * p.length
+        chunks += [start, p.length, p.lane, p.first]
         if prompt_bucket is not None:  # one kept row a chunk, whether it samples or not
             kept.append(start + p.length - 1)
         elif p.keep_all:
-            chunk_at[p.slot] = (len(kept), len(kept) + p.length)
+            chunk_at[p.lane] = (len(kept), len(kept) + p.length)
             kept += range(start, start + p.length)
         elif p.samples:
             kept.append(start + p.length - 1)
         if p.samples:
-            sample_at[p.slot] = len(kept) - 1
+            sample_at[p.lane] = len(kept) - 1
     if prompt_bucket is not None and prefills:
         pad = bucket + prompt_bucket - len(ids)
         if pad:
@@ -191,13 +191,13 @@ def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scra
             tokens.append(pad)
             ids += [pad_id] * pad
             positions += [0] * pad
-            slots += [scratch] * pad
+            lanes += [scratch] * pad
         padding_chunks = chunk_rows(prompt_bucket) - len(prefills)
         kept += [0] * padding_chunks  # read by no row
         chunks += [0, 0, 0, 0] * padding_chunks
     every = kept == list(range(len(ids)))
     longest = prompt_bucket if prompt_bucket is not None else max((p.length for p in prefills), default=0)
-    return StepInputs(rows, tokens, ids, positions, slots, lengths, None if every else kept, chunks, longest,
+    return StepInputs(rows, tokens, ids, positions, lanes, lengths, None if every else kept, chunks, longest,
                       sample_at, chunk_at)
 
 
@@ -214,9 +214,10 @@ class StepRunner:
 
     def run(self, decoding: dict[int, Any], prefills: list[Prefill]) -> StepOutput:
         rt = self.rt
+        rt.kv.sync()
         bucket = max(decoding, default=-1) + 1
         if rt.fixed_shapes and bucket:
-            bucket = row_bucket(bucket, rt.kv.slots)
+            bucket = row_bucket(bucket, rt.kv.lanes)
         echo = any(p.keep_all for p in prefills)
         prompt = sum(p.length for p in prefills)
         fixed = rt.fixed_shapes and prefills and not echo

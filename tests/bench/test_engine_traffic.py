@@ -36,12 +36,18 @@ def test_every_run_answers_every_request_with_its_tokens_and_counts_its_steps(tm
     model = write_tiny_causal(tmp_path / "m")
     workload = TrafficWorkload(requests=8, tenants=3, max_batch=4, full_share=0.3, emr_share=0.3, max_prompt=24,
                                outputs=(2, 6))
-    report = bench_traffic(model, tmp_path / "work", torch.device("cpu"), workload)
-    assert set(report["runs"]) == {"lockstep", "poisson 0.5x", "poisson 0.75x", "poisson 0.9x"}
+    report = bench_traffic(model, tmp_path / "work", torch.device("cpu"), workload, rates=(0.5, 0.9))
+    assert set(report["runs"]) == {f"{layout} {run}" for layout in ("slots", "paged")
+                                   for run in ("lockstep", "poisson 0.5x", "poisson 0.9x")}
     assert set(report["rows_by_kind"]) == {"lora", "full", "emr"} and sum(report["rows_by_kind"].values()) == 8
     for name, run in report["runs"].items():
         assert run["requests"] == 8 and run["output_tokens"] == report["output_tokens"]["total"], name
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] <= run["seconds"], name
         assert run["steps"].get("eager:cpu", 0) > 0 and run["steps_graphed"] == 0, name  # a CPU replays no graph
-    lockstep = report["runs"]["lockstep"]
-    assert all(r["offered_req_s"] < lockstep["req_s"] for n, r in report["runs"].items() if n != "lockstep")
+        assert 0 < run["rows_mean"] <= run["rows_most"] <= workload.max_batch and 0 < run["kv_live"] <= 1, name
+    lockstep = report["runs"]["slots lockstep"]
+    assert all(r["offered_req_s"] < lockstep["req_s"] for n, r in report["runs"].items() if "lockstep" not in n)
+    # the same memory: one block of the whole context a row against blocks of 16, which hold mostly written tokens
+    kv = report["kv_blocks"]
+    assert kv["paged"] == kv["slots"] * 256 // 16
+    assert report["runs"]["paged lockstep"]["kv_live"] > 2 * report["runs"]["slots lockstep"]["kv_live"]

@@ -31,7 +31,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.running)
 
-    def run(self, new: list[Row], gone: list[Row], park: list[Row] = ()) -> Step:
+    def run(self, new: list[Row], gone: list[Row], park: list[Row] = (), victims: list[Row] = ()) -> Step:
         step = Step()
         for r in park:
             self.parked[r] = self.running.pop(r)
