@@ -57,6 +57,9 @@ class BatchConfig(StrictModel):
     kv_block_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 16
     """Positions a KV block holds (vLLM's block_size): a row wastes less than one block. At max_model_len or more,
     one block a row: the slot store, each row holding a whole context from its start."""
+    prefix_caching: bool = True
+    """Full KV blocks are kept after their rows end and reused by later rows whose prompts begin with the same
+    tokens, on the same base and variant, for the same tenant only (serve/engine/kv_blocks.py)."""
 
 
 class SlotsConfig(StrictModel):

@@ -60,12 +60,19 @@ def _vllm(snapshots: list[dict]) -> list:
         for base in bases:
             family.add_metric([base], sum(lat.get(base, {}).get(key, 0) for lat in by_base))
         out.append(family)
-    preempted = CounterMetricFamily("vllm:num_preemptions", "Running requests parked for another tenant's (their "
-                                    "keys and values kept, resumed later: batch.fairness vtc)", labels=["model_name"])
+    preempted = CounterMetricFamily("vllm:num_preemptions", "Running requests parked for another tenant's or for want "
+                                    "of KV blocks (their keys and values kept, resumed later)", labels=["model_name"])
     counts = [s.get("preemptions", {}) for s in snapshots]
     for base in sorted(set(bases) | {b for c in counts for b in c}):
         preempted.add_metric([base], sum(c.get(base, 0) for c in counts))
     out.append(preempted)
+    prefix = [s.get("prefix_tokens", {}) for s in snapshots]
+    for key, doc in (("queries", "Prompt tokens of requests admitted to a batch, looked up in the prefix cache"),
+                     ("hits", "Prompt tokens found in the prefix cache (their keys and values not computed again)")):
+        family = CounterMetricFamily(f"vllm:prefix_cache_{key}", doc, labels=["model_name"])
+        for base in sorted({b for p in prefix for b in p}):
+            family.add_metric([base], sum(p.get(base, {}).get(key, 0) for p in prefix))
+        out.append(family)
     kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV cache's blocks held by running rows (1: "
                            "every block)", labels=["model_name"])
     blocks = [s.get("kv_blocks", {}) for s in snapshots]

@@ -54,8 +54,8 @@ class TrafficWorkload:
 
 CPU_TRAFFIC = TrafficWorkload(requests=32, tenants=12, max_batch=256)
 GPU_TRAFFIC = TrafficWorkload(requests=384, tenants=64, max_batch=256)
-LAYOUTS = {"slots": None, "paged": 16}
-"""KV layouts compared, by their block tokens (None: max_model_len, one block a row)."""
+LAYOUTS = {"slots": (None, False), "paged": (16, True), "paged-nocache": (16, False)}
+"""KV layouts a run may be served in: (block tokens, None: max_model_len, one block a row; prefix caching)."""
 CONTEXT = 2048
 """max_model_len of the runs (the server's default): the slot layout holds DEFAULT_KV_ROWS rows of it."""
 
@@ -159,13 +159,14 @@ class TrafficRun:
     """One Engine over the traffic store; each call serves a list of requests arriving at given times."""
 
     def __init__(self, store_root: Path, device: torch.device, workload: TrafficWorkload,
-                 block_tokens: int | None = None):
+                 block_tokens: int | None = None, prefix_caching: bool = True):
         from serve.config import ServeConfig
         from serve.engine.engine import Engine
 
         cfg = ServeConfig(store=store_root, device=str(device),
                           batch={"max_batch_size": workload.max_batch, "max_queue": 4096, "max_step_tokens": 512,
-                                 "max_model_len": CONTEXT, "kv_block_tokens": block_tokens or CONTEXT},
+                                 "max_model_len": CONTEXT, "kv_block_tokens": block_tokens or CONTEXT,
+                                 "prefix_caching": prefix_caching},
                           slots={"adapter_mib": 4096, "weights_mib": 4096},
                           cache={"device_mib": 8192, "cpu_mib": 8192}, limits={"max_tokens": workload.outputs[1]})
         self.engine, self.device = Engine(cfg), device
@@ -181,6 +182,8 @@ class TrafficRun:
         steps, tokens = dict(self.rt.step_counts), dict(self.rt.token_counts)
         parked = self.engine.scheduler.preemptions["bench"]
         kv = self.rt.kv.usage = KVUsage()
+        prefix = dict(self.rt.prefix_tokens)
+        self.rt.kv.pool.drop_cached()  # each run starts cold: no prompt of an earlier run is cached
         first: list[float] = [0.0] * len(requests)
         done: list[float] = [0.0] * len(requests)
         counts: list[int] = [0] * len(requests)
@@ -213,11 +216,39 @@ class TrafficRun:
                 "rows_mean": kv.rows / max(1, kv.steps), "rows_most": kv.most_rows,
                 "kv_live": kv.live / max(1, kv.held), "parked": self.engine.scheduler.preemptions["bench"] - parked,
                 "ttft_p50_s": percentile(first, 0.5), "ttft_p99_s": percentile(first, 0.99),
+                **first_and_later(requests, arrivals, first),
+                "prefix_hit_rate": (self.rt.prefix_tokens["hits"] - prefix.get("hits", 0))
+                / max(1, self.rt.prefix_tokens["queries"] - prefix.get("queries", 0)),
                 "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99),
                 "steps": step_delta, "steps_graphed": step_delta.get("graphed", 0) / max(1, sum(step_delta.values())),
                 "decode_tokens_graphed": token_delta.get("decode:graphed", 0) / max(1, decode),
                 "prompt_tokens_graphed": token_delta.get("prompt:graphed", 0)
                 / max(1, token_delta.get("prompt:graphed", 0) + token_delta.get("prompt:eager", 0))}
+
+
+def first_and_later(requests: list[Request], arrivals: list[float], ttft: list[float]) -> dict:
+    """Time to first token (p50, p99) of each model's first request to arrive, and of its later ones: what a
+    tenant's system prompt costs once, and then, cached, no more."""
+    seen, first, later = set(), [], []
+    for i in sorted(range(len(requests)), key=lambda i: (arrivals[i], i)):
+        (later if requests[i].model in seen else first).append(ttft[i])
+        seen.add(requests[i].model)
+    return {"ttft_first_p50_s": percentile(first, 0.5), "ttft_first_p99_s": percentile(first, 0.99),
+            "ttft_later_p50_s": percentile(later, 0.5) if later else None,
+            "ttft_later_p99_s": percentile(later, 0.99) if later else None}
+
+
+def with_system_prompts(requests: list[Request], prompts: list[list[int]], tokens: int, seed: int = 1
+                        ) -> list[Request]:
+    """Each model's requests behind a system prompt of its own (`tokens` tokens of the articles, drawn per model),
+    their own prompts cut to a user turn of 32 to 128 tokens."""
+    rnd = random.Random(seed)
+    pool = [t for p in prompts for t in p]
+    system = {}
+    for m in sorted({r.model for r in requests}):
+        start = rnd.randrange(max(1, len(pool) - tokens))
+        system[m] = pool[start:start + tokens]
+    return [Request(r.model, system[r.model] + r.prompt[:rnd.randint(32, 128)], r.new_tokens) for r in requests]
 
 
 def poisson(n: int, rate: float, seed: int) -> list[float]:
@@ -239,9 +270,10 @@ def floor_tok_s(rt, rows: int, context: int, bandwidth: float | None) -> float |
 
 def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: TrafficWorkload,
                   bandwidth: float | None = None, rates: tuple[float, ...] = RATES,
-                  layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
+                  layouts: tuple[str, ...] = ("slots", "paged"), system_prompt_tokens: int = 0) -> dict:
     """For each KV layout: lockstep, then Poisson at `rates` of the first layout's lockstep requests per second
-    (the same arrivals for each layout); each run's figures."""
+    (the same arrivals for each layout); each run's figures. system_prompt_tokens: each model's requests behind a
+    system prompt of its own that long (with_system_prompts)."""
     from transformers import AutoTokenizer
 
     if device.type == "cpu":
@@ -251,6 +283,8 @@ def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: T
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in json.loads(LENGTHS_FILE.read_text())]
     requests = plan(workload, prompts)
+    if system_prompt_tokens:
+        requests = with_system_prompts(requests, prompts, system_prompt_tokens)
     lengths = [len(r.prompt) for r in requests]
     outputs = [r.new_tokens for r in requests]
     context = int(statistics.mean(lengths) + statistics.mean(outputs) / 2)
@@ -258,7 +292,7 @@ def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: T
     runs: dict[str, dict] = {}
     saturation, kv, floor = None, {}, None
     for layout in layouts:
-        run = TrafficRun(store, device, workload, LAYOUTS[layout])
+        run = TrafficRun(store, device, workload, *LAYOUTS[layout])
         if device.type == "cpu":  # every variant loaded once, with short requests
             warm = [Request(m, requests[0].prompt[:16], 2) for m in sorted({r.model for r in requests})]
         else:  # the same requests: every graph the runs replay is captured here
@@ -279,6 +313,7 @@ def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: T
     kinds = {k: sum(r.model.startswith(p) for r in requests) for k, p in
              (("lora", "tenant-"), ("full", "full-"), ("emr", "emr/"))}
     return {"requests": len(requests), "max_batch": workload.max_batch, "tenants": workload.tenants,
+            "system_prompt_tokens": system_prompt_tokens,
             "max_model_len": CONTEXT, "kv_blocks": kv,
             "ranks": list(RANKS), "rows_by_kind": kinds,
             "prompt_tokens": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
@@ -311,3 +346,12 @@ def print_traffic(t: dict) -> None:
               f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>10.1f}{r.get('rows_mean', 0):>11.1f}"
               f"{r.get('rows_most', 0):>6}{r.get('kv_live', 0):>9.0%}{r.get('parked', 0):>8}"
               f"{r['steps_graphed']:>14.0%}")
+    if t.get("system_prompt_tokens") or any(r.get("prefix_hit_rate") for r in t["runs"].values()):
+        print(f"\nprefix cache (system prompts of {t.get('system_prompt_tokens', 0)} tokens, each model its own): "
+              "time to first token of each model's first request and of its later ones")
+        print(f"{'run':<24}{'hit rate':>9}{'first p50':>11}{'p99 (s)':>9}{'later p50':>11}{'p99 (s)':>9}")
+        for name, r in t["runs"].items():
+            later = (f"{r['ttft_later_p50_s']:>11.2f}{r['ttft_later_p99_s']:>9.2f}"
+                     if r.get("ttft_later_p50_s") is not None else f"{'n/a':>11}{'n/a':>9}")
+            print(f"{name:<24}{r.get('prefix_hit_rate', 0):>9.0%}{r['ttft_first_p50_s']:>11.2f}"
+                  f"{r['ttft_first_p99_s']:>9.2f}{later}")

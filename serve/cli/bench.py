@@ -60,6 +60,16 @@ def _fractions(text: str) -> tuple[float, ...]:
     return out
 
 
+def _layouts(text: str) -> tuple[str, ...]:
+    from serve.bench.engine_traffic import LAYOUTS
+
+    out = tuple(text.split(","))
+    unknown = [x for x in out if x not in LAYOUTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown KV layout '{unknown[0]}'; expected some of {', '.join(LAYOUTS)}")
+    return out
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> None:
     from serve.bench.engine import run_engine_bench
 
@@ -68,7 +78,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
                      args.shapes.split(",") if args.shapes else None, e2e=not args.no_end_to_end, rounds=args.rounds,
                      steps=not args.no_steps, profile=args.profile, traffic=args.traffic,
                      traffic_requests=args.traffic_requests, neuzip=not args.no_neuzip,
-                     traffic_rates=_fractions(args.traffic_rates), kv_layouts=tuple(args.kv_layouts.split(",")))
+                     traffic_rates=_fractions(args.traffic_rates), kv_layouts=args.kv_layouts,
+                     system_prompt_tokens=args.system_prompt_tokens)
 
 
 def cmd_bench_logprobs(args: argparse.Namespace) -> None:
@@ -179,9 +190,13 @@ def _add_engine(bench: argparse._SubParsersAction) -> None:
     en.add_argument("--traffic-requests", type=int, help="requests of each real-traffic run (CPU 32, CUDA 384)")
     en.add_argument("--traffic-rates", default="0.5,0.75,0.9", help="the Poisson runs' rates, fractions of lockstep's "
                     "requests/s (comma-separated; 'none': lockstep only)")
-    en.add_argument("--kv-layouts", default="slots,paged", choices=["slots,paged", "slots", "paged", "paged,slots"],
-                    help="the KV layouts each traffic run is served in, at the same memory: one block of max_model_len "
-                    "a row (slots), blocks of 16 (paged)")
+    en.add_argument("--kv-layouts", default="slots,paged", type=_layouts,
+                    help="the KV layouts each traffic run is served in, at the same memory (comma-separated): one "
+                    "block of max_model_len a row (slots), blocks of 16 with prefix caching (paged) or without "
+                    "(paged-nocache)")
+    en.add_argument("--system-prompt-tokens", type=int, default=0, help="each model's requests behind a system "
+                    "prompt of its own this long (drawn from the articles), their prompts cut to user turns of 32-128 "
+                    "tokens")
     en.add_argument("--no-neuzip", action="store_true", help="on CUDA, no NeuZip row (its compression runs on the "
                     "host: minutes for Llama-3-8B's shape)")
     lp = add_command(bench, "logprobs", cmd_bench_logprobs, "every kind's log probabilities through the engine against "

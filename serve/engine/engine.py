@@ -207,6 +207,7 @@ class Engine:
                 "step_tokens": {name: dict(rt.token_counts) for name, rt in self.bases.items() if rt.token_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},
                 "preemptions": dict(self.scheduler.preemptions),
+                "prefix_tokens": {name: dict(rt.prefix_tokens) for name, rt in self.bases.items() if rt.prefix_tokens},
                 "grammars": {name: g.counters() for name, g in self.grammars.items()},
                 "load": self._load(), "max_batch_size": self.config.batch.max_batch_size,
                 "node_cache": self._node_cache()}
@@ -329,12 +330,13 @@ class Engine:
                 end = len(text) - held
                 if end > sent:
                     yield TextDelta(text[sent:end], completion_tokens=tokens, prompt_tokens=len(row.payload[0]),
+                                    cached_tokens=row.generation.cached_tokens if row.generation else 0,
                                     logprobs=row.logprobs(sent_tokens, tokens),
                                     **_prompt_of(row.generation, with_prompt))
                     sent, sent_tokens, with_prompt = end, tokens, False
             gen = row.future.result()
             yield TextDelta(gen.text[sent:], gen, completion_tokens=gen.completion_tokens,
-                            prompt_tokens=gen.prompt_tokens,
+                            prompt_tokens=gen.prompt_tokens, cached_tokens=gen.cached_tokens,
                             logprobs=None if gen.logprobs is None else gen.logprobs[sent_tokens:],
                             **_prompt_of(gen, with_prompt))
         finally:

@@ -83,7 +83,8 @@ class RowGeneration:
         rows, failed = [], []
         for r in new:
             try:
-                rows.append(NewRow(r, r.payload[0], r.payload[1], r.loaded, *r.payload[2:]))  # ids, params[, grammar]
+                rows.append(NewRow(r, r.payload[0], r.payload[1], r.loaded, *r.payload[2:],  # ids, params[, grammar]
+                                   scope=r.scope))
             except Exception as e:  # its variant no longer has the member it asked for, say
                 failed.append((r, e))
         with self.batch.rt.seconds.timing("step"):

@@ -33,6 +33,7 @@ from serve.engine import faults
 from serve.engine.batch import RowSlot
 from serve.engine.detokenize import Detokenizer, RowText
 from serve.engine.grammars import RowGrammar
+from serve.engine.kv_blocks import chain, prefix_seed, tenant_key
 from serve.engine.model import BaseModelRuntime
 from serve.engine.rows import Step
 from serve.engine.sampling import RowSampling, sample, sampling_metadata
@@ -52,6 +53,8 @@ class NewRow:
     variant: LoadedVariant | None = None
     grammar: Any = None
     """Its constraint's compiled grammar (serve/engine/grammars.py), compiled before the row was queued."""
+    scope: str = ""
+    """The authenticated tenant whose cached prefixes it may read and write ("": a server without tenants)."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -77,6 +80,14 @@ class _Seq(RowText):
     """Where its output is constrained: its place in the grammar."""
     end_ids: frozenset[int] = frozenset()
     """The tokens that end it (min_tokens keeps them out)."""
+    seed: bytes = b""
+    """Where its blocks' hash chain starts (kv_blocks.prefix_seed)."""
+    owner: bytes = b""
+    """Its tenant's keyed hash: whose share of the cache its cached blocks count against."""
+    hashes: list[bytes] = field(default_factory=list)
+    """The chain's hashes of its full blocks, as far as known."""
+    registered: int = 0
+    """Its first blocks that are cached (found at admission, or registered once written)."""
     done: bool = False
     failed: BaseException | None = None
     """It failed alone (detokenising): it leaves the batch with this error, the other rows go on."""
@@ -213,14 +224,22 @@ class DecodeBatch:
         written and its next token) and a variant slot starts its prompt, or resumes where it was parked; the others
         are step's waiting (no free lane, blocks or slot) or failed (its attach, alone). Rows come in the fairness
         policy's order, and once one finds too few blocks the rows after it wait too (as vLLM's scheduler stops at
-        the first), so a long prompt is not passed over for ever by shorter ones."""
+        the first), so a long prompt is not passed over for ever by shorter ones.
+
+        With prefix caching a new row starts with the cached blocks of its prompt's longest cached prefix (never
+        its last token, whose logits it samples from; none for a row echoing its prompt's log probabilities) and
+        writes from there. A row whose next uncached block is being written by a row still writing its prompt (a
+        request's other choices; the same system prompt sent twice at once) waits a step for it, so that a prompt
+        shared by rows arriving together is written once."""
         kv = self.rt.kv
         short = False
+        writing = {h for s in self.prefilling for h in s.hashes[s.registered:]}
         for row in new:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
-            short = short or not kv.free_lanes or not kv.fits(length)
-            if short:
+            seed, owner, hashes, cached = self._prefix(row) if parked is None else (b"", b"", [], [])
+            short = short or not kv.free_lanes or not kv.fits(length, cached)
+            if short or (len(cached) < len(hashes) and hashes[len(cached)] in writing):
                 step.waiting.append(row.tag)
                 continue
             try:
@@ -232,6 +251,7 @@ class DecodeBatch:
                 step.waiting.append(row.tag)
                 continue
             lane = kv.take()
+            kv.share(lane, cached)
             kv.grow(lane, length)
             self._admitted += 1
             if parked is not None:
@@ -239,7 +259,39 @@ class DecodeBatch:
                 self._resume(*parked, slot, lane)
                 continue
             name = row.variant.entry if row.variant is not None else self.rt.name
-            self.prefilling.append(_Seq.start(row, slot, lane, name, self.rt.eos_ids, self._admitted))
+            s = _Seq.start(row, slot, lane, name, self.rt.eos_ids, self._admitted)
+            s.seed, s.owner, s.hashes, s.registered = seed, owner, hashes, len(cached)
+            s.written = s.gen.cached_tokens = len(cached) * kv.block_tokens
+            if kv.prefix_caching:
+                self.rt.prefix_tokens["queries"] += len(row.prompt)
+                self.rt.prefix_tokens["hits"] += s.written
+            writing.update(hashes[len(cached):])
+            self.prefilling.append(s)
+
+    def _prefix(self, row: NewRow) -> tuple[bytes, bytes, list[bytes], list[int]]:
+        """(the row's chain seed, its tenant's keyed hash, the hashes of its prompt's full blocks before the one
+        holding its last token, the cached blocks of their longest cached prefix)."""
+        kv = self.rt.kv
+        if not kv.prefix_caching:
+            return b"", b"", [], []
+        owner = tenant_key(kv.secret, row.scope)
+        seed = prefix_seed(kv.base_key, variant_identity(row.variant), owner)
+        hashes = chain(seed, row.prompt, kv.block_tokens, 0, (len(row.prompt) - 1) // kv.block_tokens)
+        echoes = row.params.echo and row.params.logprobs is not None
+        return seed, owner, hashes, [] if echoes else kv.pool.lookup(hashes)
+
+    def _register(self, s: _Seq) -> None:
+        """The row's blocks written full since, cached under their hashes (its tokens known on the host)."""
+        kv = self.rt.kv
+        full = min(s.written, len(s.prompt) + len(s.gen.token_ids)) // kv.block_tokens
+        if not kv.prefix_caching or s.kv is None or full <= s.registered:
+            return
+        if full > len(s.hashes):
+            tokens = s.prompt + s.gen.token_ids  # what it has fed, in order
+            s.hashes += chain(s.hashes[-1] if s.hashes else s.seed, tokens, kv.block_tokens, len(s.hashes), full)
+        for i in range(s.registered, full):
+            kv.pool.register(kv.block(s.kv, i), s.hashes[i], s.owner)
+        s.registered = full
 
     def _make_room(self, victims: Sequence[Any]) -> list[Any]:
         """Every decoding row's block for the position it writes next; where the cache has none free, decoding rows
@@ -375,6 +427,8 @@ class DecodeBatch:
         live = [(s, i) for s, i in launched.sampling if not s.done and s.kv is not None]
         if live:
             self._choose([s for s, _ in live], out.logits, [i for _, i in live], every)
+        for s in self._all():
+            self._register(s)
 
     def _prefills(self, budget: int) -> list[Prefill]:
         """The admitted prompts' next chunks, in admission order, within `budget` tokens (at least one token, so a
@@ -433,3 +487,14 @@ class DecodeBatch:
         for s in gone:
             self._release(s)
         return [(s.tag, s.gen) for s in gone if s.failed is None]
+
+
+def variant_identity(variant: LoadedVariant | None) -> str:
+    """What a row's keys and values are computed with, as its chain's seed reads it: its store entry's key
+    ("<name>@<revision>", the revision a digest of its files: a name re-added with other contents is another),
+    a group member's place in its group, its kind; "" for the base."""
+    if variant is None:
+        return ""
+    if variant.parent is not None:
+        return f"{variant.parent.key}#{variant.index}:{variant.kind}"
+    return f"{variant.key}:{variant.kind}"

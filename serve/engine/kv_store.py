@@ -22,6 +22,7 @@ host rewrites between steps (`sync`). Other forwards of the same model (encoders
 caches) run transformers' SDPA.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,7 @@ class KVStore(Cache):
     `positions` positions each."""
 
     def __init__(self, config, lanes: int, blocks: int, block_tokens: int, positions: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, base_key: bytes = b"", prefix_caching: bool = True):
         layers, kv_heads, head_dim = kv_shape(config)
         shape = (blocks + 1, kv_heads, block_tokens, head_dim)
         # zeros, not empty: a padding row's lanes read no garbage that could be NaN
@@ -162,6 +163,13 @@ class KVStore(Cache):
         self.layout: StepLayout | None = None
         """The forward running now (set by `stepping`)."""
         self.usage = KVUsage()
+        self.prefix_caching = prefix_caching
+        """Full blocks are kept after their rows end and found again by the hash of what they hold (kv_blocks.py)."""
+        self.base_key = base_key
+        """A digest of the base's weights as held (plain, or NeuZip and its mantissa bits): every chain's seed
+        covers it."""
+        self.secret = os.urandom(32)
+        """This process's key for tenants' names in the chains' seeds (kv_blocks.tenant_key)."""
 
     @property
     def nbytes(self) -> int:
@@ -184,9 +192,24 @@ class KVStore(Cache):
         """Blocks a row of `length` positions holds."""
         return -(-length // self.block_tokens)
 
-    def fits(self, length: int) -> bool:
-        """Whether a new row of `length` positions could take its blocks now."""
-        return self.blocks_for(length) <= self.pool.free
+    def fits(self, length: int, cached: list[int] = ()) -> bool:
+        """Whether a new row of `length` positions, the first blocks of which are the cached `cached`, could take
+        its blocks now."""
+        return self.pool.available(self.blocks_for(length) - len(cached), list(cached))
+
+    def share(self, lane: int, cached: list[int]) -> None:
+        """A lane that holds no block yet starts with the cached blocks `cached` (a prefix its row does not
+        write again)."""
+        if self._held[lane]:
+            raise RuntimeError(f"KV lane {lane} already holds blocks; a cached prefix comes first")
+        self.pool.share(cached)
+        self._held[lane] = list(cached)
+        self._host_tables[lane, :len(cached)] = torch.tensor(cached, dtype=torch.long)
+        self._dirty = True
+
+    def block(self, lane: int, index: int) -> int:
+        """The lane's index-th block."""
+        return self._held[lane][index]
 
     def take(self) -> int | None:
         """The lowest free lane, holding no block yet (None: every lane is in use; the row waits)."""

@@ -7,6 +7,7 @@ sentence-transformers config says) and classification (BERT pooler + each row's 
 generate in serve.engine.generation.
 """
 
+import hashlib
 import json
 from collections import Counter
 from contextlib import nullcontext
@@ -79,6 +80,8 @@ class BaseModelRuntime:
         self.max_step_tokens = batch.max_step_tokens
         self.step_counts: Counter[str] = Counter()
         """Generation steps by how they ran: "graphed", or "eager:<reason>" (serve/engine/steps.py)."""
+        self.prefix_tokens: Counter[str] = Counter()
+        """Prompt tokens of rows admitted ("queries") and those found in the prefix cache ("hits"), as vLLM counts."""
         self.token_counts: Counter[str] = Counter()
         """Decode and prompt tokens by how their step ran: "decode:graphed", "prompt:eager", ..."""
         self.kv: KVStore | None = None
@@ -92,12 +95,15 @@ class BaseModelRuntime:
     def _load_weights(self, cls, model_dir: str | Path) -> tuple:
         """self.model on its device; -> (the host's tensors that decoders and deltas read, each tensor's digest,
         a NeuZip base's coded streams)."""
+        self.held_form: dict = {}
+        """A NeuZip base's mantissa bits and its coded tensors' digests (held_digest)."""
         nzp_path = Path(model_dir) / NEUZIP_FILE
         streams = {}
         if nzp_path.exists():  # coded weights stay coded; decoders read the stored lossless base
             nzp = NzpFile(nzp_path)
             self.model, streams = load_neuzip(cls, model_dir, nzp, self.device)
             digests = {n: r.source_digest for n, r in nzp.records.items()}
+            self.held_form = {"neuzip_bits": nzp.bits, "coded": {n: r.digest for n, r in nzp.records.items()}}
             host = SafetensorsSource(model_dir)
         else:
             self.model = cls.from_pretrained(model_dir, dtype="auto").eval()  # as stored: deltas match
@@ -122,10 +128,18 @@ class BaseModelRuntime:
         if blocks * block < self.max_length:
             self.max_length = self.max_input_tokens = blocks * block
             self.prompts.limit(self.max_length, "KV cache")
-        self.kv = KVStore(config, batch.max_batch_size, blocks, block, self.max_length, dtype, self.device)
+        self.kv = KVStore(config, batch.max_batch_size, blocks, block, self.max_length, dtype, self.device,
+                          self.held_digest(), batch.prefix_caching)
         if self.device.type == "cuda" and engine.cuda_graphs == "auto":
             self.graphs = StepGraphs(self)
             self.graphs.warm_up()
+
+    def held_digest(self) -> bytes:
+        """A digest of the weights as this base holds them: every tensor's digest (of the stored, lossless ones)
+        and, for a NeuZip base, the mantissa bits it keeps and its coded tensors' digests (a lossy base computes
+        other keys and values than the plain one)."""
+        held = json.dumps({"digests": self.view.digests, **self.held_form}, sort_keys=True)
+        return hashlib.blake2b(held.encode(), digest_size=16).digest()
 
     @property
     def nbytes(self) -> int:

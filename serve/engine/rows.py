@@ -44,6 +44,8 @@ class Row:
     """Generation: time.monotonic() of its latest token."""
     tenant: str = ""
     """Whose row it is, as rows are ordered (serve/engine/fairness.py): the request's tenant, or else its model."""
+    scope: str = ""
+    """The authenticated tenant whose cached KV prefixes it may read ("": a server without tenants, one scope)."""
     weight: float = 1.0
     """Its tenant's share of the engine."""
     seq: int = 0

@@ -86,6 +86,7 @@ class Scheduler:
         self._start()
         row = Row(op, base, key, payload, self._loop.create_future(), model=model, stream=stream,
                   submitted_at=time.monotonic(), tenant=tenant.name if tenant else model or base,
+                  scope=tenant.name if tenant else "",
                   weight=tenant.weight if tenant else 1.0)
         self.fairness.arrive(row)
         try:

@@ -99,6 +99,8 @@ class Generation:
     """One per generated token, as far as it has gone (the end token included)."""
     end_token: int | None = None
     """The end-of-turn token that ended it, if one did: sampled, so counted, but in neither token_ids nor text."""
+    cached_tokens: int = 0
+    """Prompt tokens whose keys and values came from the prefix cache (OpenAI's prompt_tokens_details)."""
 
     @property
     def completion_tokens(self) -> int:
@@ -116,6 +118,8 @@ class TextDelta:
     completion_tokens: int = 0
     """Completion tokens so far (vLLM's continuous usage)."""
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache."""
     logprobs: list[TokenLogprob] | None = None
     """The generated tokens this piece completes (when asked)."""
     prompt_text: str | None = None

@@ -68,7 +68,7 @@ class _Sampling(StrictBody):
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     n: Annotated[int, Field(ge=1, le=8)] = 1
-    """Choices per prompt: each is a row of its own (its prompt prefilled again: serve/README.md)."""
+    """Choices per prompt: each is a row of its own, sharing the prompt's cached blocks (serve/README.md)."""
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     seed: int | None = None
     """Choice i of a prompt draws from seed + i."""

@@ -18,10 +18,16 @@ class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache, as OpenAI reports them."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class InputUsage(BaseModel):

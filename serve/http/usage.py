@@ -6,11 +6,13 @@ from serve.metrics import Metrics
 
 def usage(gens: list, n: int = 1) -> S.Usage:
     """Summed over the generations of one request (or their latest streamed pieces), n choices a prompt, in order:
-    a prompt counts once, as OpenAI and vLLM count it; completion counts every token sampled, the end-of-turn token
-    included (Generation.completion_tokens)."""
+    a prompt counts once, as OpenAI and vLLM count it, and so do its tokens read from the prefix cache (the first
+    choice's); completion counts every token sampled, the end-of-turn token included (Generation.completion_tokens)."""
     prompt = sum(g.prompt_tokens for g in gens[::n])
     completion = sum(g.completion_tokens for g in gens)
-    return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(g.cached_tokens for g in gens[::n])
+    return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=S.PromptTokensDetails(cached_tokens=cached))
 
 
 def input_usage(result) -> S.InputUsage:

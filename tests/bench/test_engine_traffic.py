@@ -51,3 +51,16 @@ def test_every_run_answers_every_request_with_its_tokens_and_counts_its_steps(tm
     kv = report["kv_blocks"]
     assert kv["paged"] == kv["slots"] * 256 // 16
     assert report["runs"]["paged lockstep"]["kv_live"] > 2 * report["runs"]["slots lockstep"]["kv_live"]
+
+
+def test_system_prompts_are_read_from_the_cache_by_a_models_later_requests_only_with_caching_on(tmp_path):
+    model = write_tiny_causal(tmp_path / "m")
+    workload = TrafficWorkload(requests=8, tenants=2, max_batch=4, full_share=0.0, emr_share=0.0, max_prompt=40,
+                               outputs=(2, 4))
+    report = bench_traffic(model, tmp_path / "work", torch.device("cpu"), workload, rates=(),
+                           layouts=("paged", "paged-nocache"), system_prompt_tokens=48)
+    assert report["system_prompt_tokens"] == 48 and report["prompt_tokens"]["min"] >= 48 + 32
+    on, off = report["runs"]["paged lockstep"], report["runs"]["paged-nocache lockstep"]
+    assert on["output_tokens"] == off["output_tokens"] == report["output_tokens"]["total"]
+    assert on["prefix_hit_rate"] > 0.3 and off["prefix_hit_rate"] == 0  # 48 of about 130 tokens, for 6 of 8
+    assert on["ttft_later_p50_s"] is not None and on["ttft_first_p50_s"] > 0
