@@ -104,6 +104,7 @@ async def _read_events(r: httpx.Response, rec: Record, start: float, t0: float) 
             rec.chunk_s.append(now - t0)
         if event.get("usage"):
             rec.tokens = event["usage"]["completion_tokens"]
+            rec.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _client(url: str, max_in_flight: int, timeout_s: float) -> httpx.AsyncClient:

@@ -37,6 +37,8 @@ class Record:
     """Completion tokens: the usage chunk's count, else the content chunks received."""
     chunk_s: list[float] = field(default_factory=list)
     """Arrival of every content chunk."""
+    cached_tokens: int = 0
+    """Prompt tokens the server read from its prefix cache (the usage chunk's prompt_tokens_details)."""
 
     def chunk_tokens(self) -> float:
         """Tokens each content chunk stands for: a chunk is a piece of text, usually one token, and the usage

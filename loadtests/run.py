@@ -6,6 +6,7 @@
     python -m loadtests.run --scenario fleet [--adapters 8] [--repeats 3]
     python -m loadtests.run --scenario fairness [--duration 60] [--seed 0] [--out bench-results/fairness]
     python -m loadtests.run --scenario structured [--requests 16] [--out bench-results/structured-serve.json]
+    python -m loadtests.run --scenario prefix [--system-tokens 1024] [--requests 5] [--out bench-results/prefix-serve.json]
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
@@ -148,6 +149,10 @@ def main(argv: list[str] | None = None) -> list[dict] | dict:
         from loadtests.fairness import main as fairness_main
 
         return fairness_main(argv)
+    if pre.parse_known_args(argv)[0].scenario == "prefix":  # system prompts, cached or not: loadtests/prefix.py
+        from loadtests.prefix import main as prefix_main
+
+        return prefix_main(argv)
     if pre.parse_known_args(argv)[0].scenario == "structured":  # structured outputs, tools: loadtests/structured.py
         from loadtests.structured import main as structured_main
 
@@ -161,7 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict] | dict:
                         "(--scenario neuzip --help); fleet: cold and warm starts from S3 (--scenario fleet --help); "
                         "fairness: a heavy tenant beside seven light ones, FCFS against VTC (--scenario fairness "
                         "--help); structured: JSON schemas, tool calls and vLLM's extras through the clients "
-                        "(--scenario structured --help)")
+                        "(--scenario structured --help); prefix: tenants' system prompts with prefix caching and "
+                        "without (--scenario prefix --help)")
     p.add_argument("--rate", type=float, default=None, help="offered requests per second (default: 8, or "
                    f"{SCENARIOS['mixed'].rate_rps:g} for mixed)")
     p.add_argument("--max-chars", type=int, default=None, help="each input is the start of a test text, at most "

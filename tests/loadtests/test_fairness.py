@@ -129,11 +129,12 @@ def test_stream_reading_takes_text_chunks_and_the_usage_count():
         body = json.loads(request.content)
         assert body["stream"] and request.headers["authorization"] == "Bearer key"
         chunks = [{"choices": [{"text": t}]} for t in ("", "Hello", " wor", "ld")]
-        return httpx.Response(200, content=_sse(*chunks, {"choices": [], "usage": {"completion_tokens": 4}},
-                                                "[DONE]"))
+        usage = {"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 32}}
+        return httpx.Response(200, content=_sse(*chunks, {"choices": [], "usage": usage}, "[DONE]"))
 
     rec = _stream(handler)
     assert rec.outcome == "200" and rec.tokens == 4 and len(rec.chunk_s) == 3 and rec.ttft_s is not None
+    assert rec.cached_tokens == 32
 
 
 def test_stream_reading_counts_refusals_errors_and_streams_cut_short():
