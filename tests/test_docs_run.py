@@ -28,7 +28,7 @@ NOT_HERE = {
     "manyfold demo": "fine-tunes the real packaged models on real data (minutes; tests/test_demo.py, slow), then "
                      "serves until stopped (tests/test_demo_serve.py, on a small demo store)",
     "manyfold bench": "minutes to hours on real models, for bench-results/; the parts with a small form are tested "
-                      "in tests/bench/ (engine traffic, logprobs, neuzip-gpu, translora)",
+                      "in tests/bench/ (engine traffic, logprobs, neuzip-gpu, translora; gpu-check's CPU half)",
     "manyfold translora": "a transfer the guard lets through needs an adapter that learned a task its target has "
                           "not (minutes of training); on tiny random models the CLI runs it in a second to the "
                           "guard's one-line refusal, exit 1 by design: tests/adapters/test_translora.py",

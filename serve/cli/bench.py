@@ -82,6 +82,13 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
                      system_prompt_tokens=args.system_prompt_tokens)
 
 
+def cmd_bench_gpu_check(args: argparse.Namespace) -> None:
+    from serve.bench import gpu_check
+
+    gpu_check.main(["--out", args.out, "--work", args.work, "--budget-s", str(args.budget_s)]
+                   + (["--download", args.download] if args.download else []))
+
+
 def cmd_bench_logprobs(args: argparse.Namespace) -> None:
     from serve.bench.logprobs_check import run_logprobs_check
 
@@ -199,6 +206,13 @@ def _add_engine(bench: argparse._SubParsersAction) -> None:
                     "tokens")
     en.add_argument("--no-neuzip", action="store_true", help="on CUDA, no NeuZip row (its compression runs on the "
                     "host: minutes for Llama-3-8B's shape)")
+    gc = add_command(bench, "gpu-check", cmd_bench_gpu_check, "the one check a lent GPU session runs, within 8 "
+                     "minutes cold (kernels' and every kind's CUDA tests, paged decode against one block a row, the 1B "
+                     "step, log probabilities); with no GPU, its CPU half (serve/bench/gpu_check.py)")
+    gc.add_argument("--out", default="bench-results/gpu-check", help="the folder its gpu-check.json goes to")
+    gc.add_argument("--work", default=".cache/gpu-check", help="models and stores it builds")
+    gc.add_argument("--budget-s", type=float, default=420.0, help="seconds for every phase together")
+    gc.add_argument("--download", metavar="DIR", help="only fetch the wheels the device's image lacks into DIR")
     lp = add_command(bench, "logprobs", cmd_bench_logprobs, "every kind's log probabilities through the engine against "
                      "transformers in fp32 with the variant's weights (vLLM's check_logprobs_close)")
     lp.add_argument("--out", help="default: bench-results/logprobs-cpu.json or logprobs-gpu.json")
