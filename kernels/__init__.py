@@ -113,5 +113,5 @@ def neuzip_decode(words: torch.Tensor, offsets: torch.Tensor, table: torch.Tenso
 def neuzip_decode_group(group: DecodeGroup) -> torch.Tensor:
     """Every coded tensor of the group into its out, in place; -> status, nonzero where a lane did not decode
     cleanly (its layout is the form's own). On CUDA one Triton launch; elsewhere the parts in turn by the torch
-    twin (CPU serving decodes with numba through serve/engine/neuzip_decoder.py, not through groups)."""
+    twin (CPU serving decodes with numba through serve/engine/neuzip/decoder.py, not through groups)."""
     return dispatch(neuzip_decode_group_torch, neuzip_decode_group_triton, group.parts[0][4])(group)

@@ -1,6 +1,6 @@
 """NeuZip decode on the CPU: what a CPU server runs (neuzip_decode_numba, beside its torch reference
 kernels/neuzip_decode.py: neuzip_decode_torch, with the same signature and stream layout), and the pieces the
-engine's layer-ahead decoder (serve/engine/neuzip_decoder.py) drives itself: the compiled one-thread decoder of
+engine's layer-ahead decoder (serve/engine/neuzip/decoder.py) drives itself: the compiled one-thread decoder of
 a range of lanes, the lanes' split over threads and the thread pool.
 
 Numba compiles the lane loop with nogil, so threads split the lanes; 16 lanes take one vector step together

@@ -1,4 +1,4 @@
-"""NeuZip decode of a group of coded tensors in one launch: what a GPU server runs (serve/engine/neuzip_groups.py
+"""NeuZip decode of a group of coded tensors in one launch: what a GPU server runs (serve/engine/neuzip/groups.py
 cuts a model's coded weights into groups). A launch costs about as long as one lane's steps whatever the tensor's
 size, so a budget-0 forward decoding every weight a launch would pay that once a weight; a group pays it once.
 

@@ -47,34 +47,35 @@ class BatchConfig(StrictModel):
     """Positions a causal row may hold, prompt and generated tokens together (at most the model's own, and the
     KV cache's): the context a request is checked against."""
     fairness: Literal["vtc", "fcfs"] = "vtc"
-    """The order waiting rows are taken in, per replica (serve/engine/fairness.py). "vtc": by tenant, the one served
-    fewest weighted tokens first (S-LoRA's Virtual Token Counter), so one tenant's flood cannot starve the rest;
+    """The order waiting rows are taken in, per replica (serve/engine/scheduling/fairness.py). "vtc": by tenant, the one
+    served fewest weighted tokens first (S-LoRA's Virtual Token Counter), so one tenant's flood cannot starve the rest;
     with no tenants configured each model is a tenant. "fcfs": first come, first served."""
     kv_cache_mib: Annotated[float, Field(gt=0)] | None = None
     """Memory for a causal base's KV cache, allocated once: the blocks it buys are shared by the running rows, each
-    holding the blocks its positions fill (serve/engine/kv_store.py). None: the positions of DEFAULT_KV_ROWS rows of
+    holding the blocks its positions fill (serve/engine/kv/store.py). None: the positions of DEFAULT_KV_ROWS rows of
     max_model_len."""
     kv_block_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 16
     """Positions a KV block holds (vLLM's block_size): a row wastes less than one block. At max_model_len or more,
     one block a row: the slot store, each row holding a whole context from its start."""
     prefix_caching: bool = True
     """Full KV blocks are kept after their rows end and reused by later rows whose prompts begin with the same
-    tokens, on the same base and variant, for the same tenant only (serve/engine/kv_blocks.py)."""
+    tokens, on the same base and variant, for the same tenant only (serve/engine/kv/blocks.py)."""
 
 
 class SlotsConfig(StrictModel):
     adapter_mib: Annotated[float, Field(gt=0)] = 256
-    """Memory for LoRA / PiSSA adapters in a base's adapter pool on the engine's device (serve/engine/adapter_pool.py):
-    each costs what its rank costs; rows of adapters beyond it wait until others leave. Idle adapters stay until
-    their room is needed (LRU)."""
+    """Memory for LoRA / PiSSA adapters in a base's adapter pool on the engine's device
+    (serve/engine/families/adapter_pool.py): each costs what its rank costs; rows of adapters beyond it wait until
+    others leave. Idle adapters stay until their room is needed (LRU)."""
     weights_mib: Annotated[float, Field(gt=0)] = 2048
-    """Memory for full fine-tunes' copies in a base's pool on a CUDA device (serve/engine/weight_pool.py), where rows
-    of every fine-tune a step holds run in one launch a module: each costs the bytes of the modules it changed;
-    rows of fine-tunes beyond it wait until others leave. Idle ones stay until their room is needed (LRU). A CPU
-    engine runs the cache's tensors and holds no pool."""
+    """Memory for full fine-tunes' copies in a base's pool on a CUDA device (serve/engine/families/weight_pool.py),
+    where rows of every fine-tune a step holds run in one launch a module: each costs the bytes of the modules it
+    changed; rows of fine-tunes beyond it wait until others leave. Idle ones stay until their room is needed (LRU). A
+    CPU engine runs the cache's tensors and holds no pool."""
     emr_formed_mib: Annotated[float, Field(ge=0)] = 512
-    """Memory for EMR tasks' formed weights (W + lambda M * tau, serve/engine/emr_slots.py) kept between forwards,
-    per group: a hot task's rows run at dense speed without forming its weights again. 0: formed every forward."""
+    """Memory for EMR tasks' formed weights (W + lambda M * tau, serve/engine/families/emr_slots.py) kept between
+    forwards, per group: a hot task's rows run at dense speed without forming its weights again. 0: formed every
+    forward."""
     max_rank: Annotated[int, Field(ge=1, le=1024)] = 64
     """Largest adapter rank a slot takes (a converted PiSSA adapter of rank r has 2r); larger ones are refused."""
 
@@ -140,12 +141,12 @@ class DeploymentConfig(StrictModel):
 
 class EngineConfig(StrictModel):
     cuda_graphs: Literal["auto", "off"] = "auto"
-    """On CUDA, decode steps are captured as CUDA graphs per row bucket and replayed (serve/engine/graphs.py);
+    """On CUDA, decode steps are captured as CUDA graphs per row bucket and replayed (serve/engine/step/graphs.py);
     "off": every step runs eagerly. Ignored on CPU."""
 
 
 class StructuredOutputsConfig(StrictModel):
-    """Grammars of structured outputs and tool calls (serve/engine/grammars.py), per base."""
+    """Grammars of structured outputs and tool calls (serve/engine/generation/grammars.py), per base."""
 
     cache_mib: Annotated[float, Field(gt=0)] = 128
     """Compiled grammars kept, the least recently used evicted first (a JSON schema's grammar over a 49k-token

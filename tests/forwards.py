@@ -5,7 +5,7 @@ import asyncio
 
 import torch
 
-from serve.engine.batch import BatchPlan
+from serve.engine.step.batch import BatchPlan
 from serve.engine.engine import Engine
 from serve.store.manifest import MEMBER_SEP
 

@@ -12,7 +12,7 @@ SMS spam: full fine-tunes of every weight), against the alternatives METHODS.md 
 3. Time of one forward of `--rows` rows of 64 tokens mixing the three EMR tasks and the base (rows round robin),
    against the base alone and against dense forwards of the reconstructed task models (one a task, plus the
    base rows' own), and the same forward with the masked delta for every EMR row (no task's weights formed:
-   serve/engine/emr_slots.py DENSE_MIN_TOKENS), and where that delta's time goes (kernels.emr_delta over every
+   serve/engine/families/emr_slots.py DENSE_MIN_TOKENS), and where that delta's time goes (kernels.emr_delta over every
    Linear, its unpacking alone).
 """
 
@@ -28,8 +28,8 @@ from serve.bench.report import NO_GPU, finish, machine, median_time
 from serve.codecs import emr
 from serve.data.datasets import CLASSIFICATION
 from serve.demo import EMR_GROUPS, TASKS, build_demo_store, examples_accuracy
-from serve.engine import emr_slots
-from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.families import emr_slots
+from serve.engine.step.batch import BASE_ROW, BatchPlan
 from serve.engine.model import BaseModelRuntime
 from serve.store.tensors import SafetensorsSource
 from serve.variants import variant_kind
@@ -198,7 +198,7 @@ def _none_held(rt: BaseModelRuntime, measure):
 
 
 def _masked_only(measure):
-    """measure() with no task's weights formed (serve/engine/emr_slots.py DENSE_MIN_TOKENS): the masked delta
+    """measure() with no task's weights formed (serve/engine/families/emr_slots.py DENSE_MIN_TOKENS): the masked delta
     for every EMR row, as served before tasks were formed."""
     saved = dict(emr_slots.DENSE_MIN_TOKENS)
     emr_slots.DENSE_MIN_TOKENS.update({k: None for k in saved})

@@ -5,7 +5,8 @@ Decode step (one new token for each of N rows over a `context`-token prompt; N =
 PEFT the median of `repeats` steps, each read back; for the engine, whose step is read while the next runs, the
 time of `repeats` steps in a row over `repeats`, the median of three such runs:
   transformers     the bare base, eager, transformers' DynamicCache (cropped back after each step)
-  engine base      the engine's step (serve/engine/generation.py: layout, forward, sampling, the one copy back),
+  engine base      the engine's step (serve/engine/generation/decode_batch.py: layout, forward, sampling, the one copy
+  back),
                    every row on the base
   engine lora      one distinct rank-16 LoRA adapter on q_proj and v_proj per row
   engine mixed     rows in turn: the base, a LoRA adapter, a full fine-tune of the top two layers
@@ -79,7 +80,7 @@ def steady_ms(step, repeats: int, device: torch.device, rounds: int = 3) -> floa
 def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int, profile: list | None = None) -> float:
     """The engine's decode step over len(variants) rows (None: the base), each at `context` tokens. profile: a
     list to append the operations (CPU) or kernels (CUDA) of `repeats` more steps to, by total time."""
-    from serve.engine.generation import DecodeBatch, NewRow
+    from serve.engine.generation.decode_batch import DecodeBatch, NewRow
     from serve.engine.types import SamplingParams
 
     g = torch.Generator().manual_seed(seed)

@@ -12,10 +12,10 @@ slot layout (one block of max_model_len a row, as the store was before it was pa
 run: tokens/s (output tokens over the time from the first arrival to the last answer), time to first token and
 time per output token after it (p50, p99), the rows running at once (mean and most over the steps), the share of
 the blocks held that hold written tokens, rows parked for want of blocks, and the share of steps and of decode
-tokens that ran in graphed launches (serve/engine/steps.py counts them). "lockstep" submits the same requests at once: the rows and
-lengths of the Poisson runs, the engine's best case, whose requests per second are the saturation the rates are
-fractions of. On a CPU the packaged SmolLM2-135M-Instruct and the articles' own tokens; on CUDA a model built from
-its config (random weights) and random tokens with the articles' lengths (throughput does not depend on either).
+tokens that ran in graphed launches (serve/engine/step/layout.py counts them). "lockstep" submits the same requests at
+once: the rows and lengths of the Poisson runs, the engine's best case, whose requests per second are the saturation the
+rates are fractions of. On a CPU the packaged SmolLM2-135M-Instruct and the articles' own tokens; on CUDA a model built
+from its config (random weights) and random tokens with the articles' lengths (throughput does not depend on either).
 """
 
 import asyncio
@@ -177,7 +177,7 @@ class TrafficRun:
         """Serve every request at its arrival (seconds from the start); -> the run's figures."""
         from serve.engine.types import SamplingParams
 
-        from serve.engine.kv_store import KVUsage
+        from serve.engine.kv.store import KVUsage
 
         steps, tokens = dict(self.rt.step_counts), dict(self.rt.token_counts)
         parked = self.engine.scheduler.preemptions["bench"]

@@ -166,7 +166,7 @@ def step_costs(store: Store, ft: FineTune, forms: list[Candidate], factors: Delt
                repeats: int) -> dict[str, float]:
     """Milliseconds of one forward of ROWS x SEQ: half base rows, half rows of each form (registered in the store
     its candidates were measured in, as `auto` registers them), against the base alone."""
-    from serve.engine.batch import BASE_ROW, BatchPlan
+    from serve.engine.step.batch import BASE_ROW, BatchPlan
     from serve.engine.model import BaseModelRuntime
     from serve.variants import variant_kind
     from serve.variants.full import add_full_variant

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from serve.bench.report import finish, machine
-from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
+from serve.engine.step.batch import BASE_ROW, BatchPlan, RowSlot
 from serve.engine.model import BaseModelRuntime
 from serve.variants.base import LoadedVariant
 

@@ -2,7 +2,7 @@
 
 - The Triton decoder's speed, GB/s of bf16 written, on SmolLM2's coded Linear weights: one launch per weight (the
   whole model's weights back to back), one launch per group of weights as the engine decodes them at budget 0
-  (serve/engine/neuzip_groups.py), and one launch over many weights at once (LAYERS_AT_ONCE layers' weights as
+  (serve/engine/neuzip/groups.py), and one launch over many weights at once (LAYERS_AT_ONCE layers' weights as
   one tensor: the GPU full), at the lane length the files use
   (serve/codecs/neuzip.py's LANE symbols a lane) and at shorter ones (more lanes: more parallel work and fewer
   steps a lane, for a few more bytes of lane starts). Every decode is checked bit for bit against the bf16
@@ -123,7 +123,7 @@ def model_order(model_dir: Path) -> list[str]:
     """The model's parameter names in its own order (a file's are sorted by name), as the engine loads it."""
     from transformers import AutoModelForCausalLM
 
-    from serve.engine.neuzip import empty_model
+    from serve.engine.neuzip.coded import empty_model
 
     return [n for n, _ in empty_model(AutoModelForCausalLM, model_dir).named_parameters()]
 
@@ -133,7 +133,7 @@ def decoder_speed(bf16: Path, dirs: dict[int, Path], device: torch.device, repea
     each, a group a launch (the engine's GroupDecoder, in model order), and over LAYERS_AT_ONCE layers' weights as
     one tensor, each checked against the bf16 weights first."""
     from kernels import neuzip_decode, neuzip_decode_group
-    from serve.engine.neuzip_groups import GroupDecoder
+    from serve.engine.neuzip.groups import GroupDecoder
 
     weights = SafetensorsSource(bf16)
     out = {}

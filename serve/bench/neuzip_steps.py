@@ -2,7 +2,7 @@
 
 SmolLM2-135M as bf16 and as lossless NeuZip (k = 7) at decoded-layer budget 0, each a BaseModelRuntime: a decode
 step (one new token a row over a 64-token context) at 1, 8, 32, 64 and 128 rows, and a prefill of 8 x 256
-tokens. NeuZip runs both ways serve/engine/neuzip_decoder.py has, whatever the forward's length: "ahead" (a
+tokens. NeuZip runs both ways serve/engine/neuzip/decoder.py has, whatever the forward's length: "ahead" (a
 decode thread, torch on one thread fewer) and "inline" (decoding on torch's threads), and as a server runs it
 ("k7": the way measured faster for the forward's size, inline beyond AHEAD_MAX_TOKENS), after 2 x TRIALS
 untimed forwards of each step, so that its choice is made. Each forward is split into
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.step.batch import BASE_ROW, BatchPlan
 from serve.engine.model import BaseModelRuntime
-from serve.engine.neuzip_decoder import TRIALS
+from serve.engine.neuzip.decoder import TRIALS
 
 ROWS = (1, 8, 32, 64, 128)
 CONTEXT = 64

@@ -5,8 +5,8 @@ NeuZip, four of each, each asked to read a BBC News article (the test split, pac
 that matches Article's schema:
 - the decode step at 16 rows, half of them under the schema's grammar (its bitmask filled and applied every step)
   against all of them free, compile excluded: median seconds of the steps where all 16 rows decode, taken by the
-  batch itself (serve/engine/generation.py) with the same prompts, a wave of each in turn, three times. A step
-  holds one base's rows, so this runs on the plain base (the adapter, the task, the fine-tune and the base itself)
+  batch itself (serve/engine/generation/decode_batch.py) with the same prompts, a wave of each in turn, three times. A
+  step holds one base's rows, so this runs on the plain base (the adapter, the task, the fine-tune and the base itself)
   and on the NeuZip base (the base, its adapter and its fine-tune) in turn;
 - a grammar's compile, cold (the tokenizer's tables too, then another schema) and cached;
 - the share of the 16 answers that parse and validate against the schema, with the constraint and without it
@@ -115,7 +115,7 @@ def _step_times(engine, models: tuple[str, ...], chats: list[list[dict]], constr
 
 
 async def _timed_steps(engine, models: tuple[str, ...], chats: list[list[dict]], constraint, repeats: int) -> dict:
-    from serve.engine.generation import DecodeBatch, NewRow
+    from serve.engine.generation.decode_batch import DecodeBatch, NewRow
     from serve.engine.types import SamplingParams
 
     params = SamplingParams(max_tokens=STEP_TOKENS + 8, ignore_eos=True)

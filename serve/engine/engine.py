@@ -2,8 +2,8 @@
 HTTP.
 
 Requests are checked and turned into rows here (prompts tokenised on the event loop with its own tokenizer,
-serve/engine/prompts.py), then queued on the scheduler (serve/engine/scheduler.py), which holds each row's variant
-in the cache and runs the forwards (serve/engine/forwards.py) on one compute thread. Model ids resolve against
+serve/engine/prompts.py), then queued on the scheduler (serve/engine/scheduling/scheduler.py), which holds each row's
+variant in the cache and runs the forwards (serve/engine/forwards.py) on one compute thread. Model ids resolve against
 the catalog's snapshot (serve/store/catalog.py), and a row runs the revision of its entry it resolved to: the
 cache and slots know variants by their entries' keys, so a replace is another variant. A snapshot that no longer
 has a key frees its memory when the engine follows it.
@@ -22,11 +22,11 @@ from serve.config import ServeConfig
 from serve.engine import faults
 from serve.engine.cache import VariantCache
 from serve.engine.forwards import Forwards
-from serve.engine.grammars import Grammars
+from serve.engine.generation.grammars import Grammars
 from serve.engine.memory import MIB, PROFILE_ROWS, MemoryPlan, reserved_bytes, resident_bytes, working_bytes
 from serve.engine.model import BaseModelRuntime
-from serve.engine.rows import Op
-from serve.engine.scheduler import Scheduler
+from serve.engine.scheduling.rows import Op
+from serve.engine.scheduling.scheduler import Scheduler
 from serve.engine.types import (Classifications, Embeddings, Generation, ModelInfo, SamplingParams, Tenant,
                                 TextDelta)
 from serve.errors import ArtifactError, BadRequest, ConfigError, Unavailable, VariantIncompatible, VariantNotFound
@@ -64,7 +64,7 @@ class Engine:
         self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manyfold-grammar")
         """The thread that compiles structured outputs' grammars, off the step and the event loop."""
         self.grammars: dict[str, Grammars] = {}
-        """By causal base: its compiled grammars (serve/engine/grammars.py)."""
+        """By causal base: its compiled grammars (serve/engine/generation/grammars.py)."""
         c = config.cache
         self.cache = VariantCache(self._load_variant, c.device_mib << 20, c.cpu_mib << 20, config.device,
                                   tuple(c.pinned), copier=self._compute)

@@ -1,5 +1,5 @@
-"""The forwards the scheduler (serve/engine/scheduler.py) runs on the compute thread: classify and embed rows in
-as few forwards as slots allow, and each base's generation batch over the scheduler's rows. The model room's side
+"""The forwards the scheduler (serve/engine/scheduling/scheduler.py) runs on the compute thread: classify and embed rows
+in as few forwards as slots allow, and each base's generation batch over the scheduler's rows. The model room's side
 of the seam: torch, no asyncio.
 """
 
@@ -7,10 +7,10 @@ import logging
 from typing import Any
 
 from serve.engine import faults
-from serve.engine.batch import RowSlot
-from serve.engine.generation import DecodeBatch, NewRow
+from serve.engine.step.batch import RowSlot
+from serve.engine.generation.decode_batch import DecodeBatch, NewRow
 from serve.engine.model import BaseModelRuntime
-from serve.engine.rows import Row, Step
+from serve.engine.scheduling.rows import Row, Step
 from serve.engine.types import Embeddings
 from serve.errors import CapacityExceeded, ManyfoldError
 

@@ -2,9 +2,9 @@
 
 The plan follows vLLM's profile run: load every base with nothing kept decoded, measure what the process then
 holds (resident), measure one forward at the largest batch (working: activations, plus on a CPU the KV store,
-whose pages become resident as rows write them), add the budgets that fill later (reserved: the variant cache's tiers, the adapter pool, EMR
-formed weights), and what the target leaves after those is decoded for good. On a CPU engine memory is the
-process's resident set; on CUDA it is the device's allocated bytes.
+whose pages become resident as rows write them), add the budgets that fill later (reserved: the variant cache's tiers,
+the adapter pool, EMR formed weights), and what the target leaves after those is decoded for good. On a CPU engine
+memory is the process's resident set; on CUDA it is the device's allocated bytes.
 """
 
 from dataclasses import asdict, dataclass
@@ -90,7 +90,7 @@ def working_bytes(rt, rows: int) -> int:
     """One forward's own memory at `rows` rows of PROFILE_TOKENS tokens (measured: its peak over what was held
     before it), plus on a CPU a causal LM's KV store (allocated at load, its pages resident only once written;
     on CUDA it is already in the resident bytes)."""
-    from serve.engine.batch import BASE_ROW, BatchPlan
+    from serve.engine.step.batch import BASE_ROW, BatchPlan
 
     tokens = min(PROFILE_TOKENS, rt.max_input_tokens)
     ids = torch.randint(0, rt.model.config.vocab_size, (rows, tokens), device=rt.device)

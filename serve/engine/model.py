@@ -1,10 +1,10 @@
 """One base model in memory, run for rows of many variants at once.
 
-The base's leaf modules are wrapped once at load (serve/engine/layers.py); a forward takes a BatchPlan that
+The base's leaf modules are wrapped once at load (serve/engine/families/layers.py); a forward takes a BatchPlan that
 says which slot of which correction family each row uses, so rows of the base, of full variants and of
 adapters share one forward. Encoders give embeddings (mean pooling + L2 normalisation, as all-MiniLM-L6-v2's
 sentence-transformers config says) and classification (BERT pooler + each row's own head); causal LMs
-generate in serve.engine.generation.
+generate in serve.engine.generation.decode_batch.
 """
 
 import hashlib
@@ -16,18 +16,18 @@ from pathlib import Path
 import torch
 
 from serve.config import DEFAULT_KV_ROWS, BatchConfig, EngineConfig, SlotsConfig
-import serve.engine.adapter_pool  # noqa: F401  (registers the "lora" family)
-import serve.engine.emr_slots  # noqa: F401  (registers the "emr" family)
-import serve.engine.weight_pool  # noqa: F401  (registers the "weights" family)
+import serve.engine.families.adapter_pool  # noqa: F401  (registers the "lora" family)
+import serve.engine.families.emr_slots  # noqa: F401  (registers the "emr" family)
+import serve.engine.families.weight_pool  # noqa: F401  (registers the "weights" family)
 from serve.engine import faults
-from serve.engine.batch import BASE_ROW, BatchPlan, RowSlot
-from serve.engine.fused import fuse_layers
-from serve.engine.graphs import StepGraphs
-from serve.engine.kv_store import ATTENTION, KVStore, token_bytes
-from serve.engine.layers import Corrections, wrap_modules, leaf_modules
-from serve.engine.neuzip import CodedWeights
-from serve.engine.neuzip import load_model as load_neuzip
-from serve.engine.slots import FAMILIES, Slots, family_class
+from serve.engine.step.batch import BASE_ROW, BatchPlan, RowSlot
+from serve.engine.step.fused import fuse_layers
+from serve.engine.step.graphs import StepGraphs
+from serve.engine.kv.store import ATTENTION, KVStore, token_bytes
+from serve.engine.families.layers import Corrections, wrap_modules, leaf_modules
+from serve.engine.neuzip.coded import CodedWeights
+from serve.engine.neuzip.coded import load_model as load_neuzip
+from serve.engine.families.slots import FAMILIES, Slots, family_class
 from serve.engine.prompts import Prompts, token_counts
 from serve.engine.stats import Seconds
 from serve.errors import BadRequest
@@ -40,7 +40,7 @@ from serve.variants.base import BaseView, LoadedVariant
 class BaseModelRuntime:
     def __init__(self, name: str, model_dir: str | Path, device: str = "cpu", slots: SlotsConfig = SlotsConfig(),
                  decoded_bytes: int = 0, batch: BatchConfig = BatchConfig(), engine: EngineConfig = EngineConfig()):
-        """decoded_bytes: a NeuZip base's decoded-layer budget (serve/engine/neuzip.py); batch: the KV store's
+        """decoded_bytes: a NeuZip base's decoded-layer budget (serve/engine/neuzip/coded.py); batch: the KV store's
         size (a causal LM's rows and positions) and a step's token budget."""
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -72,20 +72,20 @@ class BaseModelRuntime:
         self.corrections = Corrections(self.families, self.seconds, self.coded)
         self.wrappers = wrap_modules(self.model, self.view.modules, self.corrections)
         self.fixed_shapes = False
-        """Steps run at row and token buckets and the families read per-token maps (serve/engine/steps.py): on
+        """Steps run at row and token buckets and the families read per-token maps (serve/engine/step/layout.py): on
         CUDA, so that steps replay as graphs; a test may ask for them on CPU (use_fixed_shapes)."""
         self.max_step_chunks: int | None = None
         """Prompt chunks one step holds at most (fixed shapes: the chunk table's rows), None: any."""
         self.use_fixed_shapes(self.device.type == "cuda")
         self.max_step_tokens = batch.max_step_tokens
         self.step_counts: Counter[str] = Counter()
-        """Generation steps by how they ran: "graphed", or "eager:<reason>" (serve/engine/steps.py)."""
+        """Generation steps by how they ran: "graphed", or "eager:<reason>" (serve/engine/step/layout.py)."""
         self.prefix_tokens: Counter[str] = Counter()
         """Prompt tokens of rows admitted ("queries") and those found in the prefix cache ("hits"), as vLLM counts."""
         self.token_counts: Counter[str] = Counter()
         """Decode and prompt tokens by how their step ran: "decode:graphed", "prompt:eager", ..."""
         self.kv: KVStore | None = None
-        """A causal LM's KV cache (serve/engine/kv_store.py), allocated once here."""
+        """A causal LM's KV cache (serve/engine/kv/store.py), allocated once here."""
         self.graphs: StepGraphs | None = None
         if self.causal:
             self._ready_to_generate(config, batch, engine)
@@ -118,7 +118,7 @@ class BaseModelRuntime:
 
     def _ready_to_generate(self, config, batch: BatchConfig, engine: EngineConfig) -> None:
         """The attention that reads the KV cache, the cache itself, layers fused where they can be
-        (serve/engine/fused.py), and on CUDA the base rows' step graphs. A cache smaller than max_model_len
+        (serve/engine/step/fused.py), and on CUDA the base rows' step graphs. A cache smaller than max_model_len
         positions is what a row may hold."""
         self.model.set_attn_implementation(ATTENTION)
         fuse_layers(self.model)
@@ -151,7 +151,7 @@ class BaseModelRuntime:
     def use_fixed_shapes(self, on: bool) -> None:
         """Row and token buckets and per-token maps on (CUDA's default) or off; every family, present and future,
         follows."""
-        from serve.engine.steps import CHUNK_ROWS
+        from serve.engine.step.layout import CHUNK_ROWS
 
         self.fixed_shapes = on
         self.max_step_chunks = CHUNK_ROWS if on else None

@@ -13,7 +13,7 @@ cold, only on disk, to be loaded (and decoded) first. A base is hot while its re
 
 @dataclass(frozen=True)
 class Tenant:
-    """Whom a request is for, as the engine orders rows of many tenants (serve/engine/fairness.py)."""
+    """Whom a request is for, as the engine orders rows of many tenants (serve/engine/scheduling/fairness.py)."""
 
     name: str
     weight: float = 1.0
@@ -26,7 +26,7 @@ ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 @dataclass(frozen=True)
 class Constraint:
     """What a row's output must match (structured outputs), as the grammar library compiles it
-    (serve/engine/grammars.py): plain text, so that it crosses from the ingress to a replica as it is."""
+    (serve/engine/generation/grammars.py): plain text, so that it crosses from the ingress to a replica as it is."""
 
     kind: ConstraintKind
     spec: str = ""
@@ -36,7 +36,8 @@ class Constraint:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """A row's sampling controls, with OpenAI's and vLLM's meanings (serve/engine/sampling.py applies them)."""
+    """A row's sampling controls, with OpenAI's and vLLM's meanings (serve/engine/generation/sampling.py applies
+    them)."""
 
     max_tokens: int | None = 16
     """None: up to the end of the context, within the server's limit. 0: the prompt only (with echo)."""

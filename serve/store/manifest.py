@@ -304,7 +304,7 @@ class TenantEntry(StrictModel):
     models: list[ModelPattern] = ["*"]
     weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
     """Its share of the engine when tenants wait for it: served tokens count 1/weight on its virtual counter
-    (serve/engine/fairness.py)."""
+    (serve/engine/scheduling/fairness.py)."""
     limits: TenantLimits = TenantLimits()
 
     def may_call(self, model: str) -> bool:

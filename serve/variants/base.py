@@ -3,7 +3,7 @@
 A kind says how a fine-tune is validated and stored (`add`), how it is read into memory (`load`), what it
 weighs, and which correction family applies it in the shared forward (`family`): "weights" rows run a module
 with the variant's own tensors, "lora" rows add s (x A^T) B^T. The engine holds one set of slots per family
-and base (serve/engine/slots.py); a new kind either joins a family or brings one.
+and base (serve/engine/families/slots.py); a new kind either joins a family or brings one.
 """
 
 from abc import ABC, abstractmethod
@@ -109,7 +109,7 @@ class VariantKind(ABC):
 
     kind: ClassVar[str]
     family: ClassVar[str]
-    """The correction family that applies its rows (serve.engine.slots.FAMILIES)."""
+    """The correction family that applies its rows (serve.engine.families.slots.FAMILIES)."""
     help: ClassVar[str]
     """One line for `manyfold store add --kind` and the API docs."""
 

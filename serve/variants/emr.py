@@ -2,7 +2,7 @@
 
 One store entry holds a group; each task is a model, "<group>/<task>". In memory the group is one cache entry:
 tau_uni once, every task's masks still packed, its rescalers and heads. A row of task t runs in the shared
-forward with rows of every other kind; its family "emr:<group>" (serve/engine/slots.py EmrSlots) adds
+forward with rows of every other kind; its family "emr:<group>" (serve/engine/families/slots.py EmrSlots) adds
 lambda_t x (M_t * tau_uni)^T where the group merged a tensor. Adding a group of the same name again replaces
 it whole: the new bundle goes to its own directory and the manifest swaps to it in one write.
 """

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.func import functional_call
 
-import serve.engine.adapter_pool as pool_module
+import serve.engine.families.adapter_pool as pool_module
 from serve.config import SlotsConfig
-from serve.engine.adapter_pool import AdapterPool, bucket_key, bucket_row_bytes, rank_bucket
-from serve.engine.batch import BatchPlan
+from serve.engine.families.adapter_pool import AdapterPool, bucket_key, bucket_row_bytes, rank_bucket
+from serve.engine.step.batch import BatchPlan
 from serve.engine.model import BaseModelRuntime
 from serve.variants.base import LoadedVariant
 from tests.models import random_lora, write_tiny_causal

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from serve.codecs import emr
-from serve.engine import emr_slots
-from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.families import emr_slots
+from serve.engine.step.batch import BASE_ROW, BatchPlan
 from serve.engine.model import BaseModelRuntime
 from serve.store.store import Store
 from serve.variants import variant_kind

@@ -335,7 +335,7 @@ def test_embeddings_of_a_long_input_equal_sentence_transformers(engine):
 def test_a_decode_step_that_fails_while_admitting_rows_fails_them_too(serving_store, monkeypatch):
     """Rows a step was admitting are neither running nor pending while it runs: a failure must still answer them
     (they used to be lost, and their requests never returned)."""
-    from serve.engine.generation import DecodeBatch
+    from serve.engine.generation.decode_batch import DecodeBatch
 
     engine = Engine(ServeConfig(store=serving_store[0]))
     calls = []

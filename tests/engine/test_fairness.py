@@ -1,5 +1,5 @@
-"""Fair scheduling across tenants (serve/engine/fairness.py) on the real Scheduler, over a generation that gives
-every running row one token a step: which rows join the batch, and what each tenant is served, step by step."""
+"""Fair scheduling across tenants (serve/engine/scheduling/fairness.py) on the real Scheduler, over a generation that
+gives every running row one token a step: which rows join the batch, and what each tenant is served, step by step."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from serve.config import BatchConfig
-from serve.engine.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, Fairness, FairQueue
-from serve.engine.rows import Row, Step
-from serve.engine.scheduler import Scheduler
+from serve.engine.scheduling.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, Fairness, FairQueue
+from serve.engine.scheduling.rows import Row, Step
+from serve.engine.scheduling.scheduler import Scheduler
 from serve.engine.types import Generation, SamplingParams, Tenant
 from serve.errors import Overloaded
 
@@ -320,7 +320,7 @@ def test_no_more_rows_are_parked_than_a_batch_holds():
     parked for another tenant's, however far ahead the tenant holding the most is."""
     from collections import Counter
 
-    from serve.engine.generating import Generating, Generations
+    from serve.engine.scheduling.generating import Generating, Generations
 
     made = []
 

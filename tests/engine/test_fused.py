@@ -1,11 +1,11 @@
-"""Fused layers (serve/engine/fused.py) replace exactly transformers' Llama attention and SiLU MLP, and a forward
+"""Fused layers (serve/engine/step/fused.py) replace exactly transformers' Llama attention and SiLU MLP, and a forward
 outside a generation step runs through them unchanged. (Inside a step, test_steps.py checks every request's
 tokens against the same request alone, and test_mixed.py the logits against PEFT's.)"""
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from serve.engine.fused import GatedMLP, StepAttention, fuse_layers
+from serve.engine.step.fused import GatedMLP, StepAttention, fuse_layers
 from tests.models import write_tiny_causal
 
 

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from serve.config import StructuredOutputsConfig
-from serve.engine.grammars import Grammars
+from serve.engine.generation.grammars import Grammars
 from serve.engine.types import Constraint
 from tests.models import WORDS, write_tiny_causal
 

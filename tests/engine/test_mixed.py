@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
-from serve.engine.adapter_pool import bucket_key, bucket_row_bytes
+from serve.engine.families.adapter_pool import bucket_key, bucket_row_bytes
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.variants import variant_kind

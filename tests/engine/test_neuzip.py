@@ -10,7 +10,7 @@ import torch
 from serve.codecs import neuzip
 from serve.codecs.neuzip_file import NEUZIP_FILE, add_base, cast_to_bf16
 from serve.config import ServeConfig
-from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.step.batch import BASE_ROW, BatchPlan
 from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams
 from serve.errors import ArtifactError
@@ -320,7 +320,7 @@ def test_coded_weights_come_in_the_models_order_not_the_files(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from serve.codecs.neuzip_file import NzpFile, compress_dir
-    from serve.engine.neuzip import load_model
+    from serve.engine.neuzip.coded import load_model
 
     lm = write_tiny_causal(tmp_path / "lm", layers=12)
     compress_dir(lm, 7, tmp_path / "nz")

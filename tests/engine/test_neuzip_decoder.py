@@ -4,7 +4,7 @@ import torch
 
 from serve.codecs import neuzip
 from serve.codecs.neuzip_file import Stream, decode
-from serve.engine.neuzip_decoder import TRIALS, WayChooser, WeightDecoder
+from serve.engine.neuzip.decoder import TRIALS, WayChooser, WeightDecoder
 
 
 def coded(name: str, shape: tuple[int, int], gen: torch.Generator) -> Stream:
@@ -51,7 +51,7 @@ def test_a_gpu_decodes_a_group_of_weights_a_launch_and_hands_out_each_exactly(mo
     """GroupDecoder (a GPU's way; here its torch twin on the CPU): weights in model order cut into groups, the
     first weight asked for of a group decodes all of it once, and a weight asked for out of turn decodes its group
     again; every weight handed out equals its own decoding."""
-    import serve.engine.neuzip_groups as groups
+    import serve.engine.neuzip.groups as groups
 
     gen = torch.Generator().manual_seed(1)
     streams = {m: coded(m, (40 + 3 * i, 32), gen) for i, m in enumerate("ecabd")}  # model order, not by name

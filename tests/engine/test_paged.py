@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve.config import BatchConfig
-from serve.engine.generation import DecodeBatch, NewRow
-from serve.engine.kv_blocks import BlockPool
-from serve.engine.kv_store import token_bytes
+from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+from serve.engine.kv.blocks import BlockPool
+from serve.engine.kv.store import token_bytes
 from serve.engine.model import BaseModelRuntime
 from serve.engine.types import SamplingParams
 from serve.errors import BadRequest

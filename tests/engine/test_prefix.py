@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from serve.config import BatchConfig
-from serve.engine.generation import DecodeBatch, NewRow
-from serve.engine.kv_blocks import BlockPool, chain
+from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+from serve.engine.kv.blocks import BlockPool, chain
 from serve.engine.model import BaseModelRuntime
 from serve.engine.types import SamplingParams
 from tests.engine.test_paged import full, generate, mib, pissa

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from serve.engine.sampling import (RowSampling, controlled_logits, draw, probabilities, sample,
+from serve.engine.generation.sampling import (RowSampling, controlled_logits, draw, probabilities, sample,
                                    sampling_metadata)
 from serve.engine.types import SamplingParams
 

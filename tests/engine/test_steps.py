@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from serve.config import BatchConfig, StructuredOutputsConfig
-from serve.engine.batch import BatchPlan
-from serve.engine.generation import DecodeBatch, NewRow
-from serve.engine.graphs import StepGraphs, _Graph
+from serve.engine.step.batch import BatchPlan
+from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+from serve.engine.step.graphs import StepGraphs, _Graph
 from serve.engine.model import BaseModelRuntime
-from serve.engine.steps import row_bucket
+from serve.engine.step.layout import row_bucket
 from serve.engine.types import SamplingParams
 from serve.variants.base import LoadedVariant
 from tests.models import random_emr_group, random_lora, write_tiny_causal
@@ -347,7 +347,7 @@ def test_a_row_waiting_for_a_kv_lane_stages_nothing_and_the_graphs_continuation_
 
 def choice_grammar(rt: BaseModelRuntime, words: list[str]):
     """A grammar of one or more of the words (compiled as a request's would be), and the ids they take."""
-    from serve.engine.grammars import Grammars
+    from serve.engine.generation.grammars import Grammars
     from serve.engine.types import Constraint
 
     grammar = " ".join(f'"{w}"' for w in words[:1]) + "".join(f' | "{w}"' for w in words[1:])

@@ -7,9 +7,9 @@ import torch
 from torch.func import functional_call
 
 from serve.config import SlotsConfig
-from serve.engine.batch import BatchPlan, RowSlot
+from serve.engine.step.batch import BatchPlan, RowSlot
 from serve.engine.model import BaseModelRuntime
-from serve.engine.weight_pool import WeightPool
+from serve.engine.families.weight_pool import WeightPool
 from serve.errors import VariantIncompatible
 from serve.variants.base import LoadedVariant
 from tests.models import write_tiny_causal

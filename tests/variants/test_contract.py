@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serve.config import SlotsConfig
-from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.step.batch import BASE_ROW, BatchPlan
 from serve.engine.model import BaseModelRuntime
 from serve.store.store import Store
 from serve.variants import VARIANT_KINDS, variant_kind

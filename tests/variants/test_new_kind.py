@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from serve.config import ServeConfig, SlotsConfig
-from serve.engine.batch import BatchPlan
+from serve.engine.step.batch import BatchPlan
 from serve.engine.engine import Engine
-from serve.engine.slots import FAMILIES, Slots, register_family
+from serve.engine.families.slots import FAMILIES, Slots, register_family
 from serve.errors import VariantIncompatible
 from serve.http.app import build_http_app
 from serve.store.manifest import VariantEntryBase, register_entry, unregister_entry

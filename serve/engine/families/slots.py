@@ -3,11 +3,12 @@
 A family holds, per base, a small table of slots. A row's variant is attached to a slot before its first
 forward and detached when the row leaves; a slot nobody uses keeps its variant (warm) until another needs it,
 least recently used first. Each family's `apply` is what a wrapped module adds for the rows of its slots:
-- WeightPool ("weights", full variants; serve/engine/weight_pool.py): rows of a variant that changed this module
+- WeightPool ("weights", full variants; serve/engine/families/weight_pool.py): rows of a variant that changed this
+module
   run it with the variant's tensors; modules it left alone are the base's, shared with every other row.
-- AdapterPool ("lora", LoRA and PiSSA; serve/engine/adapter_pool.py): y += s (x A^T) B^T through
+- AdapterPool ("lora", LoRA and PiSSA; serve/engine/families/adapter_pool.py): y += s (x A^T) B^T through
   kernels.lora_shrink / lora_expand, adapters held in rank buckets under a byte budget.
-- EmrSlots ("emr:<group>", serve/engine/emr_slots.py): an EMR group's tasks.
+- EmrSlots ("emr:<group>", serve/engine/families/emr_slots.py): an EMR group's tasks.
 A family is registered (register_family); a kind names the family that applies its rows.
 Slots are attached, detached and read on the engine's one compute thread only.
 """
@@ -17,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from serve.engine.batch import BatchPlan
+from serve.engine.step.batch import BatchPlan
 from serve.variants.base import BaseView, LoadedVariant
 
 class Slots(ABC):

@@ -1,7 +1,7 @@
 """One generation step's forward, laid out: every token of the step in one flattened sequence, where it writes in
 the KV store, what it reads, which variant it runs, and which logits come back.
 
-The layout (the generation's own rows are serve/engine/generation.py's):
+The layout (the generation's own rows are serve/engine/generation/decode_batch.py's):
     tokens 0..B-1    a decode token for lanes 0..B-1: a running row's last token at its next position, or
                      padding (a free lane, a row still prefilling) that writes through the scratch lane and reads
                      nothing. B covers the highest running lane, rounded up to a row bucket where shapes are fixed.
@@ -12,7 +12,7 @@ Logits are computed only for the tokens some row reads (`kept`): the running row
 that ends in this step, and every token of an echoing prompt; where shapes are fixed, B + CHUNK_ROWS of them
 whichever prompts end. Every host-built index goes to the device in one copy. So with fixed shapes a step's
 launches depend only on (B, P) and on its families: every step whose families allow it replays a CUDA graph of
-its buckets (serve/engine/graphs.py), prompt chunks and all. An echoing prompt's step (its logits of every
+its buckets (serve/engine/step/graphs.py), prompt chunks and all. An echoing prompt's step (its logits of every
 position) runs eagerly, as does any step on a CPU; the reason is counted.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from serve.engine.batch import BASE_ROW, BatchPlan
-from serve.engine.kv_store import StepLayout
+from serve.engine.step.batch import BASE_ROW, BatchPlan
+from serve.engine.kv.store import StepLayout
 
 CHUNK_ROWS = 8
 """Prompt chunks a fixed-shape step holds at most (its chunk table's rows, and the LM head's rows for them)."""
@@ -52,7 +52,7 @@ def token_bucket(tokens: int, most: int) -> int:
 def chunk_rows(prompt_tokens: int) -> int:
     """The chunk table's rows (and the LM head's for them) of a fixed-shape step of `prompt_tokens` prompt tokens:
     CHUNK_ROWS, one more where that would make the kept tokens as many as all of them (a module tells the LM head's
-    tokens from all of a step's by their count: serve/engine/batch.py)."""
+    tokens from all of a step's by their count: serve/engine/step/batch.py)."""
     return CHUNK_ROWS + (prompt_tokens == CHUNK_ROWS)
 
 
@@ -61,7 +61,7 @@ class Prefill:
     """A prompt's next chunk in this step."""
 
     row: Any
-    """Its generation row (the caller's: serve/engine/generation.py's _Seq)."""
+    """Its generation row (the caller's: serve/engine/generation/decode_batch.py's _Seq)."""
     lane: int
     """Its KV lane (its row of the block tables)."""
     first: int
@@ -83,7 +83,7 @@ class StepOutput:
     chunk_at: dict[int, tuple[int, int]]
     """KV lane -> the rows of logits of its echoing chunk."""
     graph: Any = None
-    """The graph a decode step replayed (serve/engine/graphs.py), None for an eager step: the next decode step
+    """The graph a decode step replayed (serve/engine/step/graphs.py), None for an eager step: the next decode step
     can then be launched from this one's tokens without the host (StepRunner.continue_)."""
 
     def chunk_logits(self, p: Prefill) -> torch.Tensor:

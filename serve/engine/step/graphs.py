@@ -1,15 +1,15 @@
 """CUDA graphs of a base's generation steps: one per row bucket, prompt-token bucket and set of families, captured
 once and replayed.
 
-A step of B decode rows and P prompt tokens (buckets, serve/engine/steps.py) is the same launches whatever its
-rows hold: the KV cache is written and read through block tables of a fixed width (rewritten in place), every family's per-token maps sit in buffers allocated once
-(serve/engine/token_maps.py), the attention reads each decode row's length and the chunk table on the device, and
-a NeuZip base's decode launches write buffers allocated once. So the step is captured whole, reading its inputs
-from static buffers, and each later step copies its inputs there (one copy), lets the families refill their maps,
-and replays. A graph is keyed by its families' `version`s too (and a NeuZip base's): when a stack, a map buffer,
-an EMR group's tensors or a decoded weight move, the next step captures again. Graphs of base rows alone (no
-family, no prompt) are captured for every row bucket at start-up (`warm_up`), which says what capture cost and
-held; the others when first needed.
+A step of B decode rows and P prompt tokens (buckets, serve/engine/step/layout.py) is the same launches whatever its
+rows hold: the KV cache is written and read through block tables of a fixed width (rewritten in place), every family's
+per-token maps sit in buffers allocated once (serve/engine/families/token_maps.py), the attention reads each decode
+row's length and the chunk table on the device, and a NeuZip base's decode launches write buffers allocated once. So the
+step is captured whole, reading its inputs from static buffers, and each later step copies its inputs there (one copy),
+lets the families refill their maps, and replays. A graph is keyed by its families' `version`s too (and a NeuZip
+base's): when a stack, a map buffer, an EMR group's tensors or a decoded weight move, the next step captures again.
+Graphs of base rows alone (no family, no prompt) are captured for every row bucket at start-up (`warm_up`), which says
+what capture cost and held; the others when first needed.
 """
 
 import logging
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.engine.batch import BASE_ROW, BatchPlan
+from serve.engine.step.batch import BASE_ROW, BatchPlan
 
 log = logging.getLogger("manyfold.engine")
 MAX_GRAPHS = 256
@@ -110,7 +110,7 @@ class StepGraphs:
     def warm_up(self) -> None:
         """Capture the base-rows graph of every bucket, so that the first requests pay no capture, and log what
         capture cost."""
-        from serve.engine.steps import lay_out, row_bucket
+        from serve.engine.step.layout import lay_out, row_bucket
 
         buckets = sorted({row_bucket(n, self.rt.kv.lanes) for n in range(1, self.rt.kv.lanes + 1)})
         for bucket in buckets:

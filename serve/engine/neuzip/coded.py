@@ -2,10 +2,10 @@
 
 The model is built without weights (accelerate's init_empty_weights); raw tensors (embeddings, norms, biases:
 serve/codecs/neuzip_file.py says which) are loaded as they are, and every coded weight stays a meta
-placeholder of the right shape and dtype, so the variant seam (serve/engine/layers.py, slots.py) sees the
+placeholder of the right shape and dtype, so the variant seam (serve/engine/families/layers.py, slots.py) sees the
 module it always sees. The module's wrapper (layers.py: SlotModule) calls, around the module and its corrections:
-- `install`: have the weight decoded (on the CPU by serve/engine/neuzip_decoder.py, inline or ahead into a
-  buffer of its own; on a GPU by serve/engine/neuzip_groups.py, its group of weights in one launch) and put it in
+- `install`: have the weight decoded (on the CPU by serve/engine/neuzip/decoder.py, inline or ahead into a
+  buffer of its own; on a GPU by serve/engine/neuzip/groups.py, its group of weights in one launch) and put it in
   place of the placeholder;
 - `restore` (after the corrections have run, also when the forward raised): put the placeholder back.
 Resident weights are then the coded streams, the raw tensors and the decoders' buffers (on the CPU four decoded
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from serve.codecs.neuzip_file import NzpFile, Stream, decode
-from serve.engine.neuzip_decoder import AHEAD_MAX_TOKENS, WeightDecoder
-from serve.engine.neuzip_groups import GroupDecoder
+from serve.engine.neuzip.decoder import AHEAD_MAX_TOKENS, WeightDecoder
+from serve.engine.neuzip.groups import GroupDecoder
 from serve.errors import ArtifactError
 
 
@@ -79,7 +79,7 @@ class CodedWeights:
 
     def __init__(self, model: torch.nn.Module, streams: dict[str, Stream], decoded_bytes: int = 0,
                  ahead_max_tokens: int = AHEAD_MAX_TOKENS):
-        """ahead_max_tokens: forwards of at most this many tokens decode ahead (serve/engine/neuzip_decoder.py)."""
+        """ahead_max_tokens: forwards of at most this many tokens decode ahead (serve/engine/neuzip/decoder.py)."""
         self.streams: dict[str, Stream] = {}
         """The weights decoded on use: their streams are all that stays resident of them."""
         self.kept: dict[str, torch.Tensor] = {}

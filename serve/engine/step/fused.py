@@ -15,12 +15,12 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 from kernels import rotary_store, silu_mul
-from serve.engine.kv_store import KVStore, StepLayout, attend
+from serve.engine.kv.store import KVStore, StepLayout, attend
 
 
 class StepAttention(LlamaAttention):
     """LlamaAttention; in a generation step, q, k and v rotated and stored by one kernel, then read from the
-    cache as kv_store.attend reads it."""
+    cache as kv/store.py's attend reads it."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, past_key_values=None,

@@ -1,5 +1,5 @@
-"""A NeuZip base's coded weights decoded on a GPU, a group of weights a launch: what serve/engine/neuzip.py's
-pre-hooks call on a device other than the CPU (serve/engine/neuzip_decoder.py decodes on the CPU).
+"""A NeuZip base's coded weights decoded on a GPU, a group of weights a launch: what serve/engine/neuzip/coded.py's
+pre-hooks call on a device other than the CPU (serve/engine/neuzip/decoder.py decodes on the CPU).
 
 A GPU decode launch takes about as long as one lane's steps whatever the weight's size, and the host takes about
 as long again to issue it (an NVIDIA H200 decoding SmolLM2 a weight a launch: 84 us a weight added to a 64-row

@@ -1,7 +1,7 @@
 """The running generations, one per base: generate rows join their base's running generation between decode steps,
 the fairness policy picks which join and which are parked, and each step's outcome answers the rows it ended.
-Plain asyncio, no torch: the scheduler (serve/engine/scheduler.py) feeds it rows and resolves them; the batch
-itself (serve/engine/generation.py) runs on the compute thread.
+Plain asyncio, no torch: the scheduler (serve/engine/scheduling/scheduler.py) feeds it rows and resolves them; the batch
+itself (serve/engine/generation/decode_batch.py) runs on the compute thread.
 """
 
 import asyncio
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve.config import BatchConfig
-from serve.engine.fairness import Fairness
-from serve.engine.rows import Forwards, GenerationBatch, Row, Step
+from serve.engine.scheduling.fairness import Fairness
+from serve.engine.scheduling.rows import Forwards, GenerationBatch, Row, Step
 from serve.engine.stats import Distribution, Latencies, Seconds
 
 log = logging.getLogger("manyfold.engine")

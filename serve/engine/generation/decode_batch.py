@@ -1,11 +1,11 @@
 """Continuous batching for a causal LM: one running batch per base, whose rows may each be of another variant.
 
-Each row holds a lane of the base's KV cache (serve/engine/kv_store.py) from admission to its last token, and the
+Each row holds a lane of the base's KV cache (serve/engine/kv/store.py) from admission to its last token, and the
 blocks its positions fill: its prompt's at admission (a row waits while the cache has too few free), one more
 each time its length crosses a block. Where a running row needs a block and none is free, running rows are parked
 (their keys and values kept in host memory, their blocks given back) in the order the scheduler gives (the fairness
 policy's: the tenant served most, its latest row), the row itself last; a parked row resumes where it stopped
-once blocks are free. Every step is one forward over one flattened sequence of tokens (serve/engine/steps.py lays
+once blocks are free. Every step is one forward over one flattened sequence of tokens (serve/engine/step/layout.py lays
 it out):
 - a decode token for every running row, row b at lane b (rows without one are padding: a row still
   prefilling, a lane free), the rows rounded up to a bucket where shapes are fixed;
@@ -15,7 +15,7 @@ it out):
 Nothing is copied between rows: a finished row gives its blocks back and the next admitted row writes over them.
 On CUDA a decode step that replays a graph is followed at once by the next, launched from its sampled tokens on
 the device before the host reads them, so the host's reading and detokenising overlap the GPU (see `run`).
-Each row keeps its variant's slot (serve/engine/slots.py) too, and the step's BatchPlan maps every token to its
+Each row keeps its variant's slot (serve/engine/families/slots.py) too, and the step's BatchPlan maps every token to its
 row's variant. Sampling runs on the device over every row that samples this step (greedy rows give the tokens
 they give alone, seeded rows draw from their own generator) and the sampled tokens come back in one copy; each
 row's text and where it stops are detokenize.py's. Log probabilities (when a row asks) are a log-softmax over
@@ -30,14 +30,14 @@ from typing import Any
 import torch
 
 from serve.engine import faults
-from serve.engine.batch import RowSlot
-from serve.engine.detokenize import Detokenizer, RowText
-from serve.engine.grammars import RowGrammar
-from serve.engine.kv_blocks import chain, prefix_seed, tenant_key
+from serve.engine.step.batch import RowSlot
+from serve.engine.generation.detokenize import Detokenizer, RowText
+from serve.engine.generation.grammars import RowGrammar
+from serve.engine.kv.blocks import chain, prefix_seed, tenant_key
 from serve.engine.model import BaseModelRuntime
-from serve.engine.rows import Step
-from serve.engine.sampling import RowSampling, sample, sampling_metadata
-from serve.engine.steps import Prefill, StepOutput, StepRunner
+from serve.engine.scheduling.rows import Step
+from serve.engine.generation.sampling import RowSampling, sample, sampling_metadata
+from serve.engine.step.layout import Prefill, StepOutput, StepRunner
 from serve.engine.types import Generation, SamplingParams
 from serve.errors import BadRequest
 from serve.variants.base import LoadedVariant
@@ -52,7 +52,7 @@ class NewRow:
     """max_tokens is set (0 or more): the engine resolves a default before a row gets here."""
     variant: LoadedVariant | None = None
     grammar: Any = None
-    """Its constraint's compiled grammar (serve/engine/grammars.py), compiled before the row was queued."""
+    """Its constraint's compiled grammar (serve/engine/generation/grammars.py), compiled before the row was queued."""
     scope: str = ""
     """The authenticated tenant whose cached prefixes it may read and write ("": a server without tenants)."""
 
@@ -81,7 +81,7 @@ class _Seq(RowText):
     end_ids: frozenset[int] = frozenset()
     """The tokens that end it (min_tokens keeps them out)."""
     seed: bytes = b""
-    """Where its blocks' hash chain starts (kv_blocks.prefix_seed)."""
+    """Where its blocks' hash chain starts (kv/blocks.py: prefix_seed)."""
     owner: bytes = b""
     """Its tenant's keyed hash: whose share of the cache its cached blocks count against."""
     hashes: list[bytes] = field(default_factory=list)

@@ -1,9 +1,9 @@
 """A pool of stacked copies on the engine's device, bounded by bytes: what the adapter pool (serve/engine/
-adapter_pool.py) and the full fine-tunes' pool (serve/engine/weight_pool.py) share (S-LoRA's unified pool).
+adapter_pool.py) and the full fine-tunes' pool (serve/engine/families/weight_pool.py) share (S-LoRA's unified pool).
 
 Variants whose copies have the same shapes share a bucket: one stack per tensor, a row per variant. A forward's
-ops read each token's row from a per-token map (serve/engine/token_maps.py), so with fixed shapes every bucket's
-ops are the same launches whichever variants a step's rows run, and a CUDA graph captured once replays them. A
+ops read each token's row from a per-token map (serve/engine/families/token_maps.py), so with fixed shapes every
+bucket's ops are the same launches whichever variants a step's rows run, and a CUDA graph captured once replays them. A
 variant that does not fit evicts idle ones, least recently used first, and the buckets are compacted so their
 memory goes back; when the variants of running rows leave no room, the new row waits (attach returns None) until
 some leave. Evicted variants stay in the variant cache's tiers (serve/engine/cache.py), so they come back from
@@ -17,9 +17,9 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from kernels import NO_SLOT
-from serve.engine.batch import BatchPlan
-from serve.engine.slots import TableSlots
-from serve.engine.token_maps import TokenMaps
+from serve.engine.step.batch import BatchPlan
+from serve.engine.families.slots import TableSlots
+from serve.engine.families.token_maps import TokenMaps
 from serve.errors import VariantIncompatible
 from serve.variants.base import BaseView, LoadedVariant
 

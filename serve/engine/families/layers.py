@@ -8,7 +8,7 @@ family consulted. Families see the module's tokens flattened (x [N, ...], y [N, 
 itself (the wrapped one: a full variant runs it through functional_call with its own tensors). A family may
 claim tokens of a module (it computes them whole with weights of its own, Slots.claims): the base then runs only
 the other tokens. A base held in NeuZip form has its coded weight decoded around the whole call, corrections
-included (serve/engine/neuzip.py: CodedWeights).
+included (serve/engine/neuzip/coded.py: CodedWeights).
 """
 
 from collections.abc import Callable, Iterator, Mapping
@@ -19,8 +19,8 @@ import torch
 
 from kernels import rms_norm
 from kernels.rms_norm import rms_norm_torch
-from serve.engine.batch import BatchPlan
-from serve.engine.slots import Slots
+from serve.engine.step.batch import BatchPlan
+from serve.engine.families.slots import Slots
 from serve.engine.stats import Seconds
 
 
@@ -39,7 +39,7 @@ class Corrections:
         """Time in each family's corrections, by family ("lora", "weights", "emr")."""
         self.plan: BatchPlan | None = None
         self.coded = coded
-        """serve/engine/neuzip.py CodedWeights, or None."""
+        """serve/engine/neuzip/coded.py CodedWeights, or None."""
 
     @contextmanager
     def planned(self, plan: BatchPlan | None) -> Iterator[None]:

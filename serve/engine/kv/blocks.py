@@ -1,6 +1,6 @@
 """The KV cache's blocks and its prefix cache: which blocks are free, which rows hold each, and which full blocks
 are kept after their rows end, found again by a chained hash of what they hold. Plain Python, no torch: the KV
-store (serve/engine/kv_store.py) holds the tensors and the block tables.
+store (serve/engine/kv/store.py) holds the tensors and the block tables.
 
 A full block's hash covers its parent's hash and its tokens (vLLM V1's chain), so equal hashes mean equal tokens at
 equal positions after an equal prefix. The chain starts from a row's seed, which covers what makes its keys and

@@ -3,7 +3,7 @@
 
 A generation step's maps are written once per step (`prepare`, on the host, before the forward) into device
 buffers allocated once per size, for all of the step's tokens and for the LM head's kept ones: a captured step
-(serve/engine/graphs.py) reads, at its next replay, the maps that replay's prepare wrote (vLLM's
+(serve/engine/step/graphs.py) reads, at its next replay, the maps that replay's prepare wrote (vLLM's
 LoRAKernelMeta). A buffer that must grow is a new address, so `version` changes and a graph reading the old one is
 captured again. Forwards that are not steps (encoders) get their maps built on first use instead (`get`).
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
-from serve.engine.batch import BatchPlan
+from serve.engine.step.batch import BatchPlan
 
 HostRows = Callable[[int], list[int]]
 """n -> each of a module's n tokens' row (-1: none), built on the host from the plan."""

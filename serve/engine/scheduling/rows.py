@@ -43,7 +43,8 @@ class Row:
     token_at: float = 0.0
     """Generation: time.monotonic() of its latest token."""
     tenant: str = ""
-    """Whose row it is, as rows are ordered (serve/engine/fairness.py): the request's tenant, or else its model."""
+    """Whose row it is, as rows are ordered (serve/engine/scheduling/fairness.py): the request's tenant, or else its
+    model."""
     scope: str = ""
     """The authenticated tenant whose cached KV prefixes it may read ("": a server without tenants, one scope)."""
     weight: float = 1.0

@@ -4,7 +4,7 @@ stops (end of text, a stop string, max_tokens), and the log probabilities it ask
 A token's text depends on its neighbours (a SentencePiece word's leading space, a character split over byte
 tokens), so text is decoded after CONTEXT tokens of what came before (the prompt's tail first), and the tokens
 since the last piece are decoded again until they end on a whole character (vLLM's incremental detokenizer).
-The batch (generation.py) decides when a row has a token; this module only turns tokens into what a row returns.
+The batch (decode_batch.py) decides when a row has a token; this module only turns tokens into what a row returns.
 """
 
 from dataclasses import dataclass

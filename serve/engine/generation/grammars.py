@@ -1,6 +1,6 @@
 """Structured outputs: a row's constraint (a JSON schema, any JSON object, a regex, a choice of strings, an EBNF
 grammar) compiled by xgrammar against its base's tokenizer, and the matcher that gives the row's token bitmask at
-every step (serve/engine/sampling.py applies it to the row's logits on the device).
+every step (serve/engine/generation/sampling.py applies it to the row's logits on the device).
 
 Compiling is off the step and off the event loop: on a worker thread, once per (base, constraint), the result kept
 in a cache bounded in bytes, the least recently used evicted first, and bounded per tenant, so that one tenant's

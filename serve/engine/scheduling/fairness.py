@@ -1,5 +1,5 @@
 """The order waiting rows are served in: by tenant with S-LoRA's Virtual Token Counter (arXiv 2401.00588), or first
-come, first served. Plain Python, no torch: the scheduler (serve/engine/scheduler.py) asks it which
+come, first served. Plain Python, no torch: the scheduler (serve/engine/scheduling/scheduler.py) asks it which
 row goes next, where rows wait (its bounded queue, and a base's rows waiting to join the running generation), and
 tells it what each row was served.
 
@@ -31,7 +31,7 @@ OUTPUT_WEIGHT = 2.0
 
 
 class Waiting(Protocol):
-    """What the policy reads of a row (serve/engine/rows.py Row)."""
+    """What the policy reads of a row (serve/engine/scheduling/rows.py Row)."""
 
     tenant: str
     weight: float

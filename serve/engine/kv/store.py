@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kernels import chunk_attention, decode_attention
 from kernels.decode_attention import gather_blocks
-from serve.engine.kv_blocks import BlockPool
+from serve.engine.kv.blocks import BlockPool
 
 ATTENTION = "manyfold"
 """The attention implementation name a causal base runs under (registered below)."""
@@ -164,12 +164,12 @@ class KVStore(Cache):
         """The forward running now (set by `stepping`)."""
         self.usage = KVUsage()
         self.prefix_caching = prefix_caching
-        """Full blocks are kept after their rows end and found again by the hash of what they hold (kv_blocks.py)."""
+        """Full blocks are kept after their rows end and found again by the hash of what they hold (kv/blocks.py)."""
         self.base_key = base_key
         """A digest of the base's weights as held (plain, or NeuZip and its mantissa bits): every chain's seed
         covers it."""
         self.secret = os.urandom(32)
-        """This process's key for tenants' names in the chains' seeds (kv_blocks.tenant_key)."""
+        """This process's key for tenants' names in the chains' seeds (blocks.py: tenant_key)."""
 
     @property
     def nbytes(self) -> int:

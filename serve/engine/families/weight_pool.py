@@ -7,8 +7,8 @@ Two forms, one per kind of device:
   that changed it run through it with those (functional_call); the base skips them (claims). Nothing is copied and
   nothing stays warm, since the cache may recycle an idle variant's buffers.
 - fixed shapes (CUDA, so that steps replay as graphs): a variant's tensors are copied into a pool of stacks on the
-  device (serve/engine/stack_pool.py) within slots.weights_mib. The variants that change the same tensors share a
-  bucket: a stack per parameter of the modules they touch (the base's value where a variant left one alone), a row
+  device (serve/engine/families/stack_pool.py) within slots.weights_mib. The variants that change the same tensors share
+  a bucket: a stack per parameter of the modules they touch (the base's value where a variant left one alone), a row
   each. A module runs every token of a bucket in launches that depend only on the shapes, each token reading its
   row from a per-token map: a Linear in one kernels.linear_by_token (the base's output overwritten where the map
   names a row), an Embedding as one gather, a norm that scales by its weight (Llama's RMSNorm) with each token's
@@ -24,9 +24,9 @@ from torch.func import functional_call
 
 from kernels import NO_SLOT, linear_by_token
 from serve.config import SlotsConfig
-from serve.engine.batch import BatchPlan
-from serve.engine.slots import register_family, tensor_owners
-from serve.engine.stack_pool import MIB, StackPool, Stacks
+from serve.engine.step.batch import BatchPlan
+from serve.engine.families.slots import register_family, tensor_owners
+from serve.engine.families.stack_pool import MIB, StackPool, Stacks
 from serve.variants.base import BaseView, LoadedVariant
 
 BucketKey = tuple[str, ...]

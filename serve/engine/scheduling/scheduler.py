@@ -4,11 +4,11 @@ compute thread it is given, so the event loop keeps answering.
 
 The scheduler takes the waiting row that goes next and gathers more for up to `batch_wait_timeout_s` or
 `max_batch_size` rows (beyond max_queue, Overloaded: HTTP 429). Which row goes next, out of the queue and into a
-running generation, is the fairness policy's (serve/engine/fairness.py: by tenant, the least served first, or first
-come, first served); each row carries its tenant. A row whose variant is on the fast tier is held and dispatched at
-once; any other is acquired in its own task (a load, or a promotion from the cpu tier), so it never holds up
+running generation, is the fairness policy's (serve/engine/scheduling/fairness.py: by tenant, the least served first, or
+first come, first served); each row carries its tenant. A row whose variant is on the fast tier is held and dispatched
+at once; any other is acquired in its own task (a load, or a promotion from the cpu tier), so it never holds up
 the rest. Classify and embed rows of one gather and base are one forward; generate rows join their base's one
-running generation between decode steps (serve/engine/generating.py).
+running generation between decode steps (serve/engine/scheduling/generating.py).
 
 Supervised: whatever raises (an acquisition, an attach, a prefill, a decode step, closing a batch, a forward),
 only the rows that step touched fail, each with RowFailed naming its model and the stage, and the scheduler goes
@@ -25,9 +25,9 @@ from concurrent.futures import Executor
 from typing import Any
 
 from serve.config import BatchConfig
-from serve.engine.fairness import Fairness, FairQueue
-from serve.engine.generating import Generating, Generations
-from serve.engine.rows import Forwards, Holds, Op, Row, row_error
+from serve.engine.scheduling.fairness import Fairness, FairQueue
+from serve.engine.scheduling.generating import Generating, Generations
+from serve.engine.scheduling.rows import Forwards, Holds, Op, Row, row_error
 from serve.engine.stats import BATCH_BUCKETS, Distribution, Latencies, Seconds
 from serve.engine.types import Tenant
 from serve.errors import ManyfoldError, Overloaded
@@ -328,7 +328,7 @@ class Scheduler:
         finally:
             self._shut_out(rows)
 
-    # ---- feeding the running generations (serve/engine/generating.py)
+    # ---- feeding the running generations (serve/engine/scheduling/generating.py)
     def _stepped(self) -> None:
         """A generation stepped: progress, as an answered row is (stalled_s)."""
         self._progress_at = time.monotonic()

@@ -1,5 +1,5 @@
 """EMR-Merging's correction family, "emr:<group>": the tasks of one EMR group sit in slots of their own (see
-serve/engine/slots.py for what a family is, serve/codecs/emr.py for the maths)."""
+serve/engine/families/slots.py for what a family is, serve/codecs/emr.py for the maths)."""
 
 from collections import OrderedDict
 from collections.abc import Callable
@@ -10,9 +10,9 @@ from torch.func import functional_call
 from kernels import NO_SLOT, emr_delta, masked, unpack_bits
 from serve.config import SlotsConfig
 from serve.codecs.emr import reconstruct
-from serve.engine.batch import BatchPlan
-from serve.engine.slots import Slots, register_family, tensor_owners
-from serve.engine.token_maps import TokenMaps
+from serve.engine.step.batch import BatchPlan
+from serve.engine.families.slots import Slots, register_family, tensor_owners
+from serve.engine.families.token_maps import TokenMaps
 from serve.errors import VariantIncompatible
 from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
 
@@ -20,9 +20,9 @@ from serve.variants.base import MASKS_SUFFIX, BaseView, LoadedVariant
 DENSE_MIN_TOKENS: dict[str, int | None] = {"cpu": 1}
 """Per device type, the tokens of one task in a forward from which its Linear weights are formed (W_t_hat, one
 module at a time, held between forwards in FormedWeights) and its rows run through them instead of the base plus
-the masked delta; None: never. Chosen by measurement (MiniLM's three Linear shapes, fp32, 2-core AMD EPYC shared with other work,
-median of 7): base matmul + masked delta against forming + one matmul, in ms, for 1 / 16 / 256 tokens of a task:
-384x384 0.32/0.33/0.93 against 0.16/0.24/0.49; 1536x384 0.51/0.65/6.35 against 0.27/0.45/2.01; 384x1536
+the masked delta; None: never. Chosen by measurement (MiniLM's three Linear shapes, fp32, 2-core AMD EPYC shared with
+other work, median of 7): base matmul + masked delta against forming + one matmul, in ms, for 1 / 16 / 256 tokens of a
+task: 384x384 0.32/0.33/0.93 against 0.16/0.24/0.49; 1536x384 0.51/0.65/6.35 against 0.27/0.45/2.01; 384x1536
 0.33/0.63/3.49 against 0.25/0.44/1.86. On CPU the masked delta unpacks the mask (the same pass over the
 weights as forming) and then adds a matmul as large as the base's, so forming wins from one token: K = 1. CUDA
 keeps the masked delta (its Triton kernel unpacks in registers and reads tau_uni once for every task of a tile;
@@ -76,7 +76,7 @@ class FormedWeights:
 class EmrSlots(Slots):
     """Family "emr:<group>": the tasks of one EMR group, slot = the task's index in its bundle. Rows of task t add
     lambda_t x (M_t * tau_uni)^T in every module the group merged (serve/codecs/emr.py), each token naming its
-    task in a per-token map (serve/engine/token_maps.py):
+    task in a per-token map (serve/engine/families/token_maps.py):
     - Linear modules, for a task with at least DENSE_MIN_TOKENS tokens in the forward (see there; never with fixed
       shapes): the task's weights W_t_hat = W + lambda_t M_t * tau_uni formed for the module and its rows run
       through them whole (claims: the base skips them); every other token of a task, kernels.emr_delta in one

@@ -1,4 +1,4 @@
-"""A NeuZip base's coded weights decoded on use: what serve/engine/neuzip.py's pre-hooks call for the weight of
+"""A NeuZip base's coded weights decoded on use: what serve/engine/neuzip/coded.py's pre-hooks call for the weight of
 the module about to run.
 
 On the CPU every call was costing more than its decoding (tensor-to-numpy views, a scratch allocation, two
@@ -20,7 +20,7 @@ size (WayChooser): which is faster depends on the rows, on how many weights are 
 - inline, for long forwards (prefill), where compute needs every core and decoding is a small share, and for
   steps where few weights are still coded: the compute thread decodes each weight, its lanes split over
   torch's threads, then the module computes.
-On another device serve/engine/neuzip_groups.py decodes instead.
+On another device serve/engine/neuzip/groups.py decodes instead.
 """
 
 import statistics

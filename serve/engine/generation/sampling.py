@@ -2,11 +2,11 @@
 (vLLM's sampling metadata): the controls are per-row tensors of the step, so rows of every kind and every mix of
 controls share one step and its graph, and rows with none (greedy, no penalty, no bias, no grammar) pay one argmax.
 
-In order, on a row's fp32 logits: its grammar's token bitmask (structured outputs, serve/engine/grammars.py), its
-logit_bias, min_tokens (its end tokens left out), then the penalties (repetition over the prompt and the output,
+In order, on a row's fp32 logits: its grammar's token bitmask (structured outputs, serve/engine/generation/grammars.py),
+its logit_bias, min_tokens (its end tokens left out), then the penalties (repetition over the prompt and the output,
 frequency and presence over the output); a greedy row takes the argmax of that; a sampled row divides by its
 temperature, keeps the tokens min_p, top_k and top_p leave, and draws by inverse CDF with one uniform from its own
-generator (a seeded row repeats). Every host value goes to the device without waiting for it (generation.py reads a
+generator (a seeded row repeats). Every host value goes to the device without waiting for it (decode_batch.py reads a
 step while the next may run)."""
 
 from collections.abc import Sequence
@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from serve.engine.grammars import apply_bitmask, bitmask_for
+from serve.engine.generation.grammars import apply_bitmask, bitmask_for
 from serve.engine.types import SamplingParams
 
 
 @dataclass(eq=False)
 class RowSampling:
-    """What sampling reads of one row of a step's logits (the batch's row, serve/engine/generation.py)."""
+    """What sampling reads of one row of a step's logits (the batch's row, serve/engine/generation/decode_batch.py)."""
 
     params: SamplingParams
     rng: torch.Generator | None
@@ -31,7 +31,7 @@ class RowSampling:
     end_ids: frozenset[int]
     """Tokens that would end it: left out while fewer than min_tokens are out."""
     grammar: Any = None
-    """Its grammar's matcher (serve/engine/grammars.py RowGrammar) where it has a constraint."""
+    """Its grammar's matcher (serve/engine/generation/grammars.py RowGrammar) where it has a constraint."""
 
     @property
     def penalized(self) -> bool:
@@ -51,7 +51,7 @@ class RowSampling:
     @property
     def reads_its_tokens(self) -> bool:
         """Its controls change with every token it takes (penalties, min_tokens, a grammar): the host must have read
-        the last one before the next step samples (no step launched ahead: generation.py)."""
+        the last one before the next step samples (no step launched ahead: decode_batch.py)."""
         return self.penalized or self.held_open or self.grammar is not None
 
 

@@ -2,7 +2,7 @@
 whose.
 
 Every row of a forward belongs to at most one variant, and a variant sits in one slot of its family
-("weights" for full variants, "lora" for LoRA and PiSSA adapters; see serve/engine/slots.py). The plan keeps,
+("weights" for full variants, "lora" for LoRA and PiSSA adapters; see serve/engine/families/slots.py). The plan keeps,
 per family, one slot id per row, NO_SLOT (-1) for rows of the base or of another family.
 
 A forward lays its tokens out one of two ways, and the plan maps a module's tokens to rows either way:

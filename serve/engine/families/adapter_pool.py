@@ -9,8 +9,8 @@ A stacks of layers that read one input (a layer's q, k and v; gate and up: SIBLI
 shrink is one launch for all of them (Punica's packed slices) and each layer's expand reads its own block.
 
 The pool's bytes are its stacks' bytes, at most slots.adapter_mib; what a pool of stacks does when an adapter
-does not fit, and how its per-token maps are kept, is serve/engine/stack_pool.py's. Attached, detached and read on
-the engine's compute thread only.
+does not fit, and how its per-token maps are kept, is serve/engine/families/stack_pool.py's. Attached, detached and read
+on the engine's compute thread only.
 """
 
 import torch
@@ -18,9 +18,9 @@ import torch
 from kernels import (HostStacks, bgmv_expand, bgmv_shrink, host_stacks, lora_by_token, lora_expand,
                      lora_shrink)
 from serve.config import SlotsConfig
-from serve.engine.batch import BatchPlan
-from serve.engine.slots import register_family
-from serve.engine.stack_pool import MIB, StackPool, Stacks
+from serve.engine.step.batch import BatchPlan
+from serve.engine.families.slots import register_family
+from serve.engine.families.stack_pool import MIB, StackPool, Stacks
 from serve.errors import VariantIncompatible
 from serve.variants.base import BaseView, LoadedVariant
 from serve.variants.lora import matmul_dims

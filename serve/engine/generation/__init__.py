@@ -1,0 +1,1 @@
+"""Continuous batching for a causal LM: the running batch, sampling, structured outputs, detokenising."""
