@@ -9,6 +9,7 @@ from kernels import _backend
 from kernels._backend import dispatch
 from kernels.chunk_attention import chunk_attention_torch, chunk_attention_triton
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from kernels.decode_attention_cpu import decode_attention_numba
 from kernels.emr_delta import emr_delta_torch, emr_delta_triton, masked, pack_bits, unpack_bits
 from kernels.linear_by_token import linear_by_token_torch, linear_by_token_triton
 from kernels.lora_bgmv import (HostStacks, bgmv_expand_torch, bgmv_expand_triton, bgmv_shrink_torch,
@@ -33,7 +34,10 @@ __all__ = ["DecodeGroup", "HostStacks", "NO_SLOT", "Segments", "bgmv_expand", "b
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      lengths: torch.Tensor, scale: float, max_length: int) -> torch.Tensor:
     """o[b] = attention of q[b] over the first lengths[b] keys and values of row b's blocks (block_tables[b]),
-    GQA; a new [B, H, D] tensor."""
+    GQA; a new [B, H, D] tensor. fp32 CPU tensors run the numba form (what CPU serving runs: it reads the blocks
+    where they lie), unless a test forces a form."""
+    if not q.is_cuda and q.dtype == torch.float32 and _backend.FORCED is None:
+        return decode_attention_numba(q, k_cache, v_cache, block_tables, lengths, scale, max_length)
     return dispatch(decode_attention_torch, decode_attention_triton, q)(q, k_cache, v_cache, block_tables, lengths,
                                                                         scale, max_length)
 

@@ -17,7 +17,7 @@ kernels/decode_attention.py reads them; values alike):
             o[t, h] = softmax(scale * q[t, h] @ keys(row, j, p + 1).T) @ values(row, j, p + 1)
     every other row of o is left as it was.
 
-Shapes: q [T, H, D]; k_cache, v_cache [NB, KVH, BT, D] in q's dtype; block_tables [R, W] int64; chunks [C, 4] int64
+Shapes: q [T, H, D]; k_cache, v_cache [NB, BT, KVH, D] in q's dtype; block_tables [R, W] int64; chunks [C, 4] int64
 (start, length, row, first), on q's device; o [T, H, D] like q, written in place and returned. `max_tokens` bounds
 every chunk's length (a host int: the kernel's grid; the twin ignores it).
 """
@@ -37,7 +37,7 @@ def chunk_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     blocks), the query heads of each key/value head read as one group (no repeated keys)."""
     _check(q, k_cache, v_cache, block_tables, chunks, o)
     heads, dim = q.shape[1:]
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     for start, length, row, first in chunks.tolist():
         if length == 0:
@@ -99,9 +99,9 @@ def chunk_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return o
     _chunk_attention_kernel[(chunks.shape[0], triton.cdiv(max_tokens, BLOCK_M), heads)](
         q, k_cache, v_cache, o, block_tables, chunks,
-        scale, heads // k_cache.shape[1], k_cache.shape[2],
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1), block_tables.stride(0),
+        scale, heads // k_cache.shape[2], k_cache.shape[1],
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), o.stride(0), o.stride(1), block_tables.stride(0),
         D=dim, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(dim)),
         IEEE=q.dtype == torch.float32 or INTERPRET,
     )

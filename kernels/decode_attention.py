@@ -9,10 +9,11 @@ Semantics:
     for b in range(B), h in range(H):
         j = h // (H // KVH)                       # the key/value head that query head h reads (GQA)
         n = lengths[b]                            # keys of row b, this step's included; 0: a padding row
-        keys = [k_cache[block_tables[b, p // BT], j, p % BT] for p in range(n)]   (values alike)
+        keys = [k_cache[block_tables[b, p // BT], p % BT, j] for p in range(n)]   (values alike)
         o[b, h] = softmax(scale * q[b, h] @ keys.T) @ values   if n > 0   else 0
 
-Shapes: q [B, H, D]; k_cache, v_cache [NB, KVH, BT, D] in q's dtype; block_tables [R >= B, W] int64 (every entry a
+Shapes: q [B, H, D]; k_cache, v_cache [NB, BT, KVH, D] in q's dtype (a block's positions in turn, each position's
+heads together, vLLM's layout for flash attention); block_tables [R >= B, W] int64 (every entry a
 block of the cache, W * BT >= lengths); lengths [B] int. Returns a new o [B, H, D] in q's dtype (accumulated in
 fp32). `max_length` bounds lengths (a host int: the twin reads only that many positions; the kernel ignores it, so
 one captured launch serves every step of its row bucket).
@@ -26,14 +27,16 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
-    """cache [NB, KVH, BT, D], tables [R, W] -> the first n positions of each table's row, [R, KVH, n, D]: what the
-    twins attend over. One block a row (the slot layout) is indexed after its first n positions are cut, so no more
-    is copied than is read."""
-    rows, (_, kv_heads, block, dim) = tables.shape[0], cache.shape
+    """cache [NB, BT, KVH, D], tables [R, W] -> the first n positions of each table's row as [R, KVH, n, D] (a view
+    of one copy, positions before heads): what the twins attend over. The blocks are copied in one index_select,
+    which lays a row's positions one after another; one block a row (the slot layout) is cut to its first n
+    positions first, so no more is copied than is read."""
+    rows, (_, block, kv_heads, dim) = tables.shape[0], cache.shape
     count = -(-n // block)
     if count == 1:
-        return cache[:, :, :n][tables[:, 0]]
-    return cache[tables[:, :count]].transpose(1, 2).reshape(rows, kv_heads, count * block, dim)[:, :, :n]
+        return cache[:, :n].index_select(0, tables[:, 0]).transpose(1, 2)
+    picked = cache.index_select(0, tables[:, :count].reshape(-1))  # [R * count, BT, KVH, D]
+    return picked.view(rows, count * block, kv_heads, dim)[:, :n].transpose(1, 2)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -46,8 +49,8 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     _check(q, k_cache, v_cache, block_tables, lengths)
     rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    n = max(1, min(max_length, block_tables.shape[1] * k_cache.shape[2]))
+    kv_heads = k_cache.shape[2]
+    n = max(1, min(max_length, block_tables.shape[1] * k_cache.shape[1]))
     keys, values = gather_blocks(k_cache, block_tables[:rows], n), gather_blocks(v_cache, block_tables[:rows], n)
     live = torch.arange(n, device=q.device)[None, :] < lengths[:, None]  # [B, n]
     live[:, 0] |= lengths == 0  # a padding row reads one key rather than none (no NaN); it is zeroed below
@@ -135,16 +138,16 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     it)."""
     _check(q, k_cache, v_cache, block_tables, lengths)
     rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     o = torch.empty_like(q)
     if rows == 0:
         return o
     _decode_attention_kernel[(rows, kv_heads)](
         q, k_cache, v_cache, o, block_tables, lengths,
-        scale, group, k_cache.shape[2],
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1), block_tables.stride(0),
+        scale, group, k_cache.shape[1],
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), o.stride(0), o.stride(1), block_tables.stride(0),
         D=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=q.dtype == torch.float32 or INTERPRET,
     )
@@ -171,13 +174,13 @@ def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     heads, dim = q.shape[1:]
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4 or t.shape[3] != dim or t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected [NB, KVH, BT, {dim}], last dim contiguous; got {list(t.shape)}")
+            raise ValueError(f"{name}: expected [NB, BT, KVH, {dim}], last dim contiguous; got {list(t.shape)}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: expected {q.dtype} on {q.device} (q's); got {t.dtype} on {t.device}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: expected k_cache's shape {list(k_cache.shape)}; got {list(v_cache.shape)}")
-    if heads % k_cache.shape[1]:
-        raise ValueError(f"q: {heads} heads do not split over {k_cache.shape[1]} key/value heads")
+    if heads % k_cache.shape[2]:
+        raise ValueError(f"q: {heads} heads do not split over {k_cache.shape[2]} key/value heads")
     if block_tables.dim() != 2 or block_tables.shape[0] < rows or block_tables.dtype != torch.int64 \
             or block_tables.device != q.device or block_tables.stride(-1) != 1:
         raise ValueError(f"block_tables: expected [R >= {rows}, W] int64 on {q.device}, last dim contiguous; got "

@@ -7,12 +7,12 @@ its 11.1 ms on an H100, each kernel's ramp costing more than its bytes.
 Semantics (transformers' rotation, then the KV cache's write):
     rot(x)[t] = x[t] * cos[t] + rotate_half(x[t]) * sin[t]      rotate_half(x) = cat(-x[D/2:], x[:D/2])
     q <- rot(q)                                                 in place
-    k_cache[blocks[t], :, offsets[t]] = rot(k)[t];  v_cache[blocks[t], :, offsets[t]] = v[t]
+    k_cache[blocks[t], offsets[t]] = rot(k)[t];  v_cache[blocks[t], offsets[t]] = v[t]
 Each product and the sum are rounded to x's dtype, as eager's half-precision ops round them, so the two forms
 agree bit for bit in half precision. k is left as it was.
 
 Shapes: q [T, H, D], k, v [T, KVH, D], last dim contiguous; cos, sin [T, D] in q's dtype; k_cache, v_cache
-[NB, KVH, BT, D] in q's dtype; blocks, offsets [T] int (each token's block and its place in it). D even.
+[NB, BT, KVH, D] in q's dtype; blocks, offsets [T] int (each token's block and its place in it). D even.
 """
 
 import torch
@@ -34,8 +34,8 @@ def rotary_store_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     _check(q, k, v, cos, sin, k_cache, v_cache, blocks, offsets)
     c, s = cos[:, None], sin[:, None]  # [T, 1, D]: over the heads
     q.copy_(q * c + _rotate_half(q) * s)
-    k_cache[blocks, :, offsets] = k * c + _rotate_half(k) * s
-    v_cache[blocks, :, offsets] = v
+    k_cache[blocks, offsets] = k * c + _rotate_half(k) * s
+    v_cache[blocks, offsets] = v
     return q
 
 
@@ -91,8 +91,8 @@ def rotary_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
             q, k, v, cos, sin, k_cache, v_cache, blocks, offsets,
             heads, dim // 2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            sin.stride(0), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(2), v_cache.stride(1),
             BLOCK=triton.next_power_of_2(dim // 2),
         )
     return q
@@ -112,9 +112,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
             raise ValueError(f"{name}: expected {list(shape)} {q.dtype} on {q.device}, last dim contiguous; got "
                              f"{list(t.shape)} {t.dtype} on {t.device}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 4 or t.shape[1] != kv_heads or t.shape[3] != dim or t.stride(-1) != 1 or t.dtype != q.dtype \
+        if t.dim() != 4 or t.shape[2] != kv_heads or t.shape[3] != dim or t.stride(-1) != 1 or t.dtype != q.dtype \
                 or t.device != q.device:
-            raise ValueError(f"{name}: expected [NB, {kv_heads}, BT, {dim}] {q.dtype} on {q.device}, last dim "
+            raise ValueError(f"{name}: expected [NB, BT, {kv_heads}, {dim}] {q.dtype} on {q.device}, last dim "
                              f"contiguous; got {list(t.shape)} {t.dtype} on {t.device}")
     for name, t in (("blocks", blocks), ("offsets", offsets)):
         if t.shape != (tokens,) or t.dtype not in (torch.int32, torch.int64) or t.device != q.device:

@@ -152,7 +152,7 @@ def paged_decode(device: torch.device, rows: int, context: int, heads: int, kv_h
     out = {}
     for name, block in (("blocks_16", 16), ("one_block_a_row", context)):
         width = context // block
-        k = torch.randn(rows * width + 1, kv_heads, block, dim, device=device, dtype=dtype)
+        k = torch.randn(rows * width + 1, block, kv_heads, dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
         g = torch.Generator().manual_seed(0)
         tables = torch.randperm(rows * width, generator=g).view(rows, width).to(device)

@@ -36,7 +36,7 @@ def test_manyfold_kernels_torch_forces_the_twin(monkeypatch, gen):
     monkeypatch.setattr(kernels._backend, "INTERPRET", True)
     monkeypatch.setattr(kernels._backend, "FORCED", "torch")
     monkeypatch.setattr(kernels, "decode_attention_triton", must_not_run)
-    q, k, v = torch.randn(2, 4, 8, generator=gen), torch.randn(3, 2, 5, 8, generator=gen), torch.randn(3, 2, 5, 8)
+    q, k, v = torch.randn(2, 4, 8, generator=gen), torch.randn(3, 5, 2, 8, generator=gen), torch.randn(3, 5, 2, 8)
     tables, lengths = torch.tensor([[2], [0]]), torch.tensor([3, 5])
     torch.testing.assert_close(decode_attention(q, k, v, tables, lengths, 0.5, 5),
                                decode_attention_torch(q, k, v, tables, lengths, 0.5, 5))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
-from tests.kernels.paged import paged
+from kernels.decode_attention_cpu import decode_attention_numba
+from tests.kernels.paged import lay_over, paged
 
 # (rows, heads, kv heads, head dim, positions, block tokens); odd sizes, a padding row (length 0), a full one, blocks
 # smaller than the kernel's key step and one block a row (the slot layout).
@@ -51,6 +52,29 @@ def test_the_triton_form_equals_the_twin(shape, dtype, triton_device, gen, toler
     got = decode_attention_triton(q, k_cache, v_cache, tables, lengths, 0.3, 0)  # it reads lengths on the device
     torch.testing.assert_close(got, want, **tolerances[dtype])
     assert got[0].abs().max() == 0  # a padding row is zero
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_cpu_form_equals_the_twin(shape, gen):
+    q, k_cache, v_cache, tables, lengths, _, _ = make_inputs(shape, torch.float32, "cpu", gen)
+    want = decode_attention_torch(q, k_cache, v_cache, tables, lengths, 0.3, int(lengths.max()))
+    got = decode_attention_numba(q, k_cache, v_cache, tables, lengths, 0.3, 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got[0].abs().max() == 0
+
+
+def test_the_cpu_form_gives_a_row_the_same_bits_in_any_block_size(gen):
+    """The same rows in blocks of 16, of 5 and in one block of their whole context: the same output, bit for bit
+    (what makes the engine's paged and slot layouts, and prefix caching on and off, give the same tokens)."""
+    rows, heads, kv_heads, dim, positions = 3, 6, 2, 24, 70
+    q = torch.randn(rows, heads, dim, generator=gen)
+    k, v = (torch.randn(rows, kv_heads, positions, dim, generator=gen) for _ in range(2))
+    lengths = torch.tensor([70, 33, 1])
+    outs = []
+    for block in (16, 5, 70):
+        k_cache, v_cache, tables = lay_over(k, v, block, gen)
+        outs.append(decode_attention_numba(q, k_cache, v_cache, tables, lengths, 0.3, 0))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_bad_calls_are_one_line(gen):

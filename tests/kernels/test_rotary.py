@@ -17,7 +17,7 @@ def inputs(dtype, device, gen):
     angles = torch.rand(TOKENS, DIM // 2, generator=gen) * 6.28
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
-    stores = [torch.randn(BLOCKS + 1, KV_HEADS, BLOCK_TOKENS, DIM, generator=gen).to(dtype).to(device) for _ in range(2)]
+    stores = [torch.randn(BLOCKS + 1, BLOCK_TOKENS, KV_HEADS, DIM, generator=gen).to(dtype).to(device) for _ in range(2)]
     blocks = torch.tensor([0, 1, 2, 2, 3], device=device)  # two tokens of a prefill in block 2; block 3 is scratch
     offsets = torch.tensor([5, 0, 3, 4, 0], device=device)
     return q, k, v, cos, sin, *stores, blocks, offsets
@@ -29,8 +29,8 @@ def test_the_twin_is_transformers_rotation_and_the_caches_write(dtype, gen):
     # transformers' layout: [1, H, T, D] and cos/sin [1, T, D]
     want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
     want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
-    want_k_cache[blocks, :, offsets] = want_k[0].transpose(0, 1)
-    want_v_cache[blocks, :, offsets] = v
+    want_k_cache[blocks, offsets] = want_k[0].transpose(0, 1)
+    want_v_cache[blocks, offsets] = v
     k_before = k.clone()
     out = rotary_store_torch(q, k, v, cos, sin, k_cache, v_cache, blocks, offsets)
     assert out is q and torch.equal(q, want_q[0].transpose(0, 1))
@@ -53,6 +53,6 @@ def test_bad_shapes_fail_with_one_clear_line(gen):
     with pytest.raises(ValueError, match="cos: expected"):
         rotary_store_torch(q, k, v, cos[:, :4], sin, k_cache, v_cache, blocks, offsets)
     with pytest.raises(ValueError, match="k_cache: expected"):
-        rotary_store_triton(q, k, v, cos, sin, k_cache[:, :1], v_cache, blocks, offsets)
+        rotary_store_triton(q, k, v, cos, sin, k_cache[:, :, :1], v_cache, blocks, offsets)
     with pytest.raises(ValueError, match="offsets: expected"):
         rotary_store_torch(q, k, v, cos, sin, k_cache, v_cache, blocks, offsets[:2])

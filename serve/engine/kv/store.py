@@ -1,6 +1,6 @@
 """The KV cache: one base's running rows' keys and values in fixed-size blocks, allocated once, written in place.
 
-Every layer holds K and V as [blocks + 1, kv heads, block tokens, head dim] (vLLM's paged KV cache). A running row
+Every layer holds K and V as [blocks + 1, block tokens, kv heads, head dim] (vLLM's paged KV cache). A running row
 holds a lane (its row of the block tables, at most `lanes` at once) and the blocks its positions fill, taken as
 its length grows (`grow`) and given back when it ends: a row asking for 300 tokens holds 19 blocks of 16, not a
 slot of max_model_len. Position p of a row lies in block tables[lane, p // block_tokens] at offset
@@ -121,8 +121,8 @@ class BlockLayer(CacheLayerMixin):
         if layout is None:
             raise RuntimeError("the KV cache was used outside a step (no StepLayout)")
         # key_states [1, KVH, T, D] -> each token's [KVH, D] at (its block, its offset)
-        self.keys[layout.write_blocks, :, layout.write_offsets] = key_states[0].transpose(0, 1)
-        self.values[layout.write_blocks, :, layout.write_offsets] = value_states[0].transpose(0, 1)
+        self.keys[layout.write_blocks, layout.write_offsets] = key_states[0].transpose(0, 1)
+        self.values[layout.write_blocks, layout.write_offsets] = value_states[0].transpose(0, 1)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -142,7 +142,7 @@ class KVStore(Cache):
     def __init__(self, config, lanes: int, blocks: int, block_tokens: int, positions: int, dtype: torch.dtype,
                  device: torch.device, base_key: bytes = b"", prefix_caching: bool = True):
         layers, kv_heads, head_dim = kv_shape(config)
-        shape = (blocks + 1, kv_heads, block_tokens, head_dim)
+        shape = (blocks + 1, block_tokens, kv_heads, head_dim)
         # zeros, not empty: a padding row's lanes read no garbage that could be NaN
         super().__init__(layers=[BlockLayer(torch.zeros(shape, dtype=dtype, device=device),
                                             torch.zeros(shape, dtype=dtype, device=device), self)
@@ -278,8 +278,8 @@ class KVStore(Cache):
         at = torch.arange(length, device=held.device)
         blocks, offsets = held[at // self.block_tokens], at % self.block_tokens
         for layer, (k, v) in zip(self.layers, saved):
-            layer.keys[blocks, :, offsets] = k.to(layer.keys.device, non_blocking=True).transpose(0, 1)
-            layer.values[blocks, :, offsets] = v.to(layer.values.device, non_blocking=True).transpose(0, 1)
+            layer.keys[blocks, offsets] = k.to(layer.keys.device, non_blocking=True).transpose(0, 1)
+            layer.values[blocks, offsets] = v.to(layer.values.device, non_blocking=True).transpose(0, 1)
 
     def stepping(self, layout: StepLayout) -> "KVStore":
         """The cache for a forward laid out as `layout`: each token's block and offset looked up in the tables
