@@ -60,17 +60,29 @@ class Recorder(TorchDispatchMode):
 
 
 def decode_step_ops(rt: BaseModelRuntime, variants: list) -> list[tuple]:
-    """The operations of one decode step of rows of these variants (None: the base), after their prefill."""
-    batch = DecodeBatch(rt)
+    """The operations of one decode step of rows of these variants (None: the base), after their prefill: every row
+    admitted in one step (a budget that holds their prompts), so that they decode at the same positions."""
+    batch, budget = DecodeBatch(rt), rt.max_step_tokens
+    rt.max_step_tokens = 64
     try:
-        batch.run([NewRow(i, [3 + i, 5, 7], SamplingParams(max_tokens=20), v) for i, v in enumerate(variants)])
+        assert not left_waiting(batch, [NewRow(i, [3 + i, 5, 7], SamplingParams(max_tokens=20), v)
+                                        for i, v in enumerate(variants)])
         while batch.prefilling:
             batch.run([])
         with Recorder() as rec:
             batch.run([])
         return rec.ops
     finally:
+        rt.max_step_tokens = budget
         batch.close()
+
+
+def left_waiting(batch: DecodeBatch, rows: list[NewRow]) -> list[NewRow]:
+    """One call with `rows` new: those it left waiting (no room in the step's token budget, a lane or blocks),
+    which a caller passes again, as the scheduler does."""
+    step = batch.run(rows)
+    assert not step.failed
+    return [r for r in rows if r.tag in step.waiting]
 
 
 def shapes_of(ops: list[tuple]) -> list[tuple]:
@@ -144,10 +156,11 @@ def test_fixed_shapes_give_every_kind_the_log_probabilities_of_the_cpu_forms(rt)
             for i, v in enumerate([None, a, f1, t0, f2, t1, f1])]
 
     def generate() -> dict:
-        batch, got = DecodeBatch(rt), {}
-        batch.run(rows)
-        while len(batch):
-            got.update(batch.run([]).finished)
+        batch, got, waiting = DecodeBatch(rt), {}, list(rows)
+        while waiting or len(batch):
+            step = batch.run(waiting)
+            waiting = [r for r in waiting if r.tag in step.waiting]
+            got.update(step.finished)
         batch.close()
         return got
 
@@ -275,15 +288,16 @@ def test_steps_replayed_from_static_inputs_give_every_row_the_tokens_of_eager_st
     def generate(park: bool = False) -> tuple[dict, list]:
         """park: the last of `first` parked at the eighth call (a step in flight then) and resumed at the ninth."""
         batch, got, calls, parked = DecodeBatch(rt), {}, 0, []
-        batch.run(first)
-        while len(batch) or parked:
+        waiting = left_waiting(batch, first)
+        while len(batch) or parked or waiting:
             calls += 1
-            new = later if calls == 3 else parked if calls == 9 else []
+            new = waiting + (later if calls == 3 else parked if calls == 9 else [])
             in_flight = batch.inflight is not None
             step = batch.run(new, park=[first[-1].tag] if park and calls == 8 else [])
             assert not park or calls != 8 or (step.parked == [first[-1].tag] and in_flight)
             parked = [first[-1]] if step.parked else [] if calls == 9 else parked
-            assert not step.failed and not step.waiting
+            waiting = [r for r in new if r.tag in step.waiting]  # asked again each call, as the scheduler does
+            assert not step.failed
             got.update(step.finished)
         batch.close()
         return {t: g.token_ids for t, g in got.items()}, dict(rt.step_counts), dict(rt.token_counts)
@@ -382,10 +396,10 @@ def test_rows_of_every_kind_each_under_its_own_controls_give_the_tokens_each_giv
             for i, (p, v) in enumerate(zip(CONTROLLED, variants))]
 
     def run(batch_rows: list[NewRow]) -> dict:
-        batch, got = DecodeBatch(rt), {}
-        batch.run(batch_rows)
-        while len(batch):
-            step = batch.run([])
+        batch, got, waiting = DecodeBatch(rt), {}, list(batch_rows)
+        while waiting or len(batch):
+            step = batch.run(waiting)
+            waiting = [r for r in waiting if r.tag in step.waiting]
             assert not step.failed, step.failed
             got.update({t: g.token_ids for t, g in step.finished})
         batch.close()

@@ -224,7 +224,10 @@ class DecodeBatch:
         written and its next token) and a variant slot starts its prompt, or resumes where it was parked; the others
         are step's waiting (no free lane, blocks or slot) or failed (its attach, alone). Rows come in the fairness
         policy's order, and once one finds too few blocks the rows after it wait too (as vLLM's scheduler stops at
-        the first), so a long prompt is not passed over for ever by shorter ones.
+        the first), so a long prompt is not passed over for ever by shorter ones. A new row is admitted only while
+        the prompts already admitted leave room in the next step's token budget (what vLLM's scheduler admits): one
+        that could not start its prompt would hold its blocks unwritten, and would wait out of the fairness policy's
+        reach.
 
         With prefix caching a new row starts with the cached blocks of its prompt's longest cached prefix (never
         its last token, whose logits it samples from; none for a row echoing its prompt's log probabilities) and
@@ -234,11 +237,13 @@ class DecodeBatch:
         kv = self.rt.kv
         short = False
         writing = {h for s in self.prefilling for h in s.hashes[s.registered:]}
+        backlog = sum(len(s.prompt) - s.written for s in self.prefilling)
         for row in new:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = self._prefix(row) if parked is None else (b"", b"", [], [])
-            short = short or not kv.free_lanes or not kv.fits(length, cached)
+            queued = parked is None and backlog >= self.rt.max_step_tokens - len(self.decoding)
+            short = short or queued or not kv.free_lanes or not kv.fits(length, cached)
             if short or (len(cached) < len(hashes) and hashes[len(cached)] in writing):
                 step.waiting.append(row.tag)
                 continue
@@ -266,6 +271,7 @@ class DecodeBatch:
                 self.rt.prefix_tokens["queries"] += len(row.prompt)
                 self.rt.prefix_tokens["hits"] += s.written
             writing.update(hashes[len(cached):])
+            backlog += len(s.prompt) - s.written
             self.prefilling.append(s)
 
     def _prefix(self, row: NewRow) -> tuple[bytes, bytes, list[bytes], list[int]]:

@@ -12,7 +12,8 @@ It is built on transformers' extension points, so the model code stays transform
 whose layers write each token of a forward at its (block, offset) and hand the attention the layer's whole cache,
 and the attention function registered as "manyfold" reads the forward's `StepLayout`:
 - decode tokens first, one per lane 0..B-1 (row b is lane b), through kernels.decode_attention over the blocks
-  as they lie (SDPA over the gathered blocks on CPU, a Triton kernel reading the tables on CUDA);
+  as they lie (a Triton kernel reading the tables on CUDA; on a CPU a numba loop for fp32, SDPA over the gathered
+  blocks for bf16);
 - then the prefill chunks (each a prompt's next tokens, cut to the step's token budget), every one causal over
   its own lane's first positions, in one kernels.chunk_attention (a Triton kernel over a table of the chunks on
   CUDA; SDPA a chunk on CPU). Tokens of neither (a fixed-shape step's padding) attend to nothing.
