@@ -191,7 +191,9 @@ class DecodeBatch:
             self._read(inflight)
         if self.inflight is None:
             finished = self._drop_finished()
-            step.parked += self._make_room(victims)
+            room = self._make_room(victims)
+            step.parked += room
+            step.full = step.full or bool(room)
             if self.decoding or self.prefilling:
                 launched = self._launch()
                 if self._continuable(launched):
@@ -243,7 +245,9 @@ class DecodeBatch:
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = self._prefix(row) if parked is None else (b"", b"", [], [])
             queued = parked is None and backlog >= self.rt.max_step_tokens - len(self.decoding)
-            short = short or queued or not kv.free_lanes or not kv.fits(length, cached)
+            full = not kv.free_lanes or not kv.fits(length, cached)
+            step.full = step.full or (full and not short)
+            short = short or queued or full
             if short or (len(cached) < len(hashes) and hashes[len(cached)] in writing):
                 step.waiting.append(row.tag)
                 continue
@@ -254,6 +258,7 @@ class DecodeBatch:
                 continue
             if slot is None:
                 step.waiting.append(row.tag)
+                step.full = True
                 continue
             lane = kv.take()
             kv.share(lane, cached)

@@ -29,8 +29,7 @@ class Generating:
     pending: list[Row] = field(default_factory=list)
     running: list[Row] = field(default_factory=list)
     short: bool = False
-    """The last step left rows waiting (its KV cache or a variant pool had no room for them) or parked rows for
-    want of KV blocks: the batch is full though it runs fewer than max_batch_size rows."""
+    """The last step found the batch full (Step.full) though it runs fewer than max_batch_size rows."""
 
 
 class Generations:
@@ -172,7 +171,7 @@ class Generations:
         return new
 
     def _after_step(self, g: Generating, new: list[Row], step: Step, park: list[Row]) -> None:
-        g.short = bool(step.waiting) or any(r not in park for r in step.parked)
+        g.short = step.full
         for r, e in step.failed:
             if r in g.running:
                 g.running.remove(r)

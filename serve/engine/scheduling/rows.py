@@ -102,7 +102,10 @@ class Step:
 
     finished: list[tuple[Row, Generation]] = field(default_factory=list)
     waiting: list[Row] = field(default_factory=list)
-    """New rows left for a later step (no free slot)."""
+    """New rows left for a later step (no room in the step's token budget, no free lane, KV blocks or slot)."""
+    full: bool = False
+    """Some new row waited for want of a lane, KV blocks or a variant slot, or a running row was parked for KV
+    blocks: the batch holds what its memory holds (a row that waits for the token budget does not make it full)."""
     parked: list[Row] = field(default_factory=list)
     """Running rows taken out of the batch for now (preempted), to resume when passed in again."""
     failed: list[tuple[Row, BaseException]] = field(default_factory=list)
