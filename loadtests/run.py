@@ -6,7 +6,7 @@
     python -m loadtests.run --scenario fleet [--adapters 8] [--repeats 3]
     python -m loadtests.run --scenario fairness [--duration 60] [--seed 0] [--out bench-results/fairness]
     python -m loadtests.run --scenario structured [--requests 16] [--out bench-results/structured-serve.json]
-    python -m loadtests.run --scenario prefix [--system-tokens 1024] [--requests 5] [--out bench-results/prefix-serve.json]
+    python -m loadtests.run --scenario prefix [--system-tokens 1024] [--out bench-results/prefix-serve.json]
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and

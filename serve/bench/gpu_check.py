@@ -137,7 +137,8 @@ def download(out: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     f"--python-version={PYTHON}", "--implementation=cp", *platforms, "-d", str(out), *WHEELS],
                    check=True)
-    print(f"{len(list(out.glob('*.whl')))} wheels in {out}, {sum(f.stat().st_size for f in out.glob('*.whl')) >> 20} MiB")
+    wheels = list(out.glob("*.whl"))
+    print(f"{len(wheels)} wheels in {out}, {sum(f.stat().st_size for f in wheels) >> 20} MiB")
 
 
 def paged_decode(device: torch.device, rows: int, context: int, heads: int, kv_heads: int, dim: int,

@@ -19,7 +19,8 @@ def test_every_module_the_gpu_run_imports_imports_with_the_images_packages_and_t
 def test_a_package_neither_on_the_image_nor_carried_is_refused():
     allowed = gpu_check.allowed() - {"obstore"}
     run = subprocess.run([sys.executable, "-c", gpu_check.IMAGE_IMPORTS, ",".join(sorted(allowed)),
-                          "serve.store.objects"], capture_output=True, text=True, cwd=Path(gpu_check.__file__).parents[2])
+                          "serve.store.objects"], capture_output=True, text=True,
+                         cwd=Path(gpu_check.__file__).parents[2])
     assert run.returncode == 1 and "No module named 'obstore' (not on the device's image nor in WHEELS)" in run.stdout
 
 

@@ -3,7 +3,6 @@ one block of the whole context a row (the slot store), on a plain base and on Ne
 when blocks run out, rows are parked and resumed and every request still gives the tokens it gives alone; a
 request longer than the whole cache is refused naming it."""
 
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from serve.engine.kv.store import token_bytes
 from serve.engine.model import BaseModelRuntime
 from serve.engine.types import SamplingParams
 from serve.errors import BadRequest
-from tests.models import random_emr_group, random_lora, write_tiny_causal
+from tests.models import random_emr_group, random_lora
 
 TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 CONTEXT = 64
@@ -44,21 +43,6 @@ def mib(rt_dir, blocks: int, block_tokens: int) -> float:
     from transformers import AutoConfig
 
     return (blocks * block_tokens * token_bytes(AutoConfig.from_pretrained(rt_dir), torch.float32) + 1) / (1 << 20)
-
-
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory) -> dict[str, str]:
-    """A tiny causal base, and its NeuZip copies lossless (7 mantissa bits of bf16) and lossy (3)."""
-    from serve.codecs.neuzip_file import encode_dir
-
-    root = tmp_path_factory.mktemp("paged")
-    plain = write_tiny_causal(root / "lm")
-    out = {"plain": plain}
-    for name, bits in (("nz", 7), ("nz3", 3)):
-        shutil.copytree(plain, root / name)
-        encode_dir(root / name, bits, keep_weights=True)
-        out[name] = root / name
-    return out
 
 
 def generate(rt: BaseModelRuntime, rows: list[NewRow]) -> dict:

@@ -3,37 +3,22 @@ probabilities they give with caching off, for every kind; nothing is shared acro
 of a variant or forms of the base (checked by counters, not by timing); a request's choices and rows arriving
 together with the same prompt write it once; one tenant's flood does not evict another's prefix."""
 
-import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 
 from serve.config import BatchConfig
-from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+from serve.engine.generation.decode_batch import NewRow
 from serve.engine.kv.blocks import BlockPool, chain
 from serve.engine.model import BaseModelRuntime
 from serve.engine.types import SamplingParams
 from tests.engine.test_paged import full, generate, mib, pissa
-from tests.models import random_emr_group, random_lora, write_tiny_causal
+from tests.models import random_emr_group, random_lora
 
 TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 SYSTEM = [(11 * j) % 50 + 3 for j in range(40)]
 """A 40-token system prompt: two full blocks of 16 and a part of the third."""
-
-
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory) -> dict:
-    from serve.codecs.neuzip_file import encode_dir
-
-    root = tmp_path_factory.mktemp("prefix")
-    plain = write_tiny_causal(root / "lm")
-    out = {"plain": plain}
-    for name, bits in (("nz", 7), ("nz3", 3)):
-        shutil.copytree(plain, root / name)
-        encode_dir(root / name, bits, keep_weights=True)
-        out[name] = root / name
-    return out
 
 
 def runtime(path, caching: bool = True, **batch) -> BaseModelRuntime:

@@ -17,7 +17,8 @@ def inputs(dtype, device, gen):
     angles = torch.rand(TOKENS, DIM // 2, generator=gen) * 6.28
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
-    stores = [torch.randn(BLOCKS + 1, BLOCK_TOKENS, KV_HEADS, DIM, generator=gen).to(dtype).to(device) for _ in range(2)]
+    shape = (BLOCKS + 1, BLOCK_TOKENS, KV_HEADS, DIM)
+    stores = [torch.randn(*shape, generator=gen).to(dtype).to(device) for _ in range(2)]
     blocks = torch.tensor([0, 1, 2, 2, 3], device=device)  # two tokens of a prefill in block 2; block 3 is scratch
     offsets = torch.tensor([5, 0, 3, 4, 0], device=device)
     return q, k, v, cos, sin, *stores, blocks, offsets
