@@ -89,7 +89,8 @@ def summary(records: list[Record], duration_s: float) -> dict:
     """Each tenant's first answered request against its later ones; the run's tokens/s and cached tokens."""
     first, later = [], []
     for tenant in TENANTS:
-        mine = sorted((r for r in records if r.tenant == tenant and r.outcome == "200"), key=lambda r: r.sent_s)
+        mine = sorted((r for r in records if r.tenant == tenant and r.outcome == "200" and r.ttft_s is not None),
+                      key=lambda r: r.sent_s)  # an answer with no text (its tokens all whitespace) has no first token
         first += [mine[0].ttft_s] if mine else []
         later += [r.ttft_s for r in mine[1:]]
     ok = [r for r in records if r.outcome == "200"]

@@ -25,8 +25,8 @@ def test_the_summary_sets_each_tenants_first_answer_against_its_later_ones():
     for k, t in enumerate(TENANTS):
         records += [Record(t, 1.0 + k, "200", 4.0, 2, [5.0 + k], cached_tokens=0),
                     Record(t, 10.0 + k, "200", 0.5, 2, [10.5 + k], cached_tokens=1024),
-                    Record(t, 20.0 + k, "429")]
+                    Record(t, 20.0 + k, "429"), Record(t, 25.0 + k, "200", None, 2)]  # an answer with no text
     s = summary(records, 30.0)
-    assert (s["ok"], s["not_ok"]) == (16, 8)
+    assert (s["ok"], s["not_ok"]) == (24, 8)
     assert s["ttft_first_p50_s"] == 4.0 and s["ttft_later_p50_s"] == 0.5 and s["first_over_later_p50"] == 8.0
-    assert s["cached_tokens"] == 8 * 1024 and s["tokens_per_s"] == 32 / 30.0
+    assert s["cached_tokens"] == 8 * 1024 and s["tokens_per_s"] == 48 / 30.0
