@@ -80,7 +80,8 @@ def steady_ms(step, repeats: int, device: torch.device, rounds: int = 3) -> floa
 def engine_step_ms(rt, variants: list, context: int, repeats: int, seed: int, profile: list | None = None) -> float:
     """The engine's decode step over len(variants) rows (None: the base), each at `context` tokens. profile: a
     list to append the operations (CPU) or kernels (CUDA) of `repeats` more steps to, by total time."""
-    from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+    from serve.engine.generation.decode_batch import DecodeBatch
+    from serve.engine.generation.row import NewRow
     from serve.engine.types import SamplingParams
 
     g = torch.Generator().manual_seed(seed)

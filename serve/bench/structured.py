@@ -115,7 +115,8 @@ def _step_times(engine, models: tuple[str, ...], chats: list[list[dict]], constr
 
 
 async def _timed_steps(engine, models: tuple[str, ...], chats: list[list[dict]], constraint, repeats: int) -> dict:
-    from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+    from serve.engine.generation.decode_batch import DecodeBatch
+    from serve.engine.generation.row import NewRow
     from serve.engine.types import SamplingParams
 
     params = SamplingParams(max_tokens=STEP_TOKENS + 8, ignore_eos=True)

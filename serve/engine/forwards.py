@@ -8,7 +8,8 @@ from typing import Any
 
 from serve.engine import faults
 from serve.engine.step.batch import RowSlot
-from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+from serve.engine.generation.decode_batch import DecodeBatch
+from serve.engine.generation.row import NewRow
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Row, Step
 from serve.engine.types import Embeddings

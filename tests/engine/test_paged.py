@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve.config import BatchConfig
-from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+from serve.engine.generation.decode_batch import DecodeBatch
+from serve.engine.generation.row import NewRow
 from serve.engine.kv.blocks import BlockPool
 from serve.engine.kv.store import token_bytes
 from serve.engine.model import BaseModelRuntime

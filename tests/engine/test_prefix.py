@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serve.config import BatchConfig
-from serve.engine.generation.decode_batch import NewRow
+from serve.engine.generation.row import NewRow
 from serve.engine.kv.blocks import BlockPool, chain
 from serve.engine.model import BaseModelRuntime
 from serve.engine.types import SamplingParams

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from serve.config import BatchConfig, StructuredOutputsConfig
 from serve.engine.step.batch import BatchPlan
-from serve.engine.generation.decode_batch import DecodeBatch, NewRow
+from serve.engine.generation.decode_batch import DecodeBatch
+from serve.engine.generation.row import NewRow
 from serve.engine.step.graphs import StepGraphs, _Graph
 from serve.engine.model import BaseModelRuntime
 from serve.engine.step.layout import row_bucket

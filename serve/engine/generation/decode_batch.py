@@ -24,89 +24,21 @@ logits of every prompt position, chunk by chunk.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from serve.engine import faults
 from serve.engine.step.batch import RowSlot
-from serve.engine.generation.detokenize import Detokenizer, RowText
-from serve.engine.generation.grammars import RowGrammar
-from serve.engine.kv.blocks import chain, prefix_seed, tenant_key
+from serve.engine.generation.detokenize import Detokenizer
+from serve.engine.generation.row import BatchRow, NewRow, prefix_of, register
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
 from serve.engine.generation.sampling import RowSampling, sample, sampling_metadata
 from serve.engine.step.layout import Prefill, StepOutput, StepRunner
-from serve.engine.types import Generation, SamplingParams
+from serve.engine.types import Generation
 from serve.errors import BadRequest
-from serve.variants.base import LoadedVariant
-
-
-@dataclass(frozen=True)
-class NewRow:
-    tag: Any
-    """The caller's handle for the row, returned with its Generation."""
-    prompt: list[int]
-    params: SamplingParams
-    """max_tokens is set (0 or more): the engine resolves a default before a row gets here."""
-    variant: LoadedVariant | None = None
-    grammar: Any = None
-    """Its constraint's compiled grammar (serve/engine/generation/grammars.py), compiled before the row was queued."""
-    scope: str = ""
-    """The authenticated tenant whose cached prefixes it may read and write ("": a server without tenants)."""
-
-
-@dataclass(eq=False, kw_only=True)
-class _Seq(RowText):
-    """A row of the batch: its text so far (RowText) and where it stands in the batch."""
-
-    rng: torch.Generator | None
-    tag: Any
-    slot: RowSlot | None
-    """None once detached: a slot is given back exactly once, whatever fails."""
-    kv: int | None
-    """Its KV lane; None once given back (with its blocks)."""
-    order: int = 0
-    """Its admission's number in the batch: the latest is parked first where the scheduler says nothing."""
-    prompt: list[int]
-    written: int = 0
-    """Tokens of this row in the KV store: the prompt's so far, then every token fed back."""
-    next_token: int | None = None
-    """The token it feeds at the next decode step (None while its prompt is being written)."""
-    echo_logits: list[torch.Tensor] = field(default_factory=list)
-    """An echoing row's logits of its prompt's positions so far, a chunk a tensor."""
-    grammar: RowGrammar | None = None
-    """Where its output is constrained: its place in the grammar."""
-    end_ids: frozenset[int] = frozenset()
-    """The tokens that end it (min_tokens keeps them out)."""
-    seed: bytes = b""
-    """Where its blocks' hash chain starts (kv/blocks.py: prefix_seed)."""
-    owner: bytes = b""
-    """Its tenant's keyed hash: whose share of the cache its cached blocks count against."""
-    hashes: list[bytes] = field(default_factory=list)
-    """The chain's hashes of its full blocks, as far as known."""
-    registered: int = 0
-    """Its first blocks that are cached (found at admission, or registered once written)."""
-    done: bool = False
-    failed: BaseException | None = None
-    """It failed alone (detokenising): it leaves the batch with this error, the other rows go on."""
-
-    @classmethod
-    def start(cls, row: NewRow, slot: RowSlot, kv: int, name: str, eos_ids: set[int], order: int) -> "_Seq":
-        p = row.params
-        rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-        grammar = RowGrammar(row.grammar) if row.grammar is not None else None
-        ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
-        return cls.after(row.prompt, p, name, rng=rng, tag=row.tag, slot=slot, kv=kv, prompt=list(row.prompt),
-                         grammar=grammar, end_ids=ends, order=order)
-
-    def sampling(self) -> RowSampling:
-        return RowSampling(self.params, self.rng, self.prompt, self.gen.token_ids, self.end_ids, self.grammar)
-
-    @property
-    def echoes(self) -> bool:
-        return self.params.echo and self.params.logprobs is not None
 
 
 @dataclass(eq=False)
@@ -114,10 +46,10 @@ class _Launched:
     """A step on its way: its forward and sampling are queued on the device; `_read` applies its tokens."""
 
     out: StepOutput
-    decode: dict[int, _Seq]
+    decode: dict[int, BatchRow]
     """KV lane -> the row whose decode token it ran."""
     prefills: list[Prefill]
-    sampling: list[tuple[_Seq, int]]
+    sampling: list[tuple[BatchRow, int]]
     """(row, its row of logits) for the rows that sample from this step."""
     tokens: torch.Tensor
     """[kept] sampled, on the device."""
@@ -135,13 +67,13 @@ class DecodeBatch:
         self.rt = rt
         self.runner = StepRunner(rt)
         self.text = Detokenizer(rt)
-        self.decoding: dict[int, _Seq] = {}
+        self.decoding: dict[int, BatchRow] = {}
         """KV lane -> its row, for rows whose prompt is written."""
-        self.prefilling: list[_Seq] = []
+        self.prefilling: list[BatchRow] = []
         """Admitted rows whose prompt is still being written, in admission order."""
         self.inflight: _Launched | None = None
         """The step launched last and not read yet (see run)."""
-        self.parked: list[tuple[_Seq, list]] = []
+        self.parked: list[tuple[BatchRow, list]] = []
         """Rows taken out of the batch for now (run's park), each with its keys and values."""
         self._failed: list[tuple[Any, BaseException]] = []
         self._admitted = 0
@@ -243,7 +175,7 @@ class DecodeBatch:
         for row in new:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
-            seed, owner, hashes, cached = self._prefix(row) if parked is None else (b"", b"", [], [])
+            seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
             queued = parked is None and backlog >= self.rt.max_step_tokens - len(self.decoding)
             full = not kv.free_lanes or not kv.fits(length, cached)
             step.full = step.full or (full and not short)
@@ -269,7 +201,7 @@ class DecodeBatch:
                 self._resume(*parked, slot, lane)
                 continue
             name = row.variant.entry if row.variant is not None else self.rt.name
-            s = _Seq.start(row, slot, lane, name, self.rt.eos_ids, self._admitted)
+            s = BatchRow.start(row, slot, lane, name, self.rt.eos_ids, self._admitted)
             s.seed, s.owner, s.hashes, s.registered = seed, owner, hashes, len(cached)
             s.written = s.gen.cached_tokens = len(cached) * kv.block_tokens
             if kv.prefix_caching:
@@ -278,31 +210,6 @@ class DecodeBatch:
             writing.update(hashes[len(cached):])
             backlog += len(s.prompt) - s.written
             self.prefilling.append(s)
-
-    def _prefix(self, row: NewRow) -> tuple[bytes, bytes, list[bytes], list[int]]:
-        """(the row's chain seed, its tenant's keyed hash, the hashes of its prompt's full blocks before the one
-        holding its last token, the cached blocks of their longest cached prefix)."""
-        kv = self.rt.kv
-        if not kv.prefix_caching:
-            return b"", b"", [], []
-        owner = tenant_key(kv.secret, row.scope)
-        seed = prefix_seed(kv.base_key, variant_identity(row.variant), owner)
-        hashes = chain(seed, row.prompt, kv.block_tokens, 0, (len(row.prompt) - 1) // kv.block_tokens)
-        echoes = row.params.echo and row.params.logprobs is not None
-        return seed, owner, hashes, [] if echoes else kv.pool.lookup(hashes)
-
-    def _register(self, s: _Seq) -> None:
-        """The row's blocks written full since, cached under their hashes (its tokens known on the host)."""
-        kv = self.rt.kv
-        full = min(s.written, len(s.prompt) + len(s.gen.token_ids)) // kv.block_tokens
-        if not kv.prefix_caching or s.kv is None or full <= s.registered:
-            return
-        if full > len(s.hashes):
-            tokens = s.prompt + s.gen.token_ids  # what it has fed, in order
-            s.hashes += chain(s.hashes[-1] if s.hashes else s.seed, tokens, kv.block_tokens, len(s.hashes), full)
-        for i in range(s.registered, full):
-            kv.pool.register(kv.block(s.kv, i), s.hashes[i], s.owner)
-        s.registered = full
 
     def _make_room(self, victims: Sequence[Any]) -> list[Any]:
         """Every decoding row's block for the position it writes next; where the cache has none free, decoding rows
@@ -314,7 +221,7 @@ class DecodeBatch:
                 parked += self._park([self._victim(victims, s)])
         return parked
 
-    def _victim(self, victims: Sequence[Any], needing: _Seq) -> Any:
+    def _victim(self, victims: Sequence[Any], needing: BatchRow) -> Any:
         """The tag of the decoding row to park for `needing`'s block."""
         running = [s for s in self.decoding.values() if not s.done]
         for tag in victims:
@@ -334,17 +241,17 @@ class DecodeBatch:
                 out.append(s.tag)
         return out
 
-    def _resume(self, s: _Seq, saved: list, slot: RowSlot, kv: int) -> None:
+    def _resume(self, s: BatchRow, saved: list, slot: RowSlot, kv: int) -> None:
         """A parked row back in the batch, its keys and values written into its new lane's blocks."""
         self.rt.kv.restore(kv, saved)
         s.slot, s.kv = slot, kv
         self.decoding[kv] = s
         self.parked = [p for p in self.parked if p[0] is not s]
 
-    def _all(self) -> list[_Seq]:
+    def _all(self) -> list[BatchRow]:
         return list(self.decoding.values()) + self.prefilling
 
-    def _release(self, s: _Seq) -> None:
+    def _release(self, s: BatchRow) -> None:
         kv, s.kv = s.kv, None
         if kv is not None:
             self.rt.kv.give(kv)
@@ -399,7 +306,7 @@ class DecodeBatch:
         self._observe()
         return _Launched(out, launched.decode, [], launched.sampling, *self._sample(out.logits, launched.sampling))
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple["_Seq", int]]
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple["BatchRow", int]]
                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Every row of logits sampled on the device (its argmax where no row reads it: a decode step's sampling has
         its bucket's shapes), each under its row's controls -> (tokens, their host copy, the event it is ready at;
@@ -439,7 +346,7 @@ class DecodeBatch:
         if live:
             self._choose([s for s, _ in live], out.logits, [i for _, i in live], every)
         for s in self._all():
-            self._register(s)
+            register(self.rt.kv, s)
 
     def _prefills(self, budget: int) -> list[Prefill]:
         """The admitted prompts' next chunks, in admission order, within `budget` tokens (at least one token, so a
@@ -456,7 +363,7 @@ class DecodeBatch:
             budget -= n
         return chunks
 
-    def _choose(self, seqs: list[_Seq], logits: torch.Tensor, at: list[int], every: list[int]) -> None:
+    def _choose(self, seqs: list[BatchRow], logits: torch.Tensor, at: list[int], every: list[int]) -> None:
         """logits [kept, vocab] fp32 of the step and every: the token sampled from each row of them; at: the row
         each of seqs took its token from."""
         chosen = [every[i] for i in at]
@@ -498,14 +405,3 @@ class DecodeBatch:
         for s in gone:
             self._release(s)
         return [(s.tag, s.gen) for s in gone if s.failed is None]
-
-
-def variant_identity(variant: LoadedVariant | None) -> str:
-    """What a row's keys and values are computed with, as its chain's seed reads it: its store entry's key
-    ("<name>@<revision>", the revision a digest of its files: a name re-added with other contents is another),
-    a group member's place in its group, its kind; "" for the base."""
-    if variant is None:
-        return ""
-    if variant.parent is not None:
-        return f"{variant.parent.key}#{variant.index}:{variant.kind}"
-    return f"{variant.key}:{variant.kind}"
