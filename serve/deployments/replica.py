@@ -6,14 +6,12 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 import ray
-import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve.config import parse_config
 from serve.deployments.board import Reporter
 from serve.engine import faults
-from serve.engine.engine import Engine
 from serve.engine.types import SamplingParams, Tenant
 from serve.errors import ManyfoldError
 from serve.store.catalog import key_of
@@ -41,7 +39,13 @@ def show_fetches() -> None:
 @serve.deployment
 class EngineReplica:
     def __init__(self, config: dict, base: str, board: DeploymentHandle, threads: int = 1):
-        """threads: torch's intra-op threads, the replica's CPU share (serve/app.py): Ray would leave it one."""
+        """threads: torch's intra-op threads, the replica's CPU share (serve/app.py): Ray would leave it one. The
+        engine (and torch) is imported here, in the replica's process: `manyfold serve` imports this module only to
+        bind the deployment, and would spend seconds importing what it never runs."""
+        import torch
+
+        from serve.engine.engine import Engine
+
         torch.set_num_threads(threads)
         memory = ray.get_runtime_context().get_assigned_resources().get("memory")  # bytes, when Ray reserved some
         parsed = parse_config(config)
