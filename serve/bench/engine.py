@@ -267,12 +267,13 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
                      rounds: int | None = None, steps: bool = True, profile: bool = False, traffic: bool = False,
                      traffic_requests: int | None = None, neuzip: bool = True,
                      traffic_rates: tuple[float, ...] = RATES, kv_layouts: tuple[str, ...] = ("slots", "paged"),
-                     system_prompt_tokens: int = 0) -> dict:
+                     system_prompt_tokens: int = 0, traffic_rounds: int = 1) -> dict:
     """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table;
     profile: the adapters' step at 64 rows profiled for each shape (printed, and in the JSON); traffic: the
     real-traffic runs (traffic_requests: how many requests, instead of the workload's; traffic_rates: the Poisson
     runs' rates, fractions of lockstep's; kv_layouts: the KV layouts each is run in; system_prompt_tokens: each
-    model's requests behind a system prompt of its own that long); neuzip: on CUDA, each
+    model's requests behind a system prompt of its own that long; traffic_rounds: lockstep runs of each layout, in
+    turn); neuzip: on CUDA, each
     shape's NeuZip row (compressing Llama-3-8B's shape takes minutes of the host)."""
     dev = torch.device(device)
     work.mkdir(parents=True, exist_ok=True)
@@ -296,7 +297,7 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
         if traffic:
             report["traffic"] = bench_traffic(smollm2_dir(), work / "traffic-cpu", dev, workload,
                                               rates=traffic_rates, layouts=kv_layouts,
-                                              system_prompt_tokens=system_prompt_tokens)
+                                              system_prompt_tokens=system_prompt_tokens, rounds=traffic_rounds)
     else:
         ctx = context or 512
         names = shapes or ["smollm2-135m", "llama-3.2-1b"] + (["llama-3-8b"] if large else [])
@@ -310,7 +311,7 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
         if traffic:
             d = build_model_dir("llama-3.2-1b", work / "llama-3.2-1b", dev)
             report["traffic"] = bench_traffic(d, work / "traffic-1b", dev, workload, bandwidth, traffic_rates,
-                                              kv_layouts, system_prompt_tokens)
+                                              kv_layouts, system_prompt_tokens, traffic_rounds)
     return finish(report, out, print_report)
 
 

@@ -270,10 +270,13 @@ def floor_tok_s(rt, rows: int, context: int, bandwidth: float | None) -> float |
 
 def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: TrafficWorkload,
                   bandwidth: float | None = None, rates: tuple[float, ...] = RATES,
-                  layouts: tuple[str, ...] = ("slots", "paged"), system_prompt_tokens: int = 0) -> dict:
+                  layouts: tuple[str, ...] = ("slots", "paged"), system_prompt_tokens: int = 0,
+                  rounds: int = 1) -> dict:
     """For each KV layout: lockstep, then Poisson at `rates` of the first layout's lockstep requests per second
     (the same arrivals for each layout); each run's figures. system_prompt_tokens: each model's requests behind a
-    system prompt of its own that long (with_system_prompts)."""
+    system prompt of its own that long (with_system_prompts). rounds: lockstep runs of each layout, the layouts
+    taking turns (so that a machine's drift falls on all of them alike); the run of median tokens/s is reported,
+    with every round's tokens/s."""
     from transformers import AutoTokenizer
 
     if device.type == "cpu":
@@ -289,18 +292,26 @@ def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: T
     outputs = [r.new_tokens for r in requests]
     context = int(statistics.mean(lengths) + statistics.mean(outputs) / 2)
     store = traffic_store(model_dir, work, workload)
-    runs: dict[str, dict] = {}
-    saturation, kv, floor = None, {}, None
+    built: dict[str, TrafficRun] = {}
     for layout in layouts:
-        run = TrafficRun(store, device, workload, *LAYOUTS[layout])
+        built[layout] = run = TrafficRun(store, device, workload, *LAYOUTS[layout])
         if device.type == "cpu":  # every variant loaded once, with short requests
             warm = [Request(m, requests[0].prompt[:16], 2) for m in sorted({r.model for r in requests})]
         else:  # the same requests: every graph the runs replay is captured here
             warm = requests
         run(warm, [0.0] * len(warm))
-        runs[f"{layout} lockstep"] = lockstep = run(requests, [0.0] * len(requests))
-        print(f"  {layout} lockstep: {json.dumps(_rounded(lockstep))}", flush=True)
-        saturation = saturation or lockstep["req_s"]
+    tries: dict[str, list[dict]] = {layout: [] for layout in layouts}
+    for _ in range(rounds):
+        for layout in layouts:
+            tries[layout].append(r := built[layout](requests, [0.0] * len(requests)))
+            print(f"  {layout} lockstep: {json.dumps(_rounded(r))}", flush=True)
+    runs: dict[str, dict] = {}
+    saturation, kv, floor = None, {}, None
+    for layout in layouts:
+        run = built.pop(layout)
+        median = sorted(tries[layout], key=lambda r: r["tok_s"])[(rounds - 1) // 2]
+        runs[f"{layout} lockstep"] = {**median, "tok_s_rounds": [r["tok_s"] for r in tries[layout]]}
+        saturation = saturation or median["req_s"]
         for k, fraction in enumerate(rates):
             rate = fraction * saturation
             runs[f"{layout} poisson {fraction:g}x"] = r = {"offered_req_s": rate,
@@ -342,10 +353,16 @@ def print_traffic(t: dict) -> None:
           f"{'p99 (ms)':>10}{'rows mean':>11}{'most':>6}{'KV live':>9}{'parked':>8}{'steps graphed':>15}")
     for name, r in t["runs"].items():
         offered = f"{r['offered_req_s']:.2f}" if "offered_req_s" in r else "all at once"
+        if len(r.get("tok_s_rounds", ())) > 1:
+            name = f"{name} (median)"
         print(f"{name:<24}{offered:>14}{r['tok_s']:>10.1f}{r['ttft_p50_s']:>10.2f}{r['ttft_p99_s']:>9.2f}"
               f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>10.1f}{r.get('rows_mean', 0):>11.1f}"
               f"{r.get('rows_most', 0):>6}{r.get('kv_live', 0):>9.0%}{r.get('parked', 0):>8}"
               f"{r['steps_graphed']:>14.0%}")
+    rounds = {name: r["tok_s_rounds"] for name, r in t["runs"].items() if len(r.get("tok_s_rounds", ())) > 1}
+    if rounds:
+        print("tokens/s of each round, the layouts taking turns: "
+              + "; ".join(f"{name} {', '.join(f'{x:.1f}' for x in v)}" for name, v in rounds.items()))
     if t.get("system_prompt_tokens") or any(r.get("prefix_hit_rate") for r in t["runs"].values()):
         print(f"\nprefix cache (system prompts of {t.get('system_prompt_tokens', 0)} tokens, each model its own): "
               "time to first token of each model's first request and of its later ones")

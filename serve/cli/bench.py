@@ -70,6 +70,16 @@ def _layouts(text: str) -> tuple[str, ...]:
     return out
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got '{text}'")
+    return n
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> None:
     from serve.bench.engine import run_engine_bench
 
@@ -79,7 +89,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> None:
                      steps=not args.no_steps, profile=args.profile, traffic=args.traffic,
                      traffic_requests=args.traffic_requests, neuzip=not args.no_neuzip,
                      traffic_rates=_fractions(args.traffic_rates), kv_layouts=args.kv_layouts,
-                     system_prompt_tokens=args.system_prompt_tokens)
+                     system_prompt_tokens=args.system_prompt_tokens, traffic_rounds=args.traffic_rounds)
 
 
 def cmd_bench_gpu_check(args: argparse.Namespace) -> None:
@@ -201,6 +211,8 @@ def _add_engine(bench: argparse._SubParsersAction) -> None:
                     help="the KV layouts each traffic run is served in, at the same memory (comma-separated): one "
                     "block of max_model_len a row (slots), blocks of 16 with prefix caching (paged) or without "
                     "(paged-nocache)")
+    en.add_argument("--traffic-rounds", type=_positive, default=1, help="lockstep runs of each KV layout, the "
+                    "layouts taking turns: the median's figures are reported, with every round's tokens/s")
     en.add_argument("--system-prompt-tokens", type=int, default=0, help="each model's requests behind a system "
                     "prompt of its own this long (drawn from the articles), their prompts cut to user turns of 32-128 "
                     "tokens")

@@ -58,9 +58,11 @@ def test_system_prompts_are_read_from_the_cache_by_a_models_later_requests_only_
     workload = TrafficWorkload(requests=8, tenants=2, max_batch=4, full_share=0.0, emr_share=0.0, max_prompt=40,
                                outputs=(2, 4))
     report = bench_traffic(model, tmp_path / "work", torch.device("cpu"), workload, rates=(),
-                           layouts=("paged", "paged-nocache"), system_prompt_tokens=48)
+                           layouts=("paged", "paged-nocache"), system_prompt_tokens=48, rounds=3)
     assert report["system_prompt_tokens"] == 48 and report["prompt_tokens"]["min"] >= 48 + 32
     on, off = report["runs"]["paged lockstep"], report["runs"]["paged-nocache lockstep"]
     assert on["output_tokens"] == off["output_tokens"] == report["output_tokens"]["total"]
     assert on["prefix_hit_rate"] > 0.3 and off["prefix_hit_rate"] == 0  # 48 of about 130 tokens, for 6 of 8
     assert on["ttft_later_p50_s"] is not None and on["ttft_first_p50_s"] > 0
+    for run in (on, off):  # three lockstep rounds, the layouts in turn: the median reported
+        assert len(run["tok_s_rounds"]) == 3 and run["tok_s"] == sorted(run["tok_s_rounds"])[1]
