@@ -173,13 +173,16 @@ class DecodeBatch:
         writing = {h for s in self.prefilling for h in s.hashes[s.registered:]}
         backlog = sum(len(s.prompt) - s.written for s in self.prefilling)
         for row in new:
+            if short:  # a row before it is short: it waits, its prompt not even hashed
+                step.waiting.append(row.tag)
+                continue
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
             queued = parked is None and backlog >= self.rt.max_step_tokens - len(self.decoding)
             full = not kv.free_lanes or not kv.fits(length, cached)
-            step.full = step.full or (full and not short)
-            short = short or queued or full
+            step.full = step.full or full
+            short = queued or full
             if short or (len(cached) < len(hashes) and hashes[len(cached)] in writing):
                 step.waiting.append(row.tag)
                 continue
