@@ -349,13 +349,14 @@ def print_traffic(t: dict) -> None:
     if t.get("floor_tok_s"):
         print(f"floor: {t['floor_tok_s']:.0f} tokens/s (max_batch_size rows a decode step, the base's weights and the "
               "rows' keys and values read once a step)")
-    print(f"{'run':<24}{'offered req/s':>14}{'tokens/s':>10}{'TTFT p50':>10}{'p99 (s)':>9}{'TPOT p50':>10}"
+    names = {name: f"{name} (median)" if len(r.get("tok_s_rounds", ())) > 1 else name
+             for name, r in t["runs"].items()}
+    w = max(24, *(len(n) + 1 for n in names.values()))
+    print(f"{'run':<{w}}{'offered req/s':>14}{'tokens/s':>10}{'TTFT p50':>10}{'p99 (s)':>9}{'TPOT p50':>10}"
           f"{'p99 (ms)':>10}{'rows mean':>11}{'most':>6}{'KV live':>9}{'parked':>8}{'steps graphed':>15}")
     for name, r in t["runs"].items():
         offered = f"{r['offered_req_s']:.2f}" if "offered_req_s" in r else "all at once"
-        if len(r.get("tok_s_rounds", ())) > 1:
-            name = f"{name} (median)"
-        print(f"{name:<24}{offered:>14}{r['tok_s']:>10.1f}{r['ttft_p50_s']:>10.2f}{r['ttft_p99_s']:>9.2f}"
+        print(f"{names[name]:<{w}}{offered:>14}{r['tok_s']:>10.1f}{r['ttft_p50_s']:>10.2f}{r['ttft_p99_s']:>9.2f}"
               f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>10.1f}{r.get('rows_mean', 0):>11.1f}"
               f"{r.get('rows_most', 0):>6}{r.get('kv_live', 0):>9.0%}{r.get('parked', 0):>8}"
               f"{r['steps_graphed']:>14.0%}")
