@@ -127,7 +127,8 @@ def replica_options(config: ServeConfig, base: str, cpus: float) -> tuple[dict, 
         actor["resources"] = dict(d.resources)
     options = {"name": deployment_name(base), "ray_actor_options": actor,
                "max_ongoing_requests": d.max_ongoing_requests, "max_queued_requests": d.max_queued_requests,
-               "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s, "graceful_shutdown_wait_loop_s": STOP_POLL_S}
+               "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+               "graceful_shutdown_wait_loop_s": STOP_POLL_S}
     if d.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = d.max_replicas_per_node
     if d.autoscaling is not None:

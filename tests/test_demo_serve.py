@@ -110,8 +110,9 @@ def test_the_demo_serves_every_model_it_lists_with_default_settings(demo_server)
 
 def test_sigint_drains_requests_in_flight(demo_server):
     """Ctrl-C while six streams and a plain request of SmolLM2 run (it stops the shared server, so it runs before
-    the next test, whose `ray stop --force` stops every Ray process of this machine): the drain begins while requests are still running (the 503 says how many it is finishing), every one of
-    them ends with all its tokens, and the server exits 0."""
+    the next test, whose `ray stop --force` stops every Ray process of this machine): the drain begins while
+    requests are still running (the 503 says how many it is finishing), every one of them ends with all its tokens,
+    and the server exits 0."""
     server, log = demo_server.process, demo_server.log
     body = {"model": "smollm2", "prompt": "the cat sat on", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
     with httpx.Client(base_url=demo_server.url, timeout=120) as http:
