@@ -76,6 +76,12 @@ class SamplingParams:
     echo: bool = False
     """The prompt's own tokens come back too, with their log probabilities when logprobs is set."""
 
+    @property
+    def echoes_logprobs(self) -> bool:
+        """The prompt's log probabilities come back: the logits of its every position are kept, none of its keys
+        and values read from the prefix cache."""
+        return self.echo and self.logprobs is not None
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -35,7 +35,7 @@ from serve.engine.generation.detokenize import Detokenizer
 from serve.engine.generation.row import BatchRow, NewRow, prefix_of, register
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
-from serve.engine.generation.sampling import RowSampling, sample, sampling_metadata
+from serve.engine.generation.sampling import RowSampling, sample_to_host
 from serve.engine.step.layout import Prefill, StepOutput, StepRunner
 from serve.engine.types import Generation
 from serve.errors import BadRequest
@@ -227,11 +227,10 @@ class DecodeBatch:
     def _victim(self, victims: Sequence[Any], needing: BatchRow) -> Any:
         """The tag of the decoding row to park for `needing`'s block."""
         running = [s for s in self.decoding.values() if not s.done]
-        for tag in victims:
-            s = next((s for s in running if s.tag is tag), None)
-            if s is not None:
-                return s.tag
-        return max(running, key=lambda s: (s is not needing, s.order)).tag
+        chosen = next((s for tag in victims for s in running if s.tag is tag), None)
+        if chosen is None:
+            chosen = max(running, key=lambda s: (s is not needing, s.order))
+        return chosen.tag
 
     def _park(self, tags: Sequence[Any]) -> list[Any]:
         """The decoding rows tagged out of the batch, their keys and values kept; -> the tags parked."""
@@ -309,22 +308,13 @@ class DecodeBatch:
         self._observe()
         return _Launched(out, launched.decode, [], launched.sampling, *self._sample(out.logits, launched.sampling))
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple["BatchRow", int]]
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[BatchRow, int]]
                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Every row of logits sampled on the device (its argmax where no row reads it: a decode step's sampling has
-        its bucket's shapes), each under its row's controls -> (tokens, their host copy, the event it is ready at;
-        None on a CPU). A constrained row's bitmask is filled here, on the host, while the step runs on a GPU."""
+        """The step's tokens, each row of logits under its row's controls (sampling.py: sample_to_host)."""
         rows: list[RowSampling | None] = [None] * logits.shape[0]
         for s, i in sampling:
             rows[i] = s.sampling()
-        tokens = sample(logits, sampling_metadata(rows, logits.shape[1], logits.device))
-        if not tokens.is_cuda:
-            return tokens, tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return tokens, host, ready
+        return sample_to_host(logits, rows)
 
     def _read(self, launched: "_Launched") -> None:
         """The step's sampled tokens, on the host (the step's one wait), applied to the rows still running."""
@@ -336,12 +326,12 @@ class DecodeBatch:
             s = p.row
             if s.done or s.kv is None:
                 continue
-            if s.echoes:
+            if s.params.echoes_logprobs:
                 s.echo_logits.append(out.chunk_logits(p))
             if p.samples:
                 self.prefilling.remove(s)
                 self.decoding[s.kv] = s
-                if s.echoes:
+                if s.params.echoes_logprobs:
                     s.gen.prompt_logprobs = self.text.prompt_logprobs(s.prompt, torch.cat(s.echo_logits),
                                                                       s.params.logprobs)
                     s.echo_logits = []
@@ -362,7 +352,7 @@ class DecodeBatch:
                 break
             n = min(len(s.prompt) - s.written, budget)
             chunks.append(Prefill(s, s.kv, s.written, n, s.prompt[s.written:s.written + n],
-                                  keep_all=s.echoes, samples=s.written + n == len(s.prompt)))
+                                  keep_all=s.params.echoes_logprobs, samples=s.written + n == len(s.prompt)))
             budget -= n
         return chunks
 

@@ -78,10 +78,6 @@ class BatchRow(RowText):
     def sampling(self) -> RowSampling:
         return RowSampling(self.params, self.rng, self.prompt, self.gen.token_ids, self.end_ids, self.grammar)
 
-    @property
-    def echoes(self) -> bool:
-        return self.params.echo and self.params.logprobs is not None
-
 
 def prefix_of(kv: KVStore, row: NewRow) -> tuple[bytes, bytes, list[bytes], list[int]]:
     """(the row's chain seed, its tenant's keyed hash, the hashes of its prompt's full blocks before the one holding
@@ -91,8 +87,7 @@ def prefix_of(kv: KVStore, row: NewRow) -> tuple[bytes, bytes, list[bytes], list
     owner = tenant_key(kv.secret, row.scope)
     seed = prefix_seed(kv.base_key, variant_identity(row.variant), owner)
     hashes = chain(seed, row.prompt, kv.block_tokens, 0, (len(row.prompt) - 1) // kv.block_tokens)
-    echoes = row.params.echo and row.params.logprobs is not None
-    return seed, owner, hashes, [] if echoes else kv.pool.lookup(hashes)
+    return seed, owner, hashes, [] if row.params.echoes_logprobs else kv.pool.lookup(hashes)
 
 
 def register(kv: KVStore, s: BatchRow) -> None:

@@ -135,6 +135,21 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata | None) -> torch.Tensor:
     return tokens.index_copy_(0, meta.rows, chosen)
 
 
+def sample_to_host(logits: torch.Tensor, rows: Sequence[RowSampling | None]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Every row of logits sampled on the device, row i under rows[i]'s controls (None: its argmax, a row nobody
+    reads: a decode step's sampling has its bucket's shapes), and their copy to the host started -> (tokens, their
+    host copy, the CUDA event it is complete at; None on a CPU, where the tokens are their own copy). A constrained
+    row's bitmask is filled here, on the host, while the step runs on a GPU."""
+    tokens = sample(logits, sampling_metadata(rows, logits.shape[1], logits.device))
+    if not tokens.is_cuda:
+        return tokens, tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return tokens, host, ready
+
+
 def controlled_logits(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """x [k, vocab]: the metadata's rows of logits, changed in place by the grammar's bitmask, logit_bias, min_tokens
     and the penalties."""
