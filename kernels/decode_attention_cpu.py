@@ -47,6 +47,26 @@ def _exp_nonpositive(s: np.ndarray, bits: np.ndarray, count: int) -> None:
         s[i] *= scale[i]
 
 
+@njit(inline="always", fastmath=True, error_model="numpy")
+def _softmax_step(weights: np.ndarray, count: int, most: np.ndarray, total: np.ndarray, acc: np.ndarray, h: int,
+                  bits: np.ndarray) -> None:
+    """Head h's online softmax over its next `count` scores (weights, which become their exp(score - max)): its
+    running max, the sum of its weights and its output so far (acc) rescaled to the new max."""
+    m = most[h]
+    for i in range(count):
+        m = max(m, weights[i])
+    shrink = np.float32(math.exp(most[h] - m)) if most[h] > -np.inf else np.float32(0.0)
+    most[h] = m
+    total[h] *= shrink
+    for d in range(acc.shape[0]):
+        acc[d] *= shrink
+    for i in range(count):
+        weights[i] -= m
+    _exp_nonpositive(weights, bits, count)
+    for i in range(count):
+        total[h] += weights[i]
+
+
 @njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
 def _decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, lengths: np.ndarray, scale: float,
             out: np.ndarray) -> None:
@@ -89,20 +109,7 @@ def _decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, len
                             a += qs[h, d] * key[d]
                         s[h, i] = a
                 for h in range(heads):
-                    m = most[h]
-                    for i in range(count):
-                        m = max(m, s[h, i])
-                    shrink = np.float32(math.exp(most[h] - m)) if most[h] > -np.inf else np.float32(0.0)
-                    most[h] = m
-                    total[h] *= shrink
-                    for d in range(dim):
-                        acc[h, d] *= shrink
-                    weights = s[h]
-                    for i in range(count):
-                        weights[i] -= m
-                    _exp_nonpositive(weights, bits, count)
-                    for i in range(count):
-                        total[h] += weights[i]
+                    _softmax_step(s[h], count, most, total, acc[h], h, bits)
                 for i in range(count):
                     values = v[blocks[i], offsets[i]]
                     for h in range(heads):
