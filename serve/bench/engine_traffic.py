@@ -268,6 +268,17 @@ def floor_tok_s(rt, rows: int, context: int, bandwidth: float | None) -> float |
     return None if ms is None else 1e3 * rows / ms
 
 
+def warmed(run: TrafficRun, requests: list[Request]) -> TrafficRun:
+    """The run, its engine warmed: on a CPU every variant loaded once with short requests; on CUDA the requests
+    themselves, so that every graph the runs replay is captured here."""
+    if run.device.type == "cpu":
+        warm = [Request(m, requests[0].prompt[:16], 2) for m in sorted({r.model for r in requests})]
+    else:
+        warm = requests
+    run(warm, [0.0] * len(warm))
+    return run
+
+
 def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: TrafficWorkload,
                   bandwidth: float | None = None, rates: tuple[float, ...] = RATES,
                   layouts: tuple[str, ...] = ("slots", "paged"), system_prompt_tokens: int = 0,
@@ -292,14 +303,7 @@ def bench_traffic(model_dir: Path, work: Path, device: torch.device, workload: T
     outputs = [r.new_tokens for r in requests]
     context = int(statistics.mean(lengths) + statistics.mean(outputs) / 2)
     store = traffic_store(model_dir, work, workload)
-    built: dict[str, TrafficRun] = {}
-    for layout in layouts:
-        built[layout] = run = TrafficRun(store, device, workload, *LAYOUTS[layout])
-        if device.type == "cpu":  # every variant loaded once, with short requests
-            warm = [Request(m, requests[0].prompt[:16], 2) for m in sorted({r.model for r in requests})]
-        else:  # the same requests: every graph the runs replay is captured here
-            warm = requests
-        run(warm, [0.0] * len(warm))
+    built = {layout: warmed(TrafficRun(store, device, workload, *LAYOUTS[layout]), requests) for layout in layouts}
     tries: dict[str, list[dict]] = {layout: [] for layout in layouts}
     for _ in range(rounds):
         for layout in layouts:
