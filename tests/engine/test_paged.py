@@ -3,7 +3,6 @@ one block of the whole context a row (the slot store), on a plain base and on Ne
 when blocks run out, rows are parked and resumed and every request still gives the tokens it gives alone; a
 request longer than the whole cache is refused naming it."""
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

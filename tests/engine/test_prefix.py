@@ -13,10 +13,9 @@ from serve.engine.generation.row import NewRow
 from serve.engine.kv.blocks import BlockPool, chain
 from serve.engine.model import BaseModelRuntime
 from serve.engine.types import SamplingParams
-from tests.engine.test_paged import full, generate, mib, pissa
+from tests.engine.test_paged import TARGETS, full, generate, mib, pissa
 from tests.models import random_emr_group, random_lora
 
-TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 SYSTEM = [(11 * j) % 50 + 3 for j in range(40)]
 """A 40-token system prompt: two full blocks of 16 and a part of the third."""
 
