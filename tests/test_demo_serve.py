@@ -172,7 +172,10 @@ def test_serve_joins_a_running_cluster_serves_what_it_can_place_and_leaves_the_c
     # Ray 2.59+ turns token auth on for a head started where a token exists (an earlier local ray.init writes one),
     # and its clients send the token only with RAY_AUTH_MODE=token: this cluster runs without it, on loopback.
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    # Serve says a replica cannot be placed once it has waited RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by default,
+    # then every _PERIOD_S): an operator's cluster may set it lower, as this one does, so the test waits 5 s for it.
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_SERVE_SLOW_STARTUP_WARNING_S": "5", "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": "5"}
     ray = str(Path(sys.executable).parent / "ray")
     address = f"127.0.0.1:{gcs}"
     subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", "2",

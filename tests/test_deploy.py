@@ -390,13 +390,15 @@ KEY, ADMIN = "sk-deploy-tenant", "sk-deploy-admin"
 
 def local_serve_config(text: str, store: Path, auth: Path, port: int) -> dict:
     """serveConfigV2 as this machine runs it: every field from the manifest's text but the few that name the
-    cluster (the store, the auth file's path, the bind address, CUDA and the CPUs of its pods)."""
+    cluster (the store, the auth file's path, the bind address, CUDA, and the CPUs and memory of its pods: the KV
+    cache a GPU's pod holds, 16 GiB, is allocated when a replica starts)."""
     config = yaml.safe_load(text)
     config["http_options"].update(host="127.0.0.1", port=port)
     args = config["applications"][0]["args"]
     args.update(store=str(store), auth_file=str(auth), device="cpu")
     args["deployment"]["num_cpus"] = 0.25
     args["deployments"]["minilm"]["num_cpus"] = 0.25
+    args["batch"]["kv_cache_mib"] = 64
     return config
 
 

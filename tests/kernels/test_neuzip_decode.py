@@ -8,7 +8,7 @@ from kernels.neuzip_groups import DecodeGroup, neuzip_decode_group_torch, neuzip
 from serve.codecs import neuzip
 
 # name: (elements, lane): one lane, a ragged last step, lanes of one symbol, many lanes.
-SHAPES = {"one-lane": (700, 2048), "ragged": (1001, 64), "one-symbol-lanes": (37, 1), "many-lanes": (5000, 16)}
+SHAPES = {"one-lane": (240, 2048), "ragged": (1001, 64), "one-symbol-lanes": (37, 1), "many-lanes": (5000, 16)}
 
 
 def weights(n: int, gen: torch.Generator) -> np.ndarray:
