@@ -93,6 +93,9 @@ async def _bounded(call, timeout_s: float = 2.0) -> None:
 INGRESS_REPORT_S = 1.0
 """How often an ingress's health check reports its request counters to the board: within this, a scrape that
 reaches another ingress counts them."""
+REPLICA_HEALTH_S = 2.0
+"""How often Serve checks a base's replica (10 s by default): a replica that died is noticed, and replaced, within
+this rather than ten seconds later; each check is also the replica's residency heartbeat to the board."""
 
 
 def ingress_options(config: ServeConfig) -> dict:
@@ -128,7 +131,7 @@ def replica_options(config: ServeConfig, base: str, cpus: float) -> tuple[dict, 
     options = {"name": deployment_name(base), "ray_actor_options": actor,
                "max_ongoing_requests": d.max_ongoing_requests, "max_queued_requests": d.max_queued_requests,
                "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
-               "graceful_shutdown_wait_loop_s": STOP_POLL_S}
+               "graceful_shutdown_wait_loop_s": STOP_POLL_S, "health_check_period_s": REPLICA_HEALTH_S}
     if d.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = d.max_replicas_per_node
     if d.autoscaling is not None:
