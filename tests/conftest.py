@@ -71,6 +71,16 @@ def serving_store(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def demo_store(tmp_path_factory):
+    """tests/demo_store.py's store, built once. -> its root."""
+    from tests.demo_store import build_small_demo_store
+
+    root = tmp_path_factory.mktemp("demo") / "store"
+    build_small_demo_store(root)
+    return root
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """An S3-compatible server on loopback (moto's server mode, as s3fs's own tests run one), its endpoint and
     credentials in the environment as a platform sets them. -> its URL."""

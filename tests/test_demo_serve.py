@@ -1,5 +1,5 @@
 """The demo's serving path as a new user meets it (`manyfold demo` builds its store, then serves it as `manyfold
-serve --store` does), on a small demo store with the real demo's three bases (MiniLM, SmolLM2, SmolLM2 in
+serve --store` does), on a small demo store (tests/demo_store.py) with the real demo's three bases (MiniLM, SmolLM2, SmolLM2 in
 NeuZip form): with default settings every base is scheduled on this machine's cores and every model /v1/models
 lists answers a request; Ctrl-C with requests in flight refuses new ones with 503 and finishes every request in
 flight, streams to their [DONE], before it stops, and leaves no process behind. Joining a running cluster, a base
@@ -22,21 +22,10 @@ import pytest
 
 from loadtests.smoke import request_for, smoke
 from serve.bench.report import descendants
-from serve.demo import AdapterTask, DemoTask, LmTask, build_demo_store
 from tests.test_server import free_port
 
 pytestmark = pytest.mark.slow
 STREAMS, TOKENS = 6, 64
-
-
-@pytest.fixture(scope="module")
-def demo_store(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo") / "store"
-    build_demo_store(root, tasks=(DemoTask("minilm-spam", "spam", 32, 32),),
-                     lm_tasks=(LmTask("smollm2-fortunes", "fortunes", steps=1, top_layers=1, max_len=32),),
-                     adapter_tasks=(AdapterTask("smollm2-spam-pissa", "spam", 8, steps=1, max_length=32),),
-                     emr_groups=(), log=lambda m: None)
-    return root
 
 
 def _alive(pid: int) -> bool:
