@@ -22,9 +22,8 @@ from tests.doc_world import BASE, DOOMED, FULL, STORE_KINDS, World, build_world
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")  # peft -> transformers
 
 NOT_HERE = {
-    "manyfold serve": "runs a server until stopped: tests/test_demo_serve.py (--store, and its drain on Ctrl-C; "
-                      "--config with --ray-address) and tests/test_fleet.py (--ray-address, an s3:// --store, "
-                      "--config) start it through the CLI",
+    "manyfold serve": "runs a server until stopped: tests/test_demo_serve.py (--store, and its drain on Ctrl-C) "
+                      "and tests/test_fleet.py (--ray-address, an s3:// --store, --config) start it through the CLI",
     "manyfold demo": "fine-tunes the real packaged models on real data (minutes; tests/test_demo.py, slow), then "
                      "serves until stopped (tests/test_demo_serve.py, on a small demo store)",
     "manyfold bench": "minutes to hours on real models, for bench-results/; the parts with a small form are tested "

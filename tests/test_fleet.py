@@ -8,7 +8,10 @@ is served by both nodes at once and a delete is a 404; a tenant added through th
 nodes without a restart; two admins adding at once lose nothing; a variant being
 replaced is answered as the old or the new, never a mix; a node removed under load leaves no request hanging and
 the base comes back on a new node, filling its cache from the store; a replica restarted where the cache is warm
-reads nothing from the store (the node-cache counters of /metrics, and the cache's files, say so)."""
+reads nothing from the store (the node-cache counters of /metrics, and the cache's files, say so). The bucket also
+holds a base no node can place (its replica asks for 64 CPUs): `manyfold serve` names it and serves the rest, its
+requests get 503 naming why, and on SIGTERM its app goes, the pending replica too, while the cluster and Serve on it
+stay."""
 
 import os
 import shutil
@@ -126,11 +129,15 @@ def fleet(s3_server, tmp_path_factory):
     lm = write_tiny_causal(root / "lm")
     writer = ObjectStore(store, create=True, cache=NodeCache(root / "cache-admin", 1 << 30))
     writer.add_base("lm", lm)
+    writer.add_base("big", write_tiny_causal(root / "big", seed=1))
     variant_kind("lora").add(writer, "lm-a", "lm", write_lora(lm, root / "lora-1", seed=1, r=4,
                                                                targets=["q_proj", "v_proj"]))
     adapters = {seed: _upload(write_lora(lm, root / f"lora-{seed}", seed=seed, r=4, targets=["q_proj", "v_proj"]),
                               f"s3://{bucket}/uploads/lora-{seed}") for seed in (2, 3, 4, 5)}
     os.environ["MANYFOLD_CACHE_DIR"] = str(root / "cache-driver")  # the CLI's driver reads the manifest
+    # Serve says a replica cannot be placed once it has waited RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by default,
+    # then every _PERIOD_S): an operator's cluster may set it lower, as this one's nodes do (serve/README.md).
+    os.environ.update(RAY_SERVE_SLOW_STARTUP_WARNING_S="5", RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S="5")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
     fleet = Fleet("", store, cluster, {}, {}, adapters, root)
     for name in ("w1", "w2"):
@@ -144,7 +151,8 @@ def fleet(s3_server, tmp_path_factory):
         "admin": {"sources": [f"s3://{bucket}/uploads/"]}, "deployment": {"num_cpus": 0.25},
         "start_timeout_s": 600,  # the CLI waits for both replicas: a loaded 2-core machine took over the 120 s default
         "deployments": {"lm": {"num_cpus": 0.25, "num_replicas": 2, "max_replicas_per_node": 1,
-                               "max_ongoing_requests": 1}}}))
+                               "max_ongoing_requests": 1},
+                        "big": {"num_cpus": 64, "graceful_shutdown_timeout_s": 1}}}))
     try:
         # One proxy, on the head: every node is on this host, so a proxy per node would clash on the port. The
         # CLI's serve.start then finds Serve running with the same HTTP options, and only deploys the app.
@@ -152,14 +160,18 @@ def fleet(s3_server, tmp_path_factory):
         with _serving(["--ray-address", cluster.address, "--store", store, "--config", str(config)],
                       env=dict(os.environ), timeout_s=660) as log:
             said = [line for line in log if line.startswith(("serving ", "warning: "))]
-            assert said == [f"serving {store} at {fleet.url}  (Ctrl-C to stop)\n"], "".join(log)
+            assert len(said) == 2 and said[0].startswith("warning: big is not running"), "".join(log)
+            assert said[1] == f"serving {store} at {fleet.url}  (Ctrl-C to stop)\n", "".join(log)
             assert not any("HTTP config differs" in line for line in log), "".join(log)
             yield fleet
+        assert serve.status().applications == {}  # its app is gone, the pending replica too; Serve runs on
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
-        os.environ.pop("MANYFOLD_CACHE_DIR", None)
+        for name in ("MANYFOLD_CACHE_DIR", "RAY_SERVE_SLOW_STARTUP_WARNING_S",
+                     "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S"):
+            os.environ.pop(name, None)
 
 
 def _complete(url: str, model: str, headers: dict | None = None) -> tuple[int, object]:
@@ -246,6 +258,17 @@ def test_both_nodes_serve_adapters_from_s3_each_through_its_own_cache(fleet):
     answers = _served_by_every_node(fleet, "lm-a", ["w1", "w2"])
     assert len(answers) == 1  # the same greedy answer from either node
     assert all(_entries(fleet.caches[w], "lm") for w in ("w1", "w2"))  # each replica read the base on its node
+
+
+def test_a_base_no_node_can_place_answers_503_naming_why_while_the_others_serve(fleet):
+    with httpx.Client(base_url=fleet.url, timeout=120) as http:
+        assert http.get("/readyz").status_code == 200  # the bases Ray can place run
+        cards = {c["id"]: c["status"] for c in http.get("/v1/models").json()["data"]}
+        refused = http.post("/v1/completions", json={"model": "big", **PROMPT})
+    assert cards["big"] == "unavailable" and cards["lm"] == "ready", cards
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert refused.json()["error"]["message"].startswith(
+        "model 'big' is unavailable: base 'big' has no running replica: Ray cannot place it"), refused.text
 
 
 def test_an_admin_add_is_served_by_both_nodes_and_a_delete_is_a_404_on_both(fleet):

@@ -126,13 +126,13 @@ class DeploymentHealth:
 
     async def require(self, base: str, model: str) -> None:
         """Return once `base` runs (or may start for this request); Unavailable naming why if it does not within
-        wait_s."""
+        wait_s, or at once if Ray cannot place its replica (waiting would not bring one)."""
         deadline = time.monotonic() + self.wait_s
         while True:
             state = (await self.states()).get(base, BaseState(True))
             if state.running or (base in self.may_idle and state.placeable):
                 return
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or not state.placeable:
                 raise Unavailable(f"model '{model}' is unavailable: {state.reason}")
             await asyncio.sleep(min(self.refresh_s, max(0.0, deadline - time.monotonic())))
 

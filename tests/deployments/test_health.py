@@ -153,3 +153,13 @@ def test_manyfold_serve_says_a_base_still_loading_at_start_timeout_goes_on_loadi
          "models answer 503 until it runs"),
         ("warning: nz is not running; its models answer 503 until it runs (starting: base 'nz' has no running "
          "replica (Deploying))")]
+
+
+def test_a_base_ray_cannot_place_is_refused_at_once_not_after_the_wait():
+    """A replica no node can hold will not come within wait_s: its request gets the 503 now, after one read."""
+    reads = []
+    health = DeploymentHealth({"big": "base-big"}, lambda: reads.append(1) or {"base-big": (0, PENDING)},
+                              wait_s=3600.0, nodes=lambda: [{"CPU": 2.0}])
+    with pytest.raises(Unavailable, match="Ray cannot place it"):
+        asyncio.run(health.require("big", "big"))
+    assert len(reads) == 1
