@@ -73,12 +73,17 @@ def test_store_commands(files, capsys):
     store = str(d / "store")
     assert run(capsys, "store", "add", "--store", store, "--kind", "base", "--name", "tiny",
                "--model", str(d / "basedir"))[0] == 0
-    assert run(capsys, "store", "add", "--store", store, "--kind", "full", "--name", "ft", "--base", "tiny",
+    long_name = "a-fine-tune-named-past-twenty-four-characters"
+    assert run(capsys, "store", "add", "--store", store, "--kind", "full", "--name", long_name, "--base", "tiny",
                "--model", str(d / "ft"))[0] == 0
     code, out, _ = run(capsys, "store", "list", "--store", store, "--json")
-    assert code == 0 and {r["name"] for r in json.loads(out)} == {"tiny", "ft"}
+    assert code == 0 and {r["name"] for r in json.loads(out)} == {"tiny", long_name}
+    code, out, _ = run(capsys, "store", "list", "--store", store)
+    header, *rows = out.splitlines()
+    kind = header.index("kind")  # every row's kind starts under its header, past the longest name
+    assert code == 0 and len(rows) == 2 and all(r[kind - 2:kind] == "  " and r[kind] != " " for r in rows), out
     code, out, _ = run(capsys, "store", "verify", "--store", store)
-    assert code == 0 and "ft: ok" in out
+    assert code == 0 and f"{long_name}: ok" in out
     code, _, err = run(capsys, "store", "remove", "--store", store, "tiny")
     assert code == 1 and "still has variants" in err
 

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from serve.cli.args import add_command, base_dir
-from serve.cli.console import human_bytes, progress
+from serve.cli.console import human_bytes, progress, table
 from serve.errors import ConfigError
 
 
@@ -77,10 +77,10 @@ def cmd_emr_merge(args: argparse.Namespace) -> None:
         bundle = merge(base_dir(args), tasks, Path(args.out), rescaler=args.rescaler, progress=tick)
     m = bundle.manifest
     print(f"{bundle.path}: {len(m.tasks)} tasks over {m.merged_params:,} merged weights ({m.rescaler} rescalers)")
-    print(f"{'task':<24} {'lambda':>8} {'mask bits set':>14} {'share':>7}  labels")
-    for r in describe(bundle):
-        print(f"{r['task']:<24} {r['rescaler']:>8.4f} {r['mask_bits']:>14,} {r['mask_share']:>7.1%}  "
-              f"{', '.join(r['labels'] or []) or '-'}")
+    cells = [[r["task"], f"{r['rescaler']:.4f}", f"{r['mask_bits']:,}", f"{r['mask_share']:.1%}",
+              ", ".join(r["labels"] or []) or "-"] for r in describe(bundle)]
+    print("\n".join(table(["task", "lambda", "mask bits set", "share", "labels"], cells,
+                           right=frozenset({1, 2, 3}))))
 
 
 def cmd_emr_extract(args: argparse.Namespace) -> None:

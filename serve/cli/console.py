@@ -1,4 +1,4 @@
-"""How commands show their work on the terminal: a progress bar on stderr and sizes in bytes for people."""
+"""How commands show their work on the terminal: a progress bar on stderr, tables, and sizes in bytes for people."""
 
 import sys
 from collections.abc import Callable, Iterator
@@ -24,3 +24,15 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return str(n)
+
+
+def table(header: list[str], rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:
+    """The lines of a table whose columns are as wide as their widest cell, so a long name never shifts the columns
+    after it; columns in `right` (numbers) align right, the last column is not padded."""
+    widths = [max(map(len, column)) for column in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), *map(line, rows)]

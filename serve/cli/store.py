@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from serve.cli.adapters import add_sampling_arguments, add_student_arguments, transfer_options
 from serve.cli.args import add_command, open_store
 from serve.cli.codecs import LANE_HELP, neuzip_lane, neuzip_summary
-from serve.cli.console import human_bytes, progress
+from serve.cli.console import human_bytes, progress, table
 from serve.errors import BatchIncomplete, ConfigError
 
 if TYPE_CHECKING:
@@ -25,12 +25,14 @@ def cmd_store_list(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'name':<24} {'kind':<6} {'base':<10} {'architecture':<34} {'stored':>10} {'raw':>10} {'ratio':>7}  form")
+    cells = []
     for r in rows:
         ratio = f"{r['stored_bytes'] / r['raw_bytes']:.1%}" if r["raw_bytes"] else "-"
         forms = "; ".join(sorted({f for f in r.get("forms", {}).values() if f != r["kind"]})) or "-"
-        print(f"{r['name']:<24} {r['kind']:<6} {r['base']:<10} {r['architecture']:<34} "
-              f"{human_bytes(r['stored_bytes']):>10} {human_bytes(r['raw_bytes']):>10} {ratio:>7}  {forms}")
+        cells.append([r["name"], r["kind"], r["base"], r["architecture"], human_bytes(r["stored_bytes"]),
+                      human_bytes(r["raw_bytes"]), ratio, forms])
+    header = ["name", "kind", "base", "architecture", "stored", "raw", "ratio", "form"]
+    print("\n".join(table(header, cells, right=frozenset({4, 5, 6}))))
 
 
 def cmd_store_add(args: argparse.Namespace) -> None:
@@ -78,11 +80,10 @@ def _add_auto(args: argparse.Namespace, store: "Store") -> None:
         entry, model = add_auto(store, args.name, args.base, Path(args.model), tolerance, calibration,
                                 SlotsConfig(max_rank=args.max_rank), progress=tick)
     record = entry.form_records()[model]
-    print(f"{'form':<24} {'resident':>10} {'stored':>10} {'agreement':>10}")
-    for c in record.candidates:
-        agreed = "exact" if c.agreement is None and c.form == "fmdelta" else (
-            "-" if c.agreement is None else f"{c.agreement:.2%}")
-        print(f"{c.form:<24} {human_bytes(c.resident_bytes):>10} {human_bytes(c.stored_bytes):>10} {agreed:>10}")
+    cells = [[c.form, human_bytes(c.resident_bytes), human_bytes(c.stored_bytes),
+              "exact" if c.agreement is None and c.form == "fmdelta" else (
+                  "-" if c.agreement is None else f"{c.agreement:.2%}")] for c in record.candidates]
+    print("\n".join(table(["form", "resident", "stored", "agreement"], cells, right=frozenset({1, 2, 3}))))
     why = "exact forms only at tolerance 0" if record.tolerance == 0 else f"tolerance {record.tolerance:.1%}"
     note = "; the group was re-merged, which changes what it serves for its other tasks" if entry.kind == "emr" else ""
     print(f"added '{model}' of '{args.base}' as {record.chosen} ({why}; calibration: "
