@@ -30,6 +30,14 @@ class ConfigError(ManyfoldError):
     http_status = 500
 
 
+class StoreUnreachable(ManyfoldError):
+    """The store's object storage cannot be used as configured: a bucket that does not exist, a request it denies,
+    an endpoint that does not answer."""
+
+    code = "store_unreachable"
+    http_status = 503
+
+
 class ArtifactError(ManyfoldError):
     """A file on disk is missing, truncated, corrupt or does not match what it claims."""
 

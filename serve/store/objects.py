@@ -12,28 +12,88 @@ obstore over s3fs (`manyfold bench objects`: both against moto's S3 server on lo
 a 64 MB get in 0.087 s against 0.269, 200 gets of 4 KB in 0.50 s against 1.61 (s3fs batched), 200 small puts
 0.63 against 0.89, the 64 MB put 0.56 against 0.46; both refuse a put-if-absent on an existing key, obstore with
 a typed AlreadyExistsError; one API for S3, GCS, Azure, local directories and memory. The endpoint comes from
-AWS_ENDPOINT_URL and the credentials from the standard AWS variables (obstore reads them).
+AWS_ENDPOINT_URL and the credentials from the standard AWS variables (obstore reads them). With none of them set, an
+s3:// store is refused before any request, naming what was looked for: obstore would otherwise ask the cloud's
+instance-metadata service, which off EC2 is a wait and an address nobody meant; MANYFOLD_S3_INSTANCE_METADATA=1 lets
+it. A request is retried for at most RETRY_S, and what object storage answers (a missing bucket, a denial, no
+answer) is one line naming the URL (StoreUnreachable).
 """
 
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, NotFoundError
+from obstore.exceptions import (AlreadyExistsError, BaseError, NotFoundError, PermissionDeniedError,
+                                 UnauthenticatedError)
 from obstore.store import LocalStore, from_url
 
-from serve.errors import ArtifactError, ConfigError, SourceTooLarge
+from serve.errors import ArtifactError, ConfigError, SourceTooLarge, StoreUnreachable
 from serve.store.progress import Progress
 
 SCHEMES = ("s3://", "gs://", "az://", "file://", "memory://")
 CHUNK = 8 << 20
 MIB = 1 << 20
+RETRY_S = 10.0
+"""How long a request to object storage is retried (5xx answers, connections refused or dropped) before it fails:
+obstore's default of three minutes would hold a command, or a request's variant load, that long."""
+INSTANCE_METADATA = "MANYFOLD_S3_INSTANCE_METADATA"
+S3_CREDENTIALS = (("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"), ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN"),
+                  ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",), ("AWS_CONTAINER_CREDENTIALS_FULL_URI",))
+"""The credential sources obstore reads for S3, each a set of variables that must all be set (files are named by
+the variables, and ~/.aws is not read)."""
+
+
+def check_s3_credentials(location: str) -> None:
+    """ConfigError naming what was looked for when no S3 credential source is set, anonymous access is not asked
+    for (AWS_SKIP_SIGNATURE) and the instance-metadata service is not allowed (INSTANCE_METADATA=1)."""
+    env = os.environ
+    if any(all(env.get(v) for v in source) for source in S3_CREDENTIALS) or env.get(INSTANCE_METADATA) == "1" or \
+            env.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true"):
+        return
+    looked = "; ".join(" and ".join(source) for source in S3_CREDENTIALS)
+    raise ConfigError(f"store {location}: no S3 credentials: set {looked} (~/.aws is not read), or "
+                      f"AWS_SKIP_SIGNATURE=true for a public bucket, or {INSTANCE_METADATA}=1 to ask this machine's "
+                      f"instance-metadata service (on EC2)")
+
+
+@contextmanager
+def reaching(location: str) -> Iterator[None]:
+    """Object storage's answers as one line naming the location (StoreUnreachable): a bucket that does not exist, a
+    denial or unknown credentials, an endpoint that does not answer. A missing object is the caller's to handle."""
+    try:
+        yield
+    except (NotFoundError, FileNotFoundError, AlreadyExistsError):
+        raise
+    except BaseError as e:
+        raise StoreUnreachable(f"store {location}: {_gist(e)}") from None
+
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_S3_ERROR = re.compile(r"<Code>(.*?)</Code>\s*<Message>(.*?)</Message>", re.S)
+
+
+def _gist(e: BaseException) -> str:
+    """What obstore's error (many lines: the request, the answer's XML, a debug dump) says, in a few words."""
+    text = str(e)
+    status, said = _STATUS.search(text), _S3_ERROR.search(text)
+    answer = f"{said[1]}: {said[2]}" if said else (status[1] if status else "")
+    if said and said[1] == "NoSuchBucket":
+        return "the bucket does not exist (NoSuchBucket)"
+    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or (status and status[1] in ("401", "403")):
+        return f"access denied ({answer or type(e).__name__})"
+    if "error sending request" in text:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL") or "its endpoint"
+        return f"no answer from {endpoint} within {RETRY_S:g} s of retries (error sending request)"
+    first = (text.strip().splitlines() or [type(e).__name__])[0]
+    return answer or (first if len(first) <= 200 else first[:200] + "...")
 
 
 def is_url(location: str | Path) -> bool:
@@ -54,9 +114,15 @@ class Objects:
                                   f"{', '.join(SCHEMES)}")
             if self.location.startswith("file://"):  # created if missing, as a local path is: obstore opens none
                 Path(url2pathname(urlparse(self.location).path)).mkdir(parents=True, exist_ok=True)
-            options = {"allow_http": True} if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://") else {}
+            if self.location.startswith("s3://"):
+                check_s3_credentials(self.location)
+            options = {}
+            if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+                options["client_options"] = {"allow_http": True}
+            if self.location.startswith(("s3://", "gs://", "az://")):
+                options["retry_config"] = {"max_retries": 10, "retry_timeout": timedelta(seconds=RETRY_S)}
             try:
-                self._store = from_url(self.location, client_options=options) if options else from_url(self.location)
+                self._store = from_url(self.location, **options)
             except Exception as e:  # obstore raises its own types for an unknown scheme, a bad bucket name, ...
                 raise ConfigError(f"store {self.location}: cannot be opened ({e})".splitlines()[0]) from None
         else:
@@ -69,26 +135,29 @@ class Objects:
     def put_new(self, key: str, data: bytes) -> bool:
         """Write key once: False (nothing written) when it exists already."""
         try:
-            obstore.put(self._store, key, data, mode="create")
+            with reaching(self.location):
+                obstore.put(self._store, key, data, mode="create")
         except AlreadyExistsError:
             return False
         return True
 
     def put_file(self, key: str, path: Path) -> None:
         """Upload a file (in parts when large). For content-addressed keys: a racing upload writes the same bytes."""
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, reaching(self.location):
             obstore.put(self._store, key, f, chunk_size=CHUNK)
 
     def exists(self, key: str) -> bool:
         try:
-            obstore.head(self._store, key)
+            with reaching(self.location):
+                obstore.head(self._store, key)
         except (NotFoundError, FileNotFoundError):
             return False
         return True
 
     def read(self, key: str) -> bytes:
         try:
-            return obstore.get(self._store, key).bytes().to_bytes()
+            with reaching(self.location):
+                return obstore.get(self._store, key).bytes().to_bytes()
         except (NotFoundError, FileNotFoundError):
             raise ArtifactError(f"{self.location}: object '{key}' is missing") from None
 
@@ -122,15 +191,17 @@ class Objects:
 
     def _chunks(self, key: str) -> Iterator[bytes | memoryview]:
         try:
-            yield from obstore.get(self._store, key).stream(min_chunk_size=CHUNK)
+            with reaching(self.location):
+                yield from obstore.get(self._store, key).stream(min_chunk_size=CHUNK)
         except (NotFoundError, FileNotFoundError):
             raise ArtifactError(f"{self.location}: object '{key}' is missing") from None
 
     def listing(self, prefix: str | None = None) -> list[tuple[str, int, float]]:
         """(key, bytes, last modified as a Unix time) of every object under the directory `prefix` (None: the
         whole location), sorted."""
-        return sorted((m["path"], int(m["size"]), m["last_modified"].timestamp())
-                      for batch in obstore.list(self._store, prefix=prefix) for m in batch)
+        with reaching(self.location):
+            return sorted((m["path"], int(m["size"]), m["last_modified"].timestamp())
+                          for batch in obstore.list(self._store, prefix=prefix) for m in batch)
 
     def keys(self, prefix: str | None = None, after: str | None = None) -> list[str]:
         """Keys under the directory `prefix` (None: the whole location), sorted; with `after`, only those that
@@ -154,7 +225,8 @@ class Objects:
 
     def delete(self, key: str) -> None:
         try:
-            obstore.delete(self._store, key)
+            with reaching(self.location):
+                obstore.delete(self._store, key)
         except (NotFoundError, FileNotFoundError):
             pass
 
