@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
@@ -61,7 +61,10 @@ class Router:
             if isinstance(cause, ManyfoldError):
                 raise cause from None
             raise type(e)(str(e).splitlines()[0]) from None
-        except RayActorError as e:  # the replica died mid-request (killed, out of memory): Serve starts another
+        except RayTaskError:
+            raise  # the replica's own code failed: an internal error, as it is
+        except RayError as e:  # its actor, worker or node went away mid-request (killed, out of memory, a node
+            # lost): Serve starts another replica, so the client is told to retry rather than handed a bare 500
             raise Unavailable("the model's replica stopped while answering; retry") from e
 
     async def _call(self, response):

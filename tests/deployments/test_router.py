@@ -1,7 +1,12 @@
 """The router's listing and batch adds with stand-in handles (plain Python, no Ray cluster): /v1/models is built
-from the catalog's snapshot once per snapshot, and a batch is split by base, each base's items to one replica call."""
+from the catalog's snapshot once per snapshot, and a batch is split by base, each base's items to one replica call;
+a replica or node lost mid-request is a 503 to retry, never a bare 500."""
 
 import asyncio
+
+import pytest
+from ray.exceptions import (ActorDiedError, NodeDiedError, ObjectLostError, OutOfMemoryError, RayTaskError,
+                            WorkerCrashedError)
 
 from serve.deployments.router import Router
 from serve.engine.types import ModelInfo
@@ -129,3 +134,19 @@ def test_readiness_says_how_far_a_base_being_fetched_has_come_and_a_board_away_c
     ready = Router(Catalog(tmp_path, refresh_s=0), {"a": _Replica("a")}, board,
                    DeploymentHealth({"a": "base-a"}, lambda: {"base-a": (1, "")}))
     assert asyncio.run(ready.readiness()) == (True, {"a": "running"}) and asked == [1]  # ready: the board not asked
+
+
+LOST = [ActorDiedError(), NodeDiedError("the node running it died"), WorkerCrashedError(),
+        ObjectLostError("ab" * 14, None, ""), OutOfMemoryError("the node ran out of memory")]
+
+
+@pytest.mark.parametrize("lost", LOST, ids=[type(e).__name__ for e in LOST])
+def test_a_replica_or_its_node_lost_mid_request_is_a_503_to_retry_never_a_500(lost):
+    with pytest.raises(Unavailable, match="replica stopped while answering; retry"), Router._replica_errors():
+        raise lost
+
+
+def test_a_failure_of_the_replicas_own_code_stays_what_it_is():
+    bug = RayTaskError("generate", "Traceback ...", ValueError("a bug"))
+    with pytest.raises(RayTaskError), Router._replica_errors():
+        raise bug
