@@ -40,7 +40,6 @@ class Served:
     url: str
     log: list[str]
     """Its output so far and to come."""
-    ray_processes: set[int]
     process: subprocess.Popen
 
 
@@ -63,7 +62,7 @@ def serving(*args: str) -> Iterator[Served]:
         threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
         ray_processes = descendants(server.pid)
         assert ray_processes, "no Ray processes under the server"
-        yield Served(f"http://127.0.0.1:{port}", log, ray_processes, server)
+        yield Served(f"http://127.0.0.1:{port}", log, server)
     finally:
         ray_processes |= descendants(server.pid)  # replicas started since
         server.send_signal(signal.SIGINT)
