@@ -7,6 +7,8 @@
     python -m loadtests.run --scenario fairness [--duration 60] [--seed 0] [--out bench-results/fairness]
     python -m loadtests.run --scenario structured [--requests 16] [--out bench-results/structured-serve.json]
     python -m loadtests.run --scenario prefix [--system-tokens 1024] [--out bench-results/prefix-serve.json]
+    python -m loadtests.run --scenario invariance [--prompts 2] [--out bench-results/invariance.json]
+    python -m loadtests.run --scenario nodeloss [--rounds 5] [--out bench-results/nodeloss.json]
 
 Every system gets `budget-models` full models' worth of weight memory: Manyfold holds the base plus a variant
 cache of the rest; the LRU baseline and Ray's multiplexing hold that many full fine-tunes. With 20 variants and
@@ -21,6 +23,7 @@ time to first token (p50/p99), tokens/s and refusals, and its tokens received pe
 
 import argparse
 import asyncio
+import importlib
 import json
 import platform
 import re
@@ -129,34 +132,26 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+OWN_MODULES = {
+    "tenants": "tenants",  # LoRA tenants on SmolLM2
+    "fleet": "fleet",  # cold and warm starts from S3
+    "neuzip": "neuzip",  # SmolLM2 plain and as NeuZip
+    "fairness": "fairness",  # a tenant's flood, FCFS and VTC
+    "prefix": "prefix",  # system prompts, cached or not
+    "invariance": "invariance",  # the same answer in any batch
+    "nodeloss": "nodeloss",  # a worker removed under load
+    "structured": "structured",  # structured outputs, tools
+}
+"""Scenarios run by a module of their own (loadtests/<module>.py, its main(argv)), by --scenario."""
+
+
 def main(argv: list[str] | None = None) -> list[dict] | dict:
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--scenario")
-    if pre.parse_known_args(argv)[0].scenario == "tenants":  # LoRA tenants on SmolLM2: loadtests/tenants.py
-        from loadtests.tenants import main as tenants_main
-
-        return tenants_main(argv)
-    if pre.parse_known_args(argv)[0].scenario == "fleet":  # cold and warm starts from S3: loadtests/fleet.py
-        from loadtests.fleet import main as fleet_main
-
-        return fleet_main(argv)
-    if pre.parse_known_args(argv)[0].scenario == "neuzip":  # SmolLM2 plain and as NeuZip: loadtests/neuzip.py
-        from loadtests.neuzip import main as neuzip_main
-
-        return neuzip_main(argv)
-    if pre.parse_known_args(argv)[0].scenario == "fairness":  # a tenant's flood, FCFS and VTC: loadtests/fairness.py
-        from loadtests.fairness import main as fairness_main
-
-        return fairness_main(argv)
-    if pre.parse_known_args(argv)[0].scenario == "prefix":  # system prompts, cached or not: loadtests/prefix.py
-        from loadtests.prefix import main as prefix_main
-
-        return prefix_main(argv)
-    if pre.parse_known_args(argv)[0].scenario == "structured":  # structured outputs, tools: loadtests/structured.py
-        from loadtests.structured import main as structured_main
-
-        return structured_main(argv)
+    own = OWN_MODULES.get(pre.parse_known_args(argv)[0].scenario)
+    if own is not None:  # a scenario with options of its own
+        return importlib.import_module(f"loadtests.{own}").main(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", type=int, default=None, help="default: 20, or 52 for mixed")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="full",
@@ -167,7 +162,9 @@ def main(argv: list[str] | None = None) -> list[dict] | dict:
                         "fairness: a heavy tenant beside seven light ones, FCFS against VTC (--scenario fairness "
                         "--help); structured: JSON schemas, tool calls and vLLM's extras through the clients "
                         "(--scenario structured --help); prefix: tenants' system prompts with prefix caching and "
-                        "without (--scenario prefix --help)")
+                        "without (--scenario prefix --help); invariance: the same answers alone and eight at once "
+                        "(--scenario invariance --help); nodeloss: a worker removed under load, five times "
+                        "(--scenario nodeloss --help)")
     p.add_argument("--rate", type=float, default=None, help="offered requests per second (default: 8, or "
                    f"{SCENARIOS['mixed'].rate_rps:g} for mixed)")
     p.add_argument("--max-chars", type=int, default=None, help="each input is the start of a test text, at most "

@@ -53,6 +53,7 @@ def _ingress(config: ServeConfig, bases: list[str]):
             from serve.deployments.health import DeploymentHealth, ray_nodes, serve_status
             from serve.deployments.router import Router
             from serve.http.app import build_http_app
+            from serve.metrics import Metrics
             from serve.store.catalog import Catalog
 
             handles = {b: serve.get_deployment_handle(deployment_name(b)) for b in bases}
@@ -60,9 +61,9 @@ def _ingress(config: ServeConfig, bases: list[str]):
             health = DeploymentHealth({b: deployment_name(b) for b in bases}, serve_status(app),
                                       may_idle=idle_bases(config, bases), nodes=ray_nodes)
             catalog = Catalog(config.store, config.store_refresh_s)
-            app = build_http_app(Router(catalog, handles, self.board, health, self.id), config, self.gate)
-            self.metrics = app.state.http.metrics
-            return app
+            self.metrics = Metrics()
+            router = Router(catalog, handles, self.board, health, self.id, lost=self.metrics.lost)
+            return build_http_app(router, config, self.gate, self.metrics)
 
         async def check_health(self) -> None:
             """Serve calls this every health_check_period_s: the heartbeat of this ingress's request counters on
@@ -99,9 +100,23 @@ this rather than ten seconds later; each check is also the replica's residency h
 
 
 def ingress_options(config: ServeConfig) -> dict:
-    return {"name": "Ingress", "num_replicas": config.ingress_replicas,
-            "max_ongoing_requests": config.ingress_max_ongoing_requests, "ray_actor_options": {"num_cpus": 0},
-            "health_check_period_s": INGRESS_REPORT_S, "graceful_shutdown_wait_loop_s": STOP_POLL_S}
+    """As many ingress replicas as config.ingress_replicas says, spread over the nodes (Serve's default; "per-node":
+    one a node at most), since each node's proxy routes to the ingress beside it where there is one."""
+    options = {"name": "Ingress", "num_replicas": ingress_replicas(config),
+               "max_ongoing_requests": config.ingress_max_ongoing_requests, "ray_actor_options": {"num_cpus": 0},
+               "health_check_period_s": INGRESS_REPORT_S, "graceful_shutdown_wait_loop_s": STOP_POLL_S}
+    if config.ingress_replicas == "per-node":
+        options["max_replicas_per_node"] = 1
+    return options
+
+
+def ingress_replicas(config: ServeConfig) -> int:
+    """config.ingress_replicas, "per-node" counted as the Ray nodes alive now (1 when Ray is not started)."""
+    import ray
+
+    if config.ingress_replicas != "per-node":
+        return config.ingress_replicas
+    return max(1, len([n for n in ray.nodes() if n.get("Alive")])) if ray.is_initialized() else 1
 
 
 def build_app(args: dict | ServeConfig) -> Application:
@@ -269,12 +284,15 @@ def drain(config: ServeConfig, app: str = APP) -> None:
     """Before the proxy stops: every ingress replica refuses new requests (503) and finishes those in flight,
     streams to their [DONE], within config.drain_timeout_s. Serve routes a call to any replica, so calls go
     out in rounds until each replica has answered (bounded)."""
+    from serve.deployments.health import serve_status
+
     handle = serve.get_deployment_handle("Ingress", app_name=app)
+    running = max(1, serve_status(app)().get("Ingress", (1, ""))[0])
     drained: dict[str, int] = {}
     for _ in range(8):
-        calls = [handle.drain.remote(config.drain_timeout_s) for _ in range(2 * config.ingress_replicas)]
+        calls = [handle.drain.remote(config.drain_timeout_s) for _ in range(2 * running)]
         drained.update(c.result(timeout_s=config.drain_timeout_s + 10) for c in calls)
-        if len(drained) >= config.ingress_replicas:
+        if len(drained) >= running:
             break
     left = sum(drained.values())
     print(f"drained {len(drained)} ingress replica(s)" + (f"; {left} requests cut at the grace period" if left else ""))

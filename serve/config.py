@@ -143,6 +143,10 @@ class EngineConfig(StrictModel):
     cuda_graphs: Literal["auto", "off"] = "auto"
     """On CUDA, decode steps are captured as CUDA graphs per row bucket and replayed (serve/engine/step/graphs.py);
     "off": every step runs eagerly. Ignored on CPU."""
+    batch_invariant: bool = False
+    """A row's logits (so its greedy tokens and log probabilities) bitwise the same whatever else its step holds:
+    every matmul in tiles of fixed rows, attention a query at a time (serve/engine/step/invariant.py), no step
+    graphs. Off by default: it costs throughput (bench-results/engine-invariant-cpu.json)."""
 
 
 class StructuredOutputsConfig(StrictModel):
@@ -199,7 +203,11 @@ class ServeConfig(StrictModel):
     ray_address: str | None = None
     """An existing Ray cluster to deploy onto (`ray://HOST:10001`, `HOST:6379`, or `auto`); None: `manyfold serve`
     starts Ray on this machine."""
-    ingress_replicas: Annotated[int, Field(ge=1)] = 1
+    ingress_replicas: Annotated[int, Field(ge=1)] | Literal["per-node"] = "per-node"
+    """HTTP ingress replicas. "per-node": one on each node alive when the app is deployed (one for a `manyfold serve`
+    that starts its own Ray), so that a node lost takes only its own ingress and each node's proxy routes to the
+    ingress beside it; or a number (deploy/'s manifest names its pods', whose workers may join after the deploy),
+    spread over the nodes by Serve."""
     start_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 120.0
     """`manyfold serve` waits this long for every base to run before it serves; a base still not running then
     is named, and its models answer 503 until it runs."""

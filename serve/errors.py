@@ -78,6 +78,13 @@ class Unavailable(ManyfoldError):
     retry_after_s = 5
 
 
+class ReplicaLost(Unavailable):
+    """The base's replica that held the request went away (its actor, worker or node) before it answered in full;
+    another replica, or the one Serve starts in its place, can take it again."""
+
+    retry_after_s = 1
+
+
 class Overloaded(ManyfoldError):
     """The queue is full; the client should retry after `retry_after_s`."""
 

@@ -214,6 +214,10 @@ class Metrics:
                                      ["tenant"], registry=r)
         self.tenant_limited = Counter("manyfold_tenant_limited", "Requests refused at a tenant's limit",
                                       ["tenant", "limit"], registry=r)
+        self.replica_lost = Counter("manyfold_replica_lost_requests", "Requests whose base's replica went away (its "
+                                    "actor, worker or node) before answering in full: resent to a live replica, or "
+                                    "answered 503 with Retry-After (unavailable: lost again, or a stream had begun)",
+                                    ["model", "outcome"], registry=r)
 
     def model_label(self, name: str | None, status: int = 200) -> str:
         if not name:
@@ -236,6 +240,10 @@ class Metrics:
         self.requests.labels(self.model_label(model, status), route, str(status)).inc()
         if tenant is not None:
             self.tenant_requests.labels(self.tenant_label(tenant), str(status)).inc()
+
+    def lost(self, model: str, outcome: str) -> None:
+        """A request whose replica went away: "resent" or "unavailable" (serve/deployments/router.py)."""
+        self.replica_lost.labels(self.model_label(model), outcome).inc()
 
     def counters(self) -> dict[str, float]:
         """This ingress's counters and histograms as plain data, one entry a sample (the key names its family, type,

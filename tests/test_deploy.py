@@ -390,8 +390,9 @@ KEY, ADMIN = "sk-deploy-tenant", "sk-deploy-admin"
 
 def local_serve_config(text: str, store: Path, auth: Path, port: int) -> dict:
     """serveConfigV2 as this machine runs it: every field from the manifest's text but the few that name the
-    cluster (the store, the auth file's path, the bind address, CUDA, and the CPUs and memory of its pods: the KV
-    cache a GPU's pod holds, 16 GiB, is allocated when a replica starts)."""
+    cluster (the store, the auth file's path, the bind address, CUDA, the CPUs and memory of its pods: the KV
+    cache a GPU's pod holds, 16 GiB, is allocated when a replica starts; and an ingress for each of its pods: this
+    machine is one node)."""
     config = yaml.safe_load(text)
     config["http_options"].update(host="127.0.0.1", port=port)
     args = config["applications"][0]["args"]
@@ -399,6 +400,7 @@ def local_serve_config(text: str, store: Path, auth: Path, port: int) -> dict:
     args["deployment"]["num_cpus"] = 0.25
     args["deployments"]["minilm"]["num_cpus"] = 0.25
     args["batch"]["kv_cache_mib"] = 64
+    args["ingress_replicas"] = 1
     return config
 
 

@@ -354,15 +354,20 @@ def test_a_variant_being_replaced_is_answered_as_the_old_or_the_new_never_a_mix(
 
 
 def test_a_node_removed_under_load_hangs_no_request_and_the_base_returns_on_a_new_node(fleet):
-    """The worker that holds no ingress is removed while clients send requests: each gets an answer (a request
-    cut with its replica gets a 503 saying so, never a hang); a new node joins, and the base's second replica
-    starts there, filling that node's cache from the store, and serves."""
+    """A worker (its ingress and one of the base's replicas; not the board's) is removed while clients send
+    requests: each gets an answer, a 200 (a request its replica had not answered is sent again to the other) or a
+    503 with Retry-After, never a hang or a 500; a new node joins, and the base's second replica starts there,
+    filling that node's cache from the store, and serves."""
     from ray.util.state import list_actors
 
-    hosts = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")])
-             if "Ingress" in a.class_name or "ResidencyBoard" in a.class_name}
+    from serve.app import APP, BOARD
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")])
+    ingresses = {a.node_id for a in actors if a.class_name == f"ServeReplica:{APP}:Ingress"}
+    board = {a.node_id for a in actors if a.class_name == f"ServeReplica:{APP}:{BOARD}"}
     node_ids = {w: n.node_id for w, n in fleet.nodes.items()}
-    lost = next(w for w in ("w1", "w2") if node_ids[w] not in hosts)
+    assert set(node_ids.values()) <= ingresses  # an ingress on every node (ingress_replicas: per-node)
+    lost = next(w for w in ("w1", "w2") if node_ids[w] not in board)
     before = _replicas()
     first, statuses = threading.Event(), []
 

@@ -54,8 +54,10 @@ class TrafficWorkload:
 
 CPU_TRAFFIC = TrafficWorkload(requests=32, tenants=12, max_batch=256)
 GPU_TRAFFIC = TrafficWorkload(requests=384, tenants=64, max_batch=256)
-LAYOUTS = {"slots": (None, False), "paged": (16, True), "paged-nocache": (16, False)}
-"""KV layouts a run may be served in: (block tokens, None: max_model_len, one block a row; prefix caching)."""
+LAYOUTS = {"slots": (None, False, False), "paged": (16, True, False), "paged-nocache": (16, False, False),
+           "paged-invariant": (16, True, True)}
+"""KV layouts a run may be served in: (block tokens, None: max_model_len, one block a row; prefix caching;
+engine.batch_invariant)."""
 CONTEXT = 2048
 """max_model_len of the runs (the server's default): the slot layout holds DEFAULT_KV_ROWS rows of it."""
 
@@ -159,7 +161,7 @@ class TrafficRun:
     """One Engine over the traffic store; each call serves a list of requests arriving at given times."""
 
     def __init__(self, store_root: Path, device: torch.device, workload: TrafficWorkload,
-                 block_tokens: int | None = None, prefix_caching: bool = True):
+                 block_tokens: int | None = None, prefix_caching: bool = True, batch_invariant: bool = False):
         from serve.config import ServeConfig
         from serve.engine.engine import Engine
 
@@ -168,7 +170,8 @@ class TrafficRun:
                                  "max_model_len": CONTEXT, "kv_block_tokens": block_tokens or CONTEXT,
                                  "prefix_caching": prefix_caching},
                           slots={"adapter_mib": 4096, "weights_mib": 4096},
-                          cache={"device_mib": 8192, "cpu_mib": 8192}, limits={"max_tokens": workload.outputs[1]})
+                          cache={"device_mib": 8192, "cpu_mib": 8192}, limits={"max_tokens": workload.outputs[1]},
+                          engine={"batch_invariant": batch_invariant})
         self.engine, self.device = Engine(cfg), device
         self.rt = self.engine.bases["bench"]
         self.rt.eos_ids = set()  # every request writes its own number of tokens

@@ -210,7 +210,7 @@ def _add_engine(bench: argparse._SubParsersAction) -> None:
     en.add_argument("--kv-layouts", default="slots,paged", type=_layouts,
                     help="the KV layouts each traffic run is served in, at the same memory (comma-separated): one "
                     "block of max_model_len a row (slots), blocks of 16 with prefix caching (paged) or without "
-                    "(paged-nocache)")
+                    "(paged-nocache), or paged under engine.batch_invariant (paged-invariant)")
     en.add_argument("--traffic-rounds", type=_positive, default=1, help="lockstep runs of each KV layout, the "
                     "layouts taking turns: the median's figures are reported, with every round's tokens/s")
     en.add_argument("--system-prompt-tokens", type=int, default=0, help="each model's requests behind a system "

@@ -5,7 +5,7 @@ beyond a bound: models come from the catalog's snapshot (serve/store/catalog.py)
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
 from ray.exceptions import RayError, RayTaskError
@@ -14,20 +14,27 @@ from ray.serve.handle import DeploymentHandle
 
 from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, Tenant, TextDelta
-from serve.errors import ClientGone, ManyfoldError, Overloaded, Unavailable, VariantNotFound
+from serve.errors import ClientGone, ManyfoldError, Overloaded, ReplicaLost, VariantNotFound
 from serve.store.catalog import Catalog
 
 log = logging.getLogger("ray.serve")
 
 PEEK_TIMEOUT_S = 2.0
 """How long /v1/models and /metrics wait for the board or a replica's counters before answering without them."""
+RESENDS = 1
+"""Times a request whose replica went away before answering anything is sent again. Serve's handle drops a replica
+whose actor died from its choices at once, so the resend reaches a live replica of the base (or waits for the one
+Serve starts in its place); a second loss in a row is a 503 to retry."""
 
 
 class Router:
     def __init__(self, catalog: Catalog, handles: dict[str, DeploymentHandle], board: DeploymentHandle,
-                 health: DeploymentHealth, ingress: str = "ingress"):
-        """ingress: this ingress replica's id, under which it reports its request counters to the board."""
+                 health: DeploymentHealth, ingress: str = "ingress",
+                 lost: Callable[[str, str], None] = lambda model, outcome: None):
+        """ingress: this ingress replica's id, under which it reports its request counters to the board; lost:
+        called with (model, "resent" or "unavailable") for each request whose replica went away (Metrics.lost)."""
         self.ingress = ingress
+        self.lost = lost
         self.catalog = catalog
         self.handles = handles
         self.board = board
@@ -65,7 +72,7 @@ class Router:
             raise  # the replica's own code failed: an internal error, as it is
         except RayError as e:  # its actor, worker or node went away mid-request (killed, out of memory, a node
             # lost): Serve starts another replica, so the client is told to retry rather than handed a bare 500
-            raise Unavailable("the model's replica stopped while answering; retry") from e
+            raise ReplicaLost("the model's replica stopped while answering; retry") from e
 
     async def _call(self, response):
         with self._replica_errors():
@@ -74,35 +81,55 @@ class Router:
             raise result
         return result
 
+    async def _answer(self, model: str, send: Callable[[DeploymentHandle, str], object]):
+        """send(handle, model id)'s answer from a replica of the model's base; sent again (RESENDS) if the replica
+        went away before answering."""
+        for sent in range(RESENDS + 1):
+            handle, routed = await self._handle(model)
+            try:
+                return await self._call(send(handle, routed))
+            except ReplicaLost:
+                self.lost(model, "resent" if sent < RESENDS else "unavailable")
+                if sent == RESENDS:
+                    raise
+
     async def classify(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
-        handle, model = await self._handle(model)
-        return await self._call(handle.classify.remote(model, texts, truncate, tenant))
+        return await self._answer(model, lambda handle, m: handle.classify.remote(m, texts, truncate, tenant))
 
     async def embed(self, model: str, texts: list[str], truncate: bool = True, tenant: Tenant | None = None):
-        handle, model = await self._handle(model)
-        return await self._call(handle.embed.remote(model, texts, truncate, tenant))
+        return await self._answer(model, lambda handle, m: handle.embed.remote(m, texts, truncate, tenant))
 
     async def complete(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict] | None = None, tools: list[dict] | None = None,
                        tenant: Tenant | None = None):
-        handle, model = await self._handle(model)
-        return await self._call(handle.complete.remote(model, params, prompt=prompt, messages=messages, tools=tools,
-                                                       tenant=tenant))
+        return await self._answer(model, lambda handle, m: handle.complete.remote(
+            m, params, prompt=prompt, messages=messages, tools=tools, tenant=tenant))
 
     async def complete_stream(self, model: str, params: SamplingParams, prompt: str | list[int] | None = None,
                               messages: list[dict] | None = None, tools: list[dict] | None = None,
                               tenant: Tenant | None = None) -> AsyncIterator[TextDelta]:
-        handle, model = await self._handle(model)
-        deltas = handle.options(stream=True).complete_stream.remote(model, params, prompt=prompt, messages=messages,
-                                                                    tools=tools, tenant=tenant)
-        try:
-            with self._replica_errors():
-                async for delta in deltas:
-                    if isinstance(delta, ManyfoldError):
-                        raise delta
-                    yield delta
-        finally:
-            deltas.cancel()  # a no-op once it has ended; else the replica stops generating for a client gone
+        """The replica's deltas; a stream whose replica went away before its first delta is sent again (RESENDS),
+        one that had begun ends with ReplicaLost (the client's last event says so)."""
+        for sent in range(RESENDS + 1):
+            handle, routed = await self._handle(model)
+            deltas = handle.options(stream=True).complete_stream.remote(routed, params, prompt=prompt,
+                                                                        messages=messages, tools=tools, tenant=tenant)
+            begun = False
+            try:
+                with self._replica_errors():
+                    async for delta in deltas:
+                        if isinstance(delta, ManyfoldError):
+                            raise delta
+                        begun = True
+                        yield delta
+                return
+            except ReplicaLost:
+                again = not begun and sent < RESENDS
+                self.lost(model, "resent" if again else "unavailable")
+                if not again:
+                    raise
+            finally:
+                deltas.cancel()  # a no-op once it has ended; else the replica stops generating for a client gone
 
     async def models(self) -> list[ModelInfo]:
         """Every model of the store, at once: a variant's residency is the best over all replicas of its base

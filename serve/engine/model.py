@@ -78,6 +78,8 @@ class BaseModelRuntime:
         """Prompt chunks one step holds at most (fixed shapes: the chunk table's rows), None: any."""
         self.use_fixed_shapes(self.device.type == "cuda")
         self.max_step_tokens = batch.max_step_tokens
+        self.batch_invariant = engine.batch_invariant
+        """Generation steps run under serve/engine/step/invariant.py's BatchInvariant (engine.batch_invariant)."""
         self.step_counts: Counter[str] = Counter()
         """Generation steps by how they ran: "graphed", or "eager:<reason>" (serve/engine/step/layout.py)."""
         self.prefix_tokens: Counter[str] = Counter()
@@ -130,7 +132,7 @@ class BaseModelRuntime:
             self.prompts.limit(self.max_length, "KV cache")
         self.kv = KVStore(config, batch.max_batch_size, blocks, block, self.max_length, dtype, self.device,
                           self.held_digest(), batch.prefix_caching)
-        if self.device.type == "cuda" and engine.cuda_graphs == "auto":
+        if self.device.type == "cuda" and engine.cuda_graphs == "auto" and not engine.batch_invariant:
             self.graphs = StepGraphs(self)
             self.graphs.warm_up()
 

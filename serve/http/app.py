@@ -13,12 +13,15 @@ from serve.http.drain import DrainGate, Gated
 from serve.http.errors import add_error_handlers
 from serve.http.middleware import BodyLimit, Measured
 from serve.http.state import HttpState
+from serve.metrics import Metrics
 
 
-def build_http_app(backend, config: ServeConfig, gate: DrainGate | None = None) -> FastAPI:
-    """gate: the ingress's drain gate (a fresh one when None); it counts requests from arrival to their last byte."""
+def build_http_app(backend, config: ServeConfig, gate: DrainGate | None = None, metrics: Metrics | None = None
+                   ) -> FastAPI:
+    """gate: the ingress's drain gate (a fresh one when None); it counts requests from arrival to their last byte.
+    metrics: the ingress's (a fresh one when None), which its backend may count in too."""
     app = FastAPI(title="Manyfold", version="0.1.0")
-    state = app.state.http = HttpState(backend, config, gate or DrainGate())
+    state = app.state.http = HttpState(backend, config, gate or DrainGate(), metrics or Metrics())
     add_error_handlers(app)
     app.add_middleware(BodyLimit, limits=state.limits)  # inside Measured, so a 413 is measured too
     app.add_middleware(Measured, metrics=state.metrics)

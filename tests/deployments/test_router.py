@@ -20,8 +20,8 @@ class _Remote:
     def __init__(self, fn):
         self.fn = fn
 
-    def remote(self, *args):
-        return self.fn(*args)  # a coroutine: what the router awaits, as it awaits a Ray response
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)  # a coroutine: what the router awaits, as it awaits a Ray response
 
 
 class _Replica:
@@ -150,3 +150,92 @@ def test_a_failure_of_the_replicas_own_code_stays_what_it_is():
     bug = RayTaskError("generate", "Traceback ...", ValueError("a bug"))
     with pytest.raises(RayTaskError), Router._replica_errors():
         raise bug
+
+
+class _Stream:
+    """What a streaming handle's remote() returns: the deltas, then `fails` raised (None: the stream ends)."""
+
+    def __init__(self, deltas: list[str], fails: Exception | None):
+        self.deltas, self.fails, self.cancelled = deltas, fails, False
+
+    async def __aiter__(self):
+        for d in self.deltas:
+            yield d
+        if self.fails:
+            raise self.fails
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Lossy(_Replica):
+    """A base whose calls go as `outcomes` says in turn: (deltas, error raised after them or None)."""
+
+    def __init__(self, outcomes: list[tuple[list[str], Exception | None]]):
+        super().__init__("a")
+        self.outcomes, self.streams = list(outcomes), []
+        self.complete = _Remote(self._complete)
+        self.complete_stream = _Remote(self._stream)
+
+    def options(self, **options) -> "_Lossy":
+        return self
+
+    async def _complete(self, model, params, **kwargs):
+        deltas, fails = self.outcomes.pop(0)
+        if fails:
+            raise fails
+        return "".join(deltas)
+
+    def _stream(self, model, params, **kwargs):
+        self.streams.append(_Stream(*self.outcomes.pop(0)))
+        return self.streams[-1]
+
+
+def _lossy(tmp_path, outcomes) -> tuple[Router, _Lossy, list]:
+    _store(tmp_path, {})
+    replica, lost = _Lossy(outcomes), []
+    router = Router(Catalog(tmp_path, refresh_s=0), {"a": replica}, _Board(), _Health(),
+                    lost=lambda model, outcome: lost.append((model, outcome)))
+    return router, replica, lost
+
+
+def test_a_request_whose_replica_is_lost_is_sent_again_once_then_a_503_with_retry_after(tmp_path):
+    from serve.errors import ReplicaLost
+
+    router, _, lost = _lossy(tmp_path, [([], NodeDiedError("gone")), (["an answer"], None)])
+    assert asyncio.run(router.complete("a", None, prompt="hi")) == "an answer" and lost == [("a", "resent")]
+    router, replica, lost = _lossy(tmp_path, [([], ActorDiedError()), ([], WorkerCrashedError()), (["x"], None)])
+    with pytest.raises(ReplicaLost) as e:
+        asyncio.run(router.complete("a", None, prompt="hi"))
+    assert e.value.http_status == 503 and e.value.retry_after_s == 1
+    assert lost == [("a", "resent"), ("a", "unavailable")] and len(replica.outcomes) == 1  # sent twice, no more
+
+
+def _streamed(router: Router) -> tuple[list[str], Exception | None]:
+    got: list[str] = []
+
+    async def read():
+        async for d in router.complete_stream("a", None, prompt="hi"):
+            got.append(d)
+
+    try:
+        asyncio.run(read())
+    except Exception as e:  # noqa: BLE001
+        return got, e
+    return got, None
+
+
+def test_a_stream_lost_before_its_first_delta_is_sent_again_and_one_lost_after_ends_with_a_503():
+    import tempfile
+    from pathlib import Path
+
+    from serve.errors import ReplicaLost
+
+    with tempfile.TemporaryDirectory() as tmp:
+        router, replica, lost = _lossy(Path(tmp), [([], ActorDiedError()), (["a", "b"], None)])
+        assert _streamed(router) == (["a", "b"], None) and lost == [("a", "resent")]
+        assert all(s.cancelled for s in replica.streams)
+        router, replica, lost = _lossy(Path(tmp), [(["a"], NodeDiedError("gone")), (["x"], None)])
+        got, error = _streamed(router)
+        assert got == ["a"] and isinstance(error, ReplicaLost) and lost == [("a", "unavailable")]
+        assert len(replica.outcomes) == 1  # what the client had seen was not sent again

@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kernels import chunk_attention, decode_attention
 from kernels.decode_attention import gather_blocks
 from serve.engine.kv.blocks import BlockPool
+from serve.engine.step.invariant import BatchInvariant
 
 ATTENTION = "manyfold"
 """The attention implementation name a causal base runs under (registered below)."""
@@ -66,6 +67,9 @@ class StepLayout:
     for positions a step moved on the device); set by KVStore.stepping."""
     write_offsets: torch.Tensor | None = None
     """[T]: its place in the block."""
+    invariant: "BatchInvariant | None" = None
+    """engine.batch_invariant's mode, entered around this forward: attention then runs query by query
+    (serve/engine/step/invariant.py)."""
 
 
 @dataclass
@@ -308,6 +312,9 @@ def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Step
            ) -> torch.Tensor:
     """q [T, H, D], the step's queries as `layout` lays them out; key, value: one layer's whole cache. -> [T, H, D]:
     decode rows through kernels.decode_attention, then every prefill chunk through kernels.chunk_attention."""
+    if layout.invariant is not None:
+        chunks = [] if layout.chunks is None else layout.chunks.tolist()
+        return layout.invariant.attend(q, key, value, layout.block_tables, layout.lengths.tolist(), chunks, scale)
     rows = layout.decode_rows
     decoded = decode_attention(q[:rows], key, value, layout.block_tables, layout.lengths, scale,
                                layout.max_length)  # [B, H, D]

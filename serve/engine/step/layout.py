@@ -17,6 +17,7 @@ position) runs eagerly, as does any step on a CPU; the reason is counted.
 """
 
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 
 from serve.engine.step.batch import BASE_ROW, BatchPlan
 from serve.engine.kv.store import StepLayout
+from serve.engine.step.invariant import BatchInvariant
 
 CHUNK_ROWS = 8
 """Prompt chunks a fixed-shape step holds at most (its chunk table's rows, and the LM head's rows for them)."""
@@ -255,6 +257,8 @@ class StepRunner:
     def _eager(self, inputs: StepInputs, plan: BatchPlan) -> torch.Tensor:
         rt = self.rt
         ids, positions, kept, layout = inputs.layout(inputs.packed().to(rt.device, non_blocking=True))
-        out = rt.call(plan, input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),
-                      use_cache=True, kv_layout=layout, logits_to_keep=0 if kept is None else kept)
+        layout.invariant = BatchInvariant() if rt.batch_invariant else None
+        with layout.invariant or nullcontext():
+            out = rt.call(plan, input_ids=ids, position_ids=positions, past_key_values=rt.kv.stepping(layout),
+                          use_cache=True, kv_layout=layout, logits_to_keep=0 if kept is None else kept)
         return out.logits[0].float()
