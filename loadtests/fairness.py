@@ -7,8 +7,16 @@ Poisson arrivals, the same seeds in every run: seven light tenants at 70% of sat
 then beside an eighth, heavy tenant sending ten times a light tenant's rate, under `batch.fairness: fcfs` and
 then `vtc` (the server restarted between the two: it is a config setting). Per tenant: p50/p99 time to first
 token, tokens/s served, requests ok / 429 / errors / timed out; each run's total tokens/s; each tenant's tokens
-received per second. The checks: VTC's light p99 TTFT against the baseline's (goal <= 2x), VTC's total tokens/s
-against FCFS's (goal >= 0.95x). Table on stdout; bench-results/fairness.json and fairness.png.
+received per second; and, from the server's per-tenant waits (/metrics), where the light and the heavy rows
+waited: to join a running batch, then from there to their first token. The checks: VTC's light p99 TTFT against
+the baseline's (goal <= 2x), VTC's total tokens/s against FCFS's (goal >= 0.95x); with --repeats N (each run N
+times, in turn, on the same servers) the light ratio's median (goal <= 2x) and worst (goal <= 3x). Table on stdout;
+bench-results/fairness.json and fairness.png.
+
+--shape picks the load beside the light tenants (issue 62): `flood` (the above), `light-bursts` (light1 sends its
+share in bursts of 5 at once), `long-prompts` (the heavy tenant's prompts are 1,000-token news articles),
+`long-outputs` (it asks 256 tokens a request), `two-heavy` (a second heavy tenant, heavy2, at the same rate);
+written to bench-results/fairness-SHAPE.
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from loadtests.fairness_load import Caller, log, open_loop, plan_arrivals, saturation
-from loadtests.fairness_report import HEAVY, RUNS, checks, run_summary, write_report
+from loadtests.fairness_report import HEAVY, RUNS, checks, repeat_checks, run_summary, write_report
 from loadtests.generator import free_port
 from loadtests.tenant_load import fortune_prompts
 
@@ -39,13 +48,43 @@ BASE = "smollm2"
 RANK = 8
 LIGHT_TENANTS = tuple(f"light{i}" for i in range(1, 8))
 TENANTS = (*LIGHT_TENANTS, HEAVY)
+SECOND_HEAVY = "heavy2"
+"""The two-heavy shape's second flood (its adapter is in the store too)."""
 REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A load shape beside the light tenants' Poisson arrivals: who floods, and with what."""
+
+    text: str
+    heavy: tuple[str, ...] = (HEAVY,)
+    """The tenants sending ten times (--heavy-factor) a light tenant's rate each."""
+    heavy_prompt_tokens: int | None = None
+    """The heavy tenants' prompts: news articles cut at this many tokens (None: fortunes, as the light tenants')."""
+    heavy_max_tokens: int | None = None
+    """Tokens each heavy request asks (None: --max-tokens)."""
+    burst: int = 1
+    """light1 sends its requests this many at once (its own rate, in bursts)."""
+
+
+SHAPES = {
+    "flood": Shape("one heavy tenant at ten times a light one's rate"),
+    "light-bursts": Shape("the flood, and light1 sending bursts of 5 at once within its share", burst=5),
+    "long-prompts": Shape("the flood of 1,000-token prompts (news articles)", heavy_prompt_tokens=1000),
+    "long-outputs": Shape("the flood asking 256 tokens a request", heavy_max_tokens=256),
+    "two-heavy": Shape("two heavy tenants, each at ten times a light one's rate", heavy=(HEAVY, SECOND_HEAVY)),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtests.run --scenario fairness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=["fairness"], default="fairness")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="flood", help="; ".join(
+        f"{name}: {shape.text}" for name, shape in SHAPES.items()))
+    p.add_argument("--repeats", type=int, default=1, help="the runs measured this many times on the same servers, "
+                   "in turn; the checks take the median and the worst")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (each run then waits "
                    "at most --timeout for what is in flight)")
     p.add_argument("--runs", default=",".join(RUNS), help="of baseline,fcfs,vtc (the checks need all three)")
@@ -61,8 +100,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=512, help="arrivals beyond this are shed (counted)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/fairness", help="writes OUT.json and OUT.png")
+    p.add_argument("--out", help="writes OUT.json and OUT.png (default: bench-results/fairness, or "
+                   "bench-results/fairness-SHAPE)")
     args = p.parse_args(argv)
+    args.out = args.out or "bench-results/fairness" + ("" if args.shape == "flood" else f"-{args.shape}")
     args.runs = [r for r in RUNS if r in args.runs.split(",")]
     args.probe_concurrency = args.probe_concurrency or 2 * args.max_batch
     if not args.runs:
@@ -80,20 +121,21 @@ def build_store(seed: int) -> Path:
     from serve.store.store import Store
 
     root = home() / "fairness" / f"r{RANK}-seed{seed}"
-    if (root / "built.json").is_file():
+    built = root / "built.json"
+    if built.is_file() and SECOND_HEAVY in json.loads(built.read_text())["tenants"]:
         return root / "store"
     workload = adapters.WORKLOADS["S1"]
     source = adapters.train_source(smollm2_dir(), workload, RANK, adapters.trained_dir(workload, RANK), log=log)
     shutil.rmtree(root, ignore_errors=True)
     store = Store(root / "store", create=True)
     store.add_base(BASE, smollm2_dir())
-    for tenant in TENANTS:
+    for tenant in (*TENANTS, SECOND_HEAVY):
         seed_of = zlib.crc32(f"fairness/{tenant}/{seed}".encode())
         adapters.derive_adapter(source, root / "sources" / model_of(tenant), seed_of)
     reg = adapters.register(store.root, root / "sources")
     shutil.rmtree(root / "sources")
     log(f"store {store.root}: {reg['output']}")
-    (root / "built.json").write_text(json.dumps({"tenants": list(TENANTS), "seed": seed, "rank": RANK,
+    (root / "built.json").write_text(json.dumps({"tenants": [*TENANTS, SECOND_HEAVY], "seed": seed, "rank": RANK,
                                                  "built_at": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
     return store.root
 
@@ -198,24 +240,63 @@ def warm(url: str, callers: list[Caller], prompt: str) -> None:
 
 
 def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float], prompts: list[str],
-            args: argparse.Namespace) -> dict:
-    """One open-loop run: the light tenants, and the heavy one unless this is the baseline."""
-    chosen = {c: rates[HEAVY if c.tenant == HEAVY else "light"] for c in callers
-              if name != "baseline" or c.tenant != HEAVY}
-    plan = plan_arrivals(chosen, prompts, args.duration, args.seed)
+            args: argparse.Namespace, shape: Shape, long_prompts: list[str]) -> dict:
+    """One open-loop run: the light tenants, and the heavy ones unless this is the baseline."""
+    chosen = {c: rates[HEAVY if c.tenant in shape.heavy else "light"] for c in callers
+              if name != "baseline" or c.tenant not in shape.heavy}
+    heavy = [c for c in chosen if c.tenant in shape.heavy]
+    plan = plan_arrivals(chosen, prompts, args.duration, args.seed,
+                         own_prompts={c: long_prompts for c in heavy} if shape.heavy_prompt_tokens else None,
+                         max_tokens={c: shape.heavy_max_tokens for c in heavy} if shape.heavy_max_tokens else None,
+                         bursts={c: shape.burst for c in chosen if c.tenant == "light1"})
     log(f"{name}: {len(plan)} requests over {args.duration:g} s")
-    before = engine_counters(url)
+    before, waits_before = engine_counters(url), tenant_waits(url)
     t = time.perf_counter()
     records = asyncio.run(open_loop(url, plan, args.max_tokens, args.timeout, args.max_in_flight))
     wall_s = time.perf_counter() - t
     engine = engine_delta(before, engine_counters(url))
     horizon = max([args.duration, *(c for r in records for c in r.chunk_s)])
-    summary = run_summary(records, args.duration, math.ceil(horizon))
+    summary = run_summary(records, args.duration, math.ceil(horizon), shape.heavy)
+    phases = where_rows_waited(waits_before, tenant_waits(url), shape.heavy)
     a = summary["all"]
     log(f"{name}: {a['ok']} ok, {a['429']} 429, {a['timeouts']} timed out, {a['errors']} errors; "
-         f"{a['tokens_per_s']:.1f} tok/s; light p99 TTFT {summary['light']['ttft_p99_s']:.2f} s; engine {engine}")
-    return {**summary, "wall_s": wall_s, "engine": engine, "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens]
-                                                      for r in records]}
+         f"{a['tokens_per_s']:.1f} tok/s; light p99 TTFT {summary['light']['ttft_p99_s']:.2f} s; engine {engine}; "
+         f"phases {phases}")
+    return {**summary, "wall_s": wall_s, "engine": engine, "phases": phases,
+            "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens] for r in records]}
+
+
+def tenant_waits(url: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(phase, tenant) -> (requests, seconds summed) of the server's per-tenant waits now (/metrics:
+    manyfold_tenant_queue_seconds, manyfold_tenant_first_token_seconds)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], list[float]] = {}
+    phases = {"manyfold_tenant_queue_seconds": "queue", "manyfold_tenant_first_token_seconds": "first_token"}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+        if family.name in phases:
+            for s in family.samples:
+                if s.name.endswith(("_count", "_sum")):
+                    got = out.setdefault((phases[family.name], s.labels["tenant"]), [0.0, 0.0])
+                    got[0 if s.name.endswith("_count") else 1] = s.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def where_rows_waited(before: dict, after: dict, heavy: tuple[str, ...]) -> dict[str, dict]:
+    """The light and the heavy tenants' rows over a run, on the server: mean seconds to join a running batch, from
+    there to the first token (the prompt's steps), and in all."""
+    out = {}
+    for group, member in (("light", lambda t: t not in heavy), ("heavy", lambda t: t in heavy)):
+        def total(phase: str) -> tuple[float, float]:
+            keys = [k for k in after if k[0] == phase and member(k[1])]
+            return (sum(after[k][0] - before.get(k, (0.0, 0.0))[0] for k in keys),
+                    sum(after[k][1] - before.get(k, (0.0, 0.0))[1] for k in keys))
+
+        (rows, queue_s), (firsts, first_s) = total("queue"), total("first_token")
+        if rows and firsts:
+            out[group] = {"rows": int(rows), "queue_mean_s": queue_s / rows, "first_token_mean_s": first_s / firsts,
+                          "after_joining_mean_s": first_s / firsts - queue_s / rows}
+    return out
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -251,16 +332,21 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Build (cached), then one server per fairness setting in turn: probe on the first, measure its runs."""
+    """Build (cached), then one server per fairness setting in turn: probe on the first, measure its runs
+    (--repeats times, in turn)."""
     from serve.bench.report import machine
 
     args = parse_args(argv)
+    shape = SHAPES[args.shape]
     t0 = time.perf_counter()
     store = build_store(args.seed)
     prompts = fortune_prompts()
-    callers = [Caller(t, secrets.token_urlsafe(24), model_of(t)) for t in TENANTS]
+    long_prompts = news_prompts(shape.heavy_prompt_tokens) if shape.heavy_prompt_tokens else []
+    names = (*LIGHT_TENANTS, *shape.heavy)
+    callers = [Caller(t, secrets.token_urlsafe(24), model_of(t)) for t in names]
     settings = {"baseline": "fcfs", "fcfs": "fcfs", "vtc": "vtc"}
-    runs, configs, sat, rates = {}, {}, None, {}
+    repeats: list[dict] = [{} for _ in range(args.repeats)]
+    configs, sat, rates = {}, None, {}
     for fairness in dict.fromkeys(settings[r] for r in args.runs):
         config = server_config(store, free_port(), callers, fairness, args.max_batch)
         configs[fairness] = config
@@ -275,16 +361,36 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"warm-up: the probe's closed loop again, {args.probe_s:g} s")
                 asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
                                        args.timeout, args.seed))
-            for name in [r for r in args.runs if settings[r] == fairness]:
-                runs[name] = measure(name, url, callers, rates, prompts, args)
+            for k, runs in enumerate(repeats):
+                for name in [r for r in args.runs if settings[r] == fairness]:
+                    log(f"repeat {k + 1} of {args.repeats}")
+                    runs[name] = measure(name, url, callers, rates, prompts, args, shape, long_prompts)
         log("server stopped")
+    per_repeat = [checks(runs) for runs in repeats]
+    middle = sorted(range(args.repeats), key=lambda k: per_repeat[k]["vtc_light_p99_over_baseline"])[
+        (args.repeats - 1) // 2] if args.repeats > 1 else 0
     report = {"machine": machine(), "command": "python -m loadtests.run " + " ".join(sys.argv[1:] if argv is None
                                                                                     else argv),
-              "spec": {**vars(args), "rank": RANK, "tenants": list(TENANTS)}, "configs": configs,
+              "spec": {**vars(args), "rank": RANK, "tenants": list(names), "heavy": list(shape.heavy),
+                       "shape_text": shape.text},
+              "configs": configs,
               "seeds": {"arrivals": f"random.Random('{args.seed}/<tenant>')", "probe": f"{args.seed}/probe"},
-              "saturation": sat, "rates_rps": rates, "runs": runs, "wall_s": time.perf_counter() - t0}
-    report["checks"] = checks(runs)
+              "saturation": sat, "rates_rps": rates, "runs": repeats[middle], "median_repeat": middle + 1,
+              "repeats": [{"runs": runs, "checks": c} for runs, c in zip(repeats, per_repeat)],
+              "wall_s": time.perf_counter() - t0}
+    report["checks"] = repeat_checks(per_repeat) if args.repeats > 1 else per_repeat[0]
     return write_report(report, Path(args.out))
+
+
+def news_prompts(tokens: int) -> list[str]:
+    """The packaged news articles at least `tokens` long in SmolLM2's tokens, cut there and decoded."""
+    from transformers import AutoTokenizer
+
+    from serve.bench.engine_traffic import news_prompts as article_tokens
+    from serve.data.models import smollm2_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    return [tok.decode(a[:tokens]) for a in article_tokens(tok, tokens) if len(a) >= tokens]
 
 
 def probe(url: str, callers: list[Caller], prompts: list[str], args: argparse.Namespace) -> dict:

@@ -35,6 +35,8 @@ class Planned:
     at_s: float
     caller: Caller
     prompt: str
+    max_tokens: int | None = None
+    """None: the run's."""
 
 
 def poisson_times(rate_rps: float, duration_s: float, rng: random.Random) -> list[float]:
@@ -46,13 +48,21 @@ def poisson_times(rate_rps: float, duration_s: float, rng: random.Random) -> lis
     return times
 
 
-def plan_arrivals(rates: dict[Caller, float], prompts: list[str], duration_s: float, seed: int) -> list[Planned]:
+def plan_arrivals(rates: dict[Caller, float], prompts: list[str], duration_s: float, seed: int,
+                  own_prompts: dict[Caller, list[str]] | None = None, max_tokens: dict[Caller, int] | None = None,
+                  bursts: dict[Caller, int] | None = None) -> list[Planned]:
     """Every tenant's arrivals and prompts from its own generator (seeded by the run's seed and the tenant's
-    name), so a light tenant's requests are the same in every run, with or without the heavy one."""
+    name), so a light tenant's requests are the same in every run, with or without the heavy one. A caller in
+    `bursts` sends that many requests at once, its bursts a Poisson process of its rate over that many (its share,
+    in bursts); one in `own_prompts` draws from its own; one in `max_tokens` asks that many."""
     plan = []
     for caller, rate in rates.items():
         rng = random.Random(f"{seed}/{caller.tenant}")
-        plan += [Planned(t, caller, rng.choice(prompts)) for t in poisson_times(rate, duration_s, rng)]
+        burst = (bursts or {}).get(caller, 1)
+        pool = (own_prompts or {}).get(caller, prompts)
+        tokens = (max_tokens or {}).get(caller)
+        plan += [Planned(t, caller, rng.choice(pool), tokens) for t in poisson_times(rate / burst, duration_s, rng)
+                 for _ in range(burst)]
     return sorted(plan, key=lambda p: p.at_s)
 
 
@@ -154,7 +164,8 @@ async def open_loop(url: str, plan: list[Planned], max_tokens: int, timeout_s: f
             if len(in_flight) >= max_in_flight:
                 rec.outcome = "shed"
                 continue
-            task = asyncio.create_task(stream_one(client, p.caller, p.prompt, max_tokens, rec, t0, timeout_s))
+            task = asyncio.create_task(stream_one(client, p.caller, p.prompt, p.max_tokens or max_tokens, rec, t0,
+                                                  timeout_s))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
         if in_flight:

@@ -40,6 +40,22 @@ VLLM_LATENCIES = (
 """vLLM's names for what every dashboard built for vLLM reads, with its label `model_name` (here: the base)."""
 
 
+def _tenant_waits(snapshots: list[dict]) -> list[HistogramMetricFamily]:
+    """Each authenticated tenant's generation requests by phase, summed over the replicas (Scheduler.tenant_waits)."""
+    out = []
+    for name, key, doc in (("manyfold_tenant_queue_seconds", "queue", "Seconds from a tenant's request's arrival "
+                            "until it joined a running batch"),
+                           ("manyfold_tenant_first_token_seconds", "first_token", "Seconds from a tenant's "
+                            "request's arrival to its first token")):
+        family = HistogramMetricFamily(name, doc, labels=["tenant"])
+        waits = [s.get("tenant_waits", {}) for s in snapshots]
+        for tenant in sorted({t for w in waits for t in w}):
+            dist = _merge([w[tenant][key] for w in waits if tenant in w])
+            family.add_metric([tenant], _cumulative(dist), sum_value=dist["total"])
+        out.append(family)
+    return out
+
+
 def _vllm(snapshots: list[dict]) -> list:
     """vLLM-compatible families: latencies, tokens, preemptions, running and waiting requests, the KV store's use,
     the LoRA adapters of each."""
@@ -307,6 +323,7 @@ class Metrics:
         families += _grammars(snapshots)
         families.append(_node_cache(snapshots))
         families += _vllm(snapshots)
+        families += _tenant_waits(snapshots)
         plans = [s["memory_plan"] for s in snapshots if s.get("memory_plan")]
         if plans:  # neuzip_decoded_mib: auto
             plan = GaugeMetricFamily("manyfold_memory_plan_bytes", "The replicas' memory plan: target, resident with "

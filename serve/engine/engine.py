@@ -206,6 +206,7 @@ class Engine:
                 "steps": {name: dict(rt.step_counts) for name, rt in self.bases.items() if rt.step_counts},
                 "step_tokens": {name: dict(rt.token_counts) for name, rt in self.bases.items() if rt.token_counts},
                 "latencies": {b: lat.to_dict() for b, lat in self.scheduler.latencies.items()},
+                "tenant_waits": {t: w.to_dict() for t, w in self.scheduler.tenant_waits.items()},
                 "preemptions": dict(self.scheduler.preemptions),
                 "prefix_tokens": {name: dict(rt.prefix_tokens) for name, rt in self.bases.items() if rt.prefix_tokens},
                 "grammars": {name: g.counters() for name, g in self.grammars.items()},

@@ -65,6 +65,18 @@ class Latencies:
 
 
 @dataclass
+class TenantWaits:
+    """An authenticated tenant's requests by phase, what a fair order is judged by: from arrival until the row joined
+    a running generation (queue), and until its first token (first_token; after joining: its prompt's steps)."""
+
+    queue: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
+    first_token: Distribution = field(default_factory=lambda: Distribution(SECONDS_BUCKETS))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
 class Seconds:
     """Seconds of work per part, summed since start (a counter: a reader subtracts two readings). Host time: on a
     GPU a part's kernels may still run after it returns."""

@@ -331,9 +331,9 @@ def test_no_more_rows_are_parked_than_a_batch_holds():
         return r
 
     config = BatchConfig(max_batch_size=SLOTS, fairness="vtc")
-    generations = Generations(config, Forwards(Trace()), None, Fairness("vtc"), latencies={}, batch_sizes=None,
-                              seconds=None, preemptions=Counter(), let_in=None, pull=None, spawn=None, finish=None,
-                              fail=None, shut_out=None, stepped=None)
+    generations = Generations(config, Forwards(Trace()), None, Fairness("vtc"), latencies={}, tenant_waits={},
+                              batch_sizes=None, seconds=None, preemptions=Counter(), let_in=None, pull=None,
+                              spawn=None, finish=None, fail=None, shut_out=None, stepped=None)
     batch = Batch(Trace())
     heavy = [row("heavy") for _ in range(SLOTS)]
     batch.running = {r: Generation(prompt_tokens=PROMPT) for r in heavy}

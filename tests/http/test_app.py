@@ -266,6 +266,31 @@ def test_vllm_latency_and_load_metrics_count_every_request_and_token(serving_sto
     assert "vllm:lora_requests_info" in families
 
 
+def test_each_tenants_requests_are_timed_by_phase_to_joining_a_batch_and_to_the_first_token(client):
+    """manyfold_tenant_queue_seconds and manyfold_tenant_first_token_seconds: one figure a request in each, under its
+    authenticated tenant; the first token comes no sooner than the row joined its batch."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def waits() -> dict[tuple[str, str, str], float]:
+        return {(f.name, s.name.rsplit("_", 1)[1], s.labels["tenant"]): s.value
+                for f in text_string_to_metric_families(client.get("/metrics").text)
+                if f.name in ("manyfold_tenant_queue_seconds", "manyfold_tenant_first_token_seconds")
+                for s in f.samples if s.name.endswith(("_count", "_sum"))}
+
+    before = waits()
+    for who in ("alice", "alice", "bob"):
+        r = client.post("/v1/completions", headers=auth(who), json={"model": "tiny-lm", "prompt": "the cat",
+                                                                    "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200
+    after = waits()
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    for phase in ("manyfold_tenant_queue_seconds", "manyfold_tenant_first_token_seconds"):
+        assert (delta[(phase, "count", "alice")], delta[(phase, "count", "bob")]) == (2, 1)
+    for who in ("alice", "bob"):
+        assert delta[("manyfold_tenant_first_token_seconds", "sum", who)] >= \
+            delta[("manyfold_tenant_queue_seconds", "sum", who)] > 0
+
+
 def test_every_dashboard_panel_reads_a_metric_the_server_exposes(serving_store):
     """deploy/grafana-dashboard.json: each panel's query names only series /metrics has (after a completion, a
     classification and a cold load, as a server in use has them)."""

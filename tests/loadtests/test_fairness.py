@@ -4,6 +4,7 @@ arrival plan and its stream reading; no server, no timing."""
 import asyncio
 import json
 import math
+from collections import Counter
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from loadtests.fairness_report import (
     Record,
     checks,
     finite,
+    repeat_checks,
     run_summary,
     served_tokens,
     service_bins,
@@ -108,6 +110,40 @@ def test_a_light_tenants_arrivals_are_the_same_with_or_without_the_heavy_one():
     assert sum(p.caller == heavy for p in beside) > 100
     assert [p.at_s for p in beside] == sorted(p.at_s for p in beside)
     assert plan_arrivals({light: 0.5}, ["p", "q", "r"], 60, seed=4) != alone
+
+
+def test_a_shape_changes_the_flood_and_a_burst_keeps_a_tenants_share():
+    """light1 in bursts of 5 sends about its rate's requests, five at a time; the heavy tenants draw from their own
+    prompts and ask their own tokens; the other light tenant's arrivals stay those of the plain flood."""
+    light1, light2 = Caller("light1", "k1", "light1-lora"), Caller("light2", "k2", "light2-lora")
+    heavy, heavy2 = Caller(HEAVY, "k3", "heavy-lora"), Caller("heavy2", "k4", "heavy2-lora")
+    rates = {light1: 0.5, light2: 0.5, heavy: 5.0, heavy2: 5.0}
+    plain = plan_arrivals(rates, ["p", "q"], 600, seed=3)
+    shaped = plan_arrivals(rates, ["p", "q"], 600, seed=3, own_prompts={heavy: ["LONG"], heavy2: ["LONG"]},
+                           max_tokens={heavy: 256, heavy2: 256}, bursts={light1: 5})
+    bursts = Counter(p.at_s for p in shaped if p.caller == light1)
+    assert set(bursts.values()) == {5} and 150 <= 5 * len(bursts) <= 450  # 0.5 req/s over 600 s in fives: 300 +-4 sd
+    assert {(p.prompt, p.max_tokens) for p in shaped if p.caller in (heavy, heavy2)} == {("LONG", 256)}
+    assert {p.max_tokens for p in shaped if p.caller in (light1, light2)} == {None}  # the run's
+    assert [p for p in shaped if p.caller == light2] == [p for p in plain if p.caller == light2]
+
+
+def test_repeats_are_judged_at_their_median_and_their_worst():
+    def run(ratio: float, total: float) -> dict:
+        return {"vtc_light_p99_over_baseline": ratio, "vtc_total_over_fcfs": total}
+
+    c = repeat_checks([run(1.5, 0.97), run(2.9, 0.96), run(1.9, 1.0)])
+    assert (c["light_p99_median"], c["light_p99_worst"], c["total_median"]) == (1.9, 2.9, 0.97)
+    assert c["light_p99_ok"] and c["total_ok"]
+    assert not repeat_checks([run(1.5, 0.97), run(3.1, 0.96), run(1.9, 1.0)])["light_p99_ok"]  # the worst, over 3
+    assert not repeat_checks([run(2.1, 0.97), run(2.2, 0.96), run(1.9, 1.0)])["light_p99_ok"]  # the median, over 2
+    assert repeat_checks([run(1.5, 0.97), run(math.nan, 1.0)])["light_p99_ok"] is None  # a run missing
+
+
+def test_every_tenant_named_heavy_is_pooled_apart_from_the_light_ones():
+    records = [answered("light1", 0, 0.5), answered(HEAVY, 0, 5.0), answered("heavy2", 0, 9.0)]
+    run = run_summary(records, 10, 10, heavy=(HEAVY, "heavy2"))
+    assert run[LIGHT]["ttft_p99_s"] == 0.5 and list(run["tenants"]) == ["light1", HEAVY, "heavy2"]
 
 
 def _sse(*events) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 from serve.config import BatchConfig
 from serve.engine.scheduling.fairness import Fairness
 from serve.engine.scheduling.rows import Forwards, GenerationBatch, Row, Step
-from serve.engine.stats import Distribution, Latencies, Seconds
+from serve.engine.stats import Distribution, Latencies, Seconds, TenantWaits
 
 log = logging.getLogger("manyfold.engine")
 
@@ -42,11 +42,13 @@ class Generations:
     - spawn(coro): keep and supervise a task (each base's generation runs in one);
     - finish(row, result=None, error=None), fail(row, stage, e), shut_out(rows): resolve rows, each exactly once;
     - stepped(): a generation stepped, which is progress (Scheduler.stalled_s).
-    The counters it adds to (latencies, batch_sizes, seconds, preemptions) are the scheduler's, kept across loops.
+    The counters it adds to (latencies, tenant_waits, batch_sizes, seconds, preemptions) are the scheduler's, kept
+    across loops.
     """
 
     def __init__(self, config: BatchConfig, forwards: Forwards, compute: Executor, fairness: Fairness, *,
-                 latencies: dict[str, Latencies], batch_sizes: Distribution, seconds: Seconds,
+                 latencies: dict[str, Latencies], tenant_waits: dict[str, TenantWaits], batch_sizes: Distribution,
+                 seconds: Seconds,
                  preemptions: Counter[str], let_in: Callable[[], Awaitable[None]],
                  pull: Callable[[str, Generating, Counter[str]], None], spawn: Callable[[Coroutine], None],
                  finish: Callable[..., None], fail: Callable[[Row, str, BaseException], None],
@@ -56,6 +58,7 @@ class Generations:
         self.compute = compute
         self.fairness = fairness
         self.latencies = latencies
+        self.tenant_waits = tenant_waits
         self.batch_sizes = batch_sizes
         self.seconds = seconds
         self.preemptions = preemptions
@@ -192,6 +195,8 @@ class Generations:
             lat = self.latencies.setdefault(r.base, Latencies())
             lat.queue.observe(now - r.submitted_at)
             lat.prompt_tokens += len(r.payload[0])
+            if r.scope:
+                self.tenant_waits.setdefault(r.scope, TenantWaits()).queue.observe(now - r.submitted_at)
         if len(g.batch) or step.finished:
             self.batch_sizes.observe(len(g.batch) + len(step.finished))
         for row, gen in [*g.batch.rows(), *step.finished]:
@@ -213,6 +218,8 @@ class Generations:
             self.fairness.served(row, count - row.tokens_seen)
             lat = self.latencies.setdefault(row.base, Latencies())
             lat.arrived(row.tokens_seen, count - row.tokens_seen, now - row.submitted_at, now - row.token_at)
+            if row.tokens_seen == 0 and row.scope:
+                self.tenant_waits.setdefault(row.scope, TenantWaits()).first_token.observe(now - row.submitted_at)
             lat.generation_tokens += count - row.tokens_seen
             row.tokens_seen, row.token_at = count, now
 

@@ -28,7 +28,7 @@ from serve.config import BatchConfig
 from serve.engine.scheduling.fairness import Fairness, FairQueue
 from serve.engine.scheduling.generating import Generating, Generations
 from serve.engine.scheduling.rows import Forwards, Holds, Op, Row, row_error
-from serve.engine.stats import BATCH_BUCKETS, Distribution, Latencies, Seconds
+from serve.engine.stats import BATCH_BUCKETS, Distribution, Latencies, Seconds, TenantWaits
 from serve.engine.types import Tenant
 from serve.errors import ManyfoldError, Overloaded
 
@@ -63,6 +63,8 @@ class Scheduler:
         """Running rows parked for another tenant's (Generations._preempt), by base."""
         self.latencies: dict[str, Latencies] = {}
         """By base: each answered request's time to first token, between tokens, end to end."""
+        self.tenant_waits: dict[str, TenantWaits] = {}
+        """By authenticated tenant: its generation rows' waits to join a batch and to their first token."""
         self._progress_at = time.monotonic()
         """When a row was last answered or a generation last stepped (or work arrived at an idle scheduler)."""
         self._generations = self._new_generations()
@@ -150,9 +152,9 @@ class Scheduler:
     def _new_generations(self) -> Generations:
         """The running generations of this loop, fed by this scheduler and answering their rows through it."""
         return Generations(self.config, self.forwards, self.compute, self.fairness, latencies=self.latencies,
-                           batch_sizes=self.batch_sizes, seconds=self.seconds, preemptions=self.preemptions,
-                           let_in=self._let_in, pull=self._pull, spawn=self._spawn, finish=self._finish,
-                           fail=self._fail, shut_out=self._shut_out, stepped=self._stepped)
+                           tenant_waits=self.tenant_waits, batch_sizes=self.batch_sizes, seconds=self.seconds,
+                           preemptions=self.preemptions, let_in=self._let_in, pull=self._pull, spawn=self._spawn,
+                           finish=self._finish, fail=self._fail, shut_out=self._shut_out, stepped=self._stepped)
 
     def _supervise(self, task: asyncio.Task) -> None:
         if task.cancelled():
