@@ -250,6 +250,10 @@ def write_report(report: dict, out: Path) -> dict:
     print_table(report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(finite(report), indent=1) + "\n")
-    plot(report, out.with_suffix(".png"))
+    try:
+        plot(report, out.with_suffix(".png"))
+    except ImportError:
+        print(f"wrote {out.with_suffix('.json')}; no PNG: matplotlib is not installed (the `loadtest` extra)")
+        return report
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return report

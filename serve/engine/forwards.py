@@ -4,6 +4,7 @@ of the seam: torch, no asyncio.
 """
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from serve.engine import faults
@@ -80,7 +81,8 @@ class RowGeneration:
     def __len__(self) -> int:
         return len(self.batch)
 
-    def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row]) -> Step:
+    def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row],
+            rank: Callable[[Row], Any] | None = None) -> Step:
         rows, failed = [], []
         for r in new:
             try:
@@ -89,7 +91,7 @@ class RowGeneration:
             except Exception as e:  # its variant no longer has the member it asked for, say
                 failed.append((r, e))
         with self.batch.rt.seconds.timing("step"):
-            step = self.batch.run(rows, gone, park, victims)
+            step = self.batch.run(rows, gone, park, victims, rank)
         step.failed += failed
         return step
 

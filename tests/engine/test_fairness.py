@@ -31,7 +31,8 @@ class Batch:
     def __len__(self) -> int:
         return len(self.running)
 
-    def run(self, new: list[Row], gone: list[Row], park: list[Row] = (), victims: list[Row] = ()) -> Step:
+    def run(self, new: list[Row], gone: list[Row], park: list[Row] = (), victims: list[Row] = (),
+            rank=None) -> Step:
         step = Step()
         for r in park:
             self.parked[r] = self.running.pop(r)
@@ -344,3 +345,50 @@ def test_no_more_rows_are_parked_than_a_batch_holds():
     other = row("other")
     g = Generating(batch, pending=[row("heavy", parked=True) for _ in range(SLOTS)] + [other], running=list(heavy))
     assert generations._preempt(g) == ([], []) and g.pending[-1] is other
+
+
+def test_a_light_rows_prompt_is_written_before_a_floods_long_one_in_the_policys_order(bases):
+    """Steps of 8 prompt tokens; a heavy row's 40-token prompt is being written when a light row of 3 tokens
+    arrives: ranked first, it is admitted past the heavy prompt's backlog and written in the next step, which
+    samples its first token while the heavy prompt has 24 tokens to go. In admission order it waits for them."""
+    from serve.config import BatchConfig
+    from serve.engine.generation.decode_batch import DecodeBatch
+    from serve.engine.generation.row import NewRow
+    from serve.engine.model import BaseModelRuntime
+    from serve.engine.types import SamplingParams
+
+    rt = BaseModelRuntime("lm", bases["plain"], batch=BatchConfig(max_batch_size=4, max_step_tokens=8,
+                                                                  max_model_len=96))
+    params = SamplingParams(max_tokens=4)
+    for rank, light_waits in (({"light": 0, "heavy": 1}.get, False), (None, True)):
+        batch = DecodeBatch(rt)
+        heavy, light = NewRow("heavy", [j % 40 + 3 for j in range(40)], params), NewRow("light", [5, 6, 7], params)
+        batch.run([heavy], rank=rank)
+        step = batch.run([light], rank=rank)
+        assert ("light" in step.waiting) == light_waits
+        decoding = {tag: len(gen.token_ids) for tag, gen in batch.rows()}
+        assert decoding == ({} if light_waits else {"light": 1})
+        batch.close()
+
+
+def test_rows_left_waiting_for_the_token_budget_let_another_tenant_out_of_the_queue_but_park_nothing():
+    """A flood's rows waiting to join for the prompt budget hold permits while its batch has free lanes: the next
+    step pulls a light tenant's row out of the queue past them (crowded for the pull), and parks no running row for
+    it (not crowded for parking: a lane is free)."""
+    from collections import Counter
+
+    from serve.engine.scheduling.generating import Generating, Generations
+
+    config = BatchConfig(max_batch_size=SLOTS, fairness="vtc")
+    generations = Generations(config, Forwards(Trace()), None, Fairness("vtc"), latencies={}, tenant_waits={},
+                              batch_sizes=None, seconds=None, preemptions=Counter(), let_in=None, pull=None,
+                              spawn=None, finish=None, fail=None, shut_out=None, stepped=None)
+    batch = Batch(Trace())
+    heavy = [Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                 tenant="heavy") for _ in range(2)]
+    batch.running = {heavy[0]: Generation(prompt_tokens=PROMPT)}
+    g = Generating(batch, pending=[heavy[1]], running=[heavy[0]])
+    assert generations._crowded(g, budget=True) is None  # no row waited for the budget yet
+    g.budget = True
+    assert generations._crowded(g, budget=True) == Counter({"heavy": 1})
+    assert generations._crowded(g) is None and generations._preempt(g) == ([], [])

@@ -23,7 +23,7 @@ the whole vocabulary in fp32 of the same logits the row samples from; a row that
 logits of every prompt position, chunk by chunk.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,8 @@ class DecodeBatch:
         """Rows taken out of the batch for now (run's park), each with its keys and values."""
         self._failed: list[tuple[Any, BaseException]] = []
         self._admitted = 0
+        self.rank: Callable[[Any], Any] = lambda tag: 0
+        """The fairness policy's order of the rows by tag, as the last run() was given it (see run)."""
 
     def __len__(self) -> int:
         return len(self.decoding) + len(self.prefilling)
@@ -87,7 +89,7 @@ class DecodeBatch:
 
     @torch.no_grad()
     def run(self, new: Sequence[NewRow], abort: Sequence[Any] = (), park: Sequence[Any] = (),
-            victims: Sequence[Any] = ()) -> Step:
+            victims: Sequence[Any] = (), rank: Callable[[Any], Any] | None = None) -> Step:
         """Drop the rows tagged in abort, park the decoding rows tagged in park, admit new rows that get a variant
         slot, a KV lane and their prompt's blocks, give every decoding row the block its next position needs
         (parking rows, those tagged in victims first, where the cache has too few), then one step for every row;
@@ -103,7 +105,12 @@ class DecodeBatch:
         A decode step that replays a graph is followed at once by the next one, launched on the device from its
         sampled tokens before the host reads them (`_continue`): while the host detokenises a step, the GPU runs
         the next. So a call reads one step and leaves one in flight; the next call reads that one. A row that
-        finished in the step read wasted its place in the one in flight, nothing more."""
+        finished in the step read wasted its place in the one in flight, nothing more.
+
+        rank(tag): the fairness policy's order of the rows (smaller first; None: admission order). The prompts being
+        written share a step's token budget in that order, and a new row is admitted while the prompts ranked
+        before it leave room, so a light tenant's prompt is not written after a flood's long ones."""
+        self.rank = rank or (lambda tag: 0)
         if abort:
             for s in self._all():
                 s.done = s.done or any(s.tag is t for t in abort)
@@ -171,7 +178,7 @@ class DecodeBatch:
         kv = self.rt.kv
         short = False
         writing = {h for s in self.prefilling for h in s.hashes[s.registered:]}
-        backlog = sum(len(s.prompt) - s.written for s in self.prefilling)
+        budget = self.rt.max_step_tokens - len(self.decoding)
         for row in new:
             if short:  # a row before it is short: it waits, its prompt not even hashed
                 step.waiting.append(row.tag)
@@ -179,9 +186,10 @@ class DecodeBatch:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
-            queued = parked is None and backlog >= self.rt.max_step_tokens - len(self.decoding)
+            queued = parked is None and self._ahead_of(row.tag) >= budget
             full = not kv.free_lanes or not kv.fits(length, cached)
             step.full = step.full or full
+            step.budget = step.budget or queued
             short = queued or full
             if short or (len(cached) < len(hashes) and hashes[len(cached)] in writing):
                 step.waiting.append(row.tag)
@@ -211,8 +219,13 @@ class DecodeBatch:
                 self.rt.prefix_tokens["queries"] += len(row.prompt)
                 self.rt.prefix_tokens["hits"] += s.written
             writing.update(hashes[len(cached):])
-            backlog += len(s.prompt) - s.written
             self.prefilling.append(s)
+
+    def _ahead_of(self, tag: Any) -> int:
+        """Prompt tokens still to write of the rows a new row would follow in the next step's budget: those ranked
+        before it or with it (rank: the policy's order; among equals, admission's)."""
+        at = self.rank(tag)
+        return sum(len(s.prompt) - s.written for s in self.prefilling if not at < self.rank(s.tag))
 
     def _make_room(self, victims: Sequence[Any]) -> list[Any]:
         """Every decoding row's block for the position it writes next; where the cache has none free, decoding rows
@@ -342,12 +355,13 @@ class DecodeBatch:
             register(self.rt.kv, s)
 
     def _prefills(self, budget: int) -> list[Prefill]:
-        """The admitted prompts' next chunks, in admission order, within `budget` tokens (at least one token, so a
-        batch of max_step_tokens running rows still admits) and the runtime's max_step_chunks."""
+        """The admitted prompts' next chunks, in the fairness policy's order (then admission's), within `budget`
+        tokens (at least one token, so a batch of max_step_tokens running rows still admits) and the runtime's
+        max_step_chunks."""
         budget = max(budget, 1)
         most = self.rt.max_step_chunks
         chunks = []
-        for s in self.prefilling:
+        for s in sorted(self.prefilling, key=lambda s: self.rank(s.tag)):
             if budget == 0 or (most is not None and len(chunks) == most):
                 break
             n = min(len(s.prompt) - s.written, budget)

@@ -30,6 +30,8 @@ class Generating:
     running: list[Row] = field(default_factory=list)
     short: bool = False
     """The last step found the batch full (Step.full) though it runs fewer than max_batch_size rows."""
+    budget: bool = False
+    """The last step left a new row waiting for its token budget (Step.budget): rows that wait here hold permits."""
 
 
 class Generations:
@@ -110,17 +112,19 @@ class Generations:
             while g.pending or len(g.batch):
                 await self.let_in()
                 gone = self._gone(g)
-                holding = self._crowded(g)
+                holding = self._crowded(g, budget=True)
                 if holding is not None:
                     self.pull(base, g, holding)
                 park, new = self._preempt(g)
                 new += self._next_rows(g)
                 if ended is not None:
                     self.seconds.add("scheduling", time.perf_counter() - ended)
-                step = await self._on_compute(g.batch.run, new, gone, park, self.fairness.victims(g.running))
+                joining = time.monotonic()
+                step = await self._on_compute(g.batch.run, new, gone, park, self.fairness.victims(g.running),
+                                              self.fairness.key)
                 ended = time.perf_counter()
                 self.stepped()
-                self._after_step(g, new, step, park)
+                self._after_step(g, new, step, park, joining)
                 new = []
             self._retire(base, g)
             await self._on_compute(g.batch.close)
@@ -145,10 +149,12 @@ class Generations:
         g.pending = [r for r in g.pending if not r.cancelled]
         return gone
 
-    def _crowded(self, g: Generating) -> Counter[str] | None:
-        """VTC with the batch full (every row it may hold, or all its KV cache or variant pool holds): the running rows
-        by tenant (None: no row is to be parked)."""
-        if self.fairness.policy != "vtc" or (len(g.batch) < self.config.max_batch_size and not g.short):
+    def _crowded(self, g: Generating, budget: bool = False) -> Counter[str] | None:
+        """VTC with the batch full (every row it may hold, or all its KV cache or variant pool holds), or with
+        `budget` rows left waiting for the token budget (they hold permits, so another tenant's rows would stay
+        in the queue): the running rows by tenant (None: no row is to be parked or pulled)."""
+        if self.fairness.policy != "vtc" or (len(g.batch) < self.config.max_batch_size and not g.short
+                                             and not (budget and g.budget)):
             return None
         return Counter(r.tenant for r in g.running)
 
@@ -173,8 +179,10 @@ class Generations:
         new, g.pending = self.fairness.take(g.pending, max(0, self.config.max_batch_size - len(g.batch)))
         return new
 
-    def _after_step(self, g: Generating, new: list[Row], step: Step, park: list[Row]) -> None:
-        g.short = step.full
+    def _after_step(self, g: Generating, new: list[Row], step: Step, park: list[Row], joining: float) -> None:
+        """joining: time.monotonic() as the step began, when the rows that joined it left the wait (their queue
+        time ends there, as vLLM's ends when a request is scheduled)."""
+        g.short, g.budget = step.full, step.budget
         for r, e in step.failed:
             if r in g.running:
                 g.running.remove(r)
@@ -193,10 +201,10 @@ class Generations:
                 r.parked = False
                 continue
             lat = self.latencies.setdefault(r.base, Latencies())
-            lat.queue.observe(now - r.submitted_at)
+            lat.queue.observe(joining - r.submitted_at)
             lat.prompt_tokens += len(r.payload[0])
             if r.scope:
-                self.tenant_waits.setdefault(r.scope, TenantWaits()).queue.observe(now - r.submitted_at)
+                self.tenant_waits.setdefault(r.scope, TenantWaits()).queue.observe(joining - r.submitted_at)
         if len(g.batch) or step.finished:
             self.batch_sizes.observe(len(g.batch) + len(step.finished))
         for row, gen in [*g.batch.rows(), *step.finished]:

@@ -4,6 +4,7 @@ torch: serve/engine/forwards.py and cache.py implement the seams.
 """
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -106,6 +107,8 @@ class Step:
     full: bool = False
     """Some new row waited for want of a lane, KV blocks or a variant slot, or a running row was parked for KV
     blocks: the batch holds what its memory holds (a row that waits for the token budget does not make it full)."""
+    budget: bool = False
+    """Some new row waited for the step's token budget (the prompts ranked before it fill it)."""
     parked: list[Row] = field(default_factory=list)
     """Running rows taken out of the batch for now (preempted), to resume when passed in again."""
     failed: list[tuple[Row, BaseException]] = field(default_factory=list)
@@ -117,7 +120,8 @@ class GenerationBatch(Protocol):
 
     def __len__(self) -> int: ...
 
-    def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row]) -> Step: ...
+    def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row],
+            rank: Callable[[Row], Any] | None = None) -> Step: ...
 
     def rows(self) -> list[tuple[Row, Generation]]: ...
 
