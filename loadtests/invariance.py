@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -29,7 +28,7 @@ import httpx
 from loadtests.fairness import Server
 from loadtests.fairness_load import log
 from loadtests.generator import free_port
-from serve.bench.report import machine
+from serve.bench.report import finish, machine
 
 RUNS = ("off", "on")
 LORA = "-lora"
@@ -159,12 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
               "spec": vars(args), "models": models, "runs": runs, "wall_s": time.perf_counter() - t0}
     if "on" in runs:
         report["check"] = {"invariant_when_on": runs["on"]["differ"] == 0}
-    print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    log(f"wrote {out}")
-    return report
+    return finish(report, Path(args.out), print_table)
 
 
 def print_table(report: dict) -> None:

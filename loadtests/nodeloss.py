@@ -35,7 +35,7 @@ import yaml
 from loadtests.fairness import TENANTS, build_store, model_of
 from loadtests.fairness_load import log
 from loadtests.generator import free_port
-from serve.bench.report import machine
+from serve.bench.report import finish, machine
 
 BASE = "smollm2"
 REPO = Path(__file__).resolve().parents[1]
@@ -269,12 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                                     else argv),
               "spec": vars(args), "rounds": rounds, "wall_s": time.perf_counter() - t0,
               "check": {"only_200_or_503_with_retry_after": not bad, "other_outcomes": sorted(set(bad))}}
-    print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    log(f"wrote {out}")
-    return report
+    return finish(report, Path(args.out), print_table)
 
 
 def print_table(report: dict) -> None:
