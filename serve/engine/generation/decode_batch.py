@@ -9,7 +9,7 @@ once blocks are free. Every step is one forward over one flattened sequence of t
 it out):
 - a decode token for every running row, row b at lane b (rows without one are padding: a row still
   prefilling, a lane free), the rows rounded up to a bucket where shapes are fixed;
-- then the admitted prompts' next tokens, in admission order, up to the step's token budget
+- then the admitted prompts' next tokens, in the fairness policy's order, up to the step's token budget
   (batch.max_step_tokens); a long prompt takes several steps, and a row whose prompt is all written samples
   its first token in the same step.
 Nothing is copied between rows: a finished row gives its blocks back and the next admitted row writes over them.
@@ -36,7 +36,7 @@ from serve.engine.generation.row import BatchRow, NewRow, prefix_of, register
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
 from serve.engine.generation.sampling import RowSampling, sample_to_host
-from serve.engine.step.layout import Prefill, StepOutput, StepRunner
+from serve.engine.step.layout import Prefill, StepOutput, StepRunner, prompt_chunks
 from serve.engine.types import Generation
 from serve.errors import BadRequest
 
@@ -77,8 +77,6 @@ class DecodeBatch:
         """Rows taken out of the batch for now (run's park), each with its keys and values."""
         self._failed: list[tuple[Any, BaseException]] = []
         self._admitted = 0
-        self.rank: Callable[[Any], Any] = lambda tag: 0
-        """The fairness policy's order of the rows by tag, as the last run() was given it (see run)."""
 
     def __len__(self) -> int:
         return len(self.decoding) + len(self.prefilling)
@@ -110,7 +108,7 @@ class DecodeBatch:
         rank(tag): the fairness policy's order of the rows (smaller first; None: admission order). The prompts being
         written share a step's token budget in that order, and a new row is admitted while the prompts ranked
         before it leave room, so a light tenant's prompt is not written after a flood's long ones."""
-        self.rank = rank or (lambda tag: 0)
+        rank = rank or (lambda tag: 0)
         if abort:
             for s in self._all():
                 s.done = s.done or any(s.tag is t for t in abort)
@@ -122,7 +120,7 @@ class DecodeBatch:
                 self._read(inflight)
             step.finished += self._drop_finished()
             step.parked = self._park(park)
-        self._admit(new, step)
+        self._admit(new, step, rank)
         if self.inflight is not None:
             inflight, self.inflight = self.inflight, None
             if self._continuable(inflight):
@@ -134,7 +132,7 @@ class DecodeBatch:
             step.parked += room
             step.full = step.full or bool(room)
             if self.decoding or self.prefilling:
-                launched = self._launch()
+                launched = self._launch(rank)
                 if self._continuable(launched):
                     self.inflight = self._continue(launched)
                 self._read(launched)
@@ -160,7 +158,7 @@ class DecodeBatch:
         if errors:
             raise errors[0]
 
-    def _admit(self, new: Sequence[NewRow], step: Step) -> None:
+    def _admit(self, new: Sequence[NewRow], step: Step, rank: Callable[[Any], Any]) -> None:
         """Each new row that gets a KV lane, the blocks of its prompt and first token (a parked row: of what it had
         written and its next token) and a variant slot starts its prompt, or resumes where it was parked; the others
         are step's waiting (no free lane, blocks or slot) or failed (its attach, alone). Rows come in the fairness
@@ -186,7 +184,7 @@ class DecodeBatch:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
-            queued = parked is None and self._ahead_of(row.tag) >= budget
+            queued = parked is None and self._ahead_of(row.tag, rank) >= budget
             full = not kv.free_lanes or not kv.fits(length, cached)
             step.full = step.full or full
             step.budget = step.budget or queued
@@ -221,11 +219,11 @@ class DecodeBatch:
             writing.update(hashes[len(cached):])
             self.prefilling.append(s)
 
-    def _ahead_of(self, tag: Any) -> int:
+    def _ahead_of(self, tag: Any, rank: Callable[[Any], Any]) -> int:
         """Prompt tokens still to write of the rows a new row would follow in the next step's budget: those ranked
         before it or with it (rank: the policy's order; among equals, admission's)."""
-        at = self.rank(tag)
-        return sum(len(s.prompt) - s.written for s in self.prefilling if not at < self.rank(s.tag))
+        at = rank(tag)
+        return sum(len(s.prompt) - s.written for s in self.prefilling if not at < rank(s.tag))
 
     def _make_room(self, victims: Sequence[Any]) -> list[Any]:
         """Every decoding row's block for the position it writes next; where the cache has none free, decoding rows
@@ -274,13 +272,14 @@ class DecodeBatch:
         if slot is not None:
             self.rt.detach(slot)
 
-    def _launch(self) -> "_Launched":
+    def _launch(self, rank: Callable[[Any], Any]) -> "_Launched":
         """One forward: every decoding row's next token and the prefills the token budget allows; its tokens
         sampled on the device and on their way to the host."""
         decoding = dict(sorted(self.decoding.items()))
         if decoding:
             faults.hit("decode", [s.name for s in decoding.values()])
-        prefills = self._prefills(self.rt.max_step_tokens - len(decoding))
+        prefills = prompt_chunks(self.prefilling, self.rt.max_step_tokens - len(decoding), self.rt.max_step_chunks,
+                                 rank)
         if prefills:
             faults.hit("prefill", [p.row.name for p in prefills])
         for p in prefills:
@@ -353,22 +352,6 @@ class DecodeBatch:
             self._choose([s for s, _ in live], out.logits, [i for _, i in live], every)
         for s in self._all():
             register(self.rt.kv, s)
-
-    def _prefills(self, budget: int) -> list[Prefill]:
-        """The admitted prompts' next chunks, in the fairness policy's order (then admission's), within `budget`
-        tokens (at least one token, so a batch of max_step_tokens running rows still admits) and the runtime's
-        max_step_chunks."""
-        budget = max(budget, 1)
-        most = self.rt.max_step_chunks
-        chunks = []
-        for s in sorted(self.prefilling, key=lambda s: self.rank(s.tag)):
-            if budget == 0 or (most is not None and len(chunks) == most):
-                break
-            n = min(len(s.prompt) - s.written, budget)
-            chunks.append(Prefill(s, s.kv, s.written, n, s.prompt[s.written:s.written + n],
-                                  keep_all=s.params.echoes_logprobs, samples=s.written + n == len(s.prompt)))
-            budget -= n
-        return chunks
 
     def _choose(self, seqs: list[BatchRow], logits: torch.Tensor, at: list[int], every: list[int]) -> None:
         """logits [kept, vocab] fp32 of the step and every: the token sampled from each row of them; at: the row

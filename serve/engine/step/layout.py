@@ -17,6 +17,7 @@ position) runs eagerly, as does any step on a CPU; the reason is counted.
 """
 
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,22 @@ class StepInputs:
         longest = max(self.lengths, default=0) if max_length is None else max_length
         return ids, positions, kept, StepLayout(lanes, positions[0], lengths, longest, self.decode_rows, chunks,
                                                 self.chunk_tokens)
+
+
+def prompt_chunks(prefilling: list, budget: int, most: int | None, rank: Callable[[Any], Any]) -> list[Prefill]:
+    """The next chunks of the prompts being written (rows with .prompt, .written, .kv, .params, .tag), in `rank`'s
+    order of their tags (the fairness policy's; among equals, theirs), within `budget` tokens (at least one, so a
+    batch of max_step_tokens running rows still admits) and `most` chunks (None: any)."""
+    budget = max(budget, 1)
+    chunks = []
+    for s in sorted(prefilling, key=lambda s: rank(s.tag)):
+        if budget == 0 or (most is not None and len(chunks) == most):
+            break
+        n = min(len(s.prompt) - s.written, budget)
+        chunks.append(Prefill(s, s.kv, s.written, n, s.prompt[s.written:s.written + n],
+                              keep_all=s.params.echoes_logprobs, samples=s.written + n == len(s.prompt)))
+        budget -= n
+    return chunks
 
 
 def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int,
