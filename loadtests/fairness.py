@@ -250,14 +250,15 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
                          max_tokens={c: shape.heavy_max_tokens for c in heavy} if shape.heavy_max_tokens else None,
                          bursts={c: shape.burst for c in chosen if c.tenant == "light1"})
     log(f"{name}: {len(plan)} requests over {args.duration:g} s")
-    before, waits_before = engine_counters(url), tenant_waits(url)
+    before = scrape(url)
     t = time.perf_counter()
     records = asyncio.run(open_loop(url, plan, args.max_tokens, args.timeout, args.max_in_flight))
     wall_s = time.perf_counter() - t
-    engine = engine_delta(before, engine_counters(url))
+    after = scrape(url)
+    engine = engine_delta(engine_counters(before), engine_counters(after))
     horizon = max([args.duration, *(c for r in records for c in r.chunk_s)])
     summary = run_summary(records, args.duration, math.ceil(horizon), shape.heavy)
-    phases = where_rows_waited(waits_before, tenant_waits(url), shape.heavy)
+    phases = where_rows_waited(tenant_waits(before), tenant_waits(after), shape.heavy)
     a = summary["all"]
     log(f"{name}: {a['ok']} ok, {a['429']} 429, {a['timeouts']} timed out, {a['errors']} errors; "
          f"{a['tokens_per_s']:.1f} tok/s; light p99 TTFT {summary['light']['ttft_p99_s']:.2f} s; engine {engine}; "
@@ -266,14 +267,19 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
             "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens] for r in records]}
 
 
-def tenant_waits(url: str) -> dict[tuple[str, str], tuple[float, float]]:
-    """(phase, tenant) -> (requests, seconds summed) of the server's per-tenant waits now (/metrics:
-    manyfold_tenant_queue_seconds, manyfold_tenant_first_token_seconds)."""
+def scrape(url: str) -> list:
+    """The server's /metrics now, as prometheus_client's metric families."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    return list(text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text))
+
+
+def tenant_waits(families: list) -> dict[tuple[str, str], tuple[float, float]]:
+    """(phase, tenant) -> (requests, seconds summed) of the server's per-tenant waits in a scrape
+    (manyfold_tenant_queue_seconds, manyfold_tenant_first_token_seconds)."""
     out: dict[tuple[str, str], list[float]] = {}
     phases = {"manyfold_tenant_queue_seconds": "queue", "manyfold_tenant_first_token_seconds": "first_token"}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+    for family in families:
         if family.name in phases:
             for s in family.samples:
                 if s.name.endswith(("_count", "_sum")):
@@ -285,27 +291,26 @@ def tenant_waits(url: str) -> dict[tuple[str, str], tuple[float, float]]:
 def where_rows_waited(before: dict, after: dict, heavy: tuple[str, ...]) -> dict[str, dict]:
     """The light and the heavy tenants' rows over a run, on the server: mean seconds to join a running batch, from
     there to the first token (the prompt's steps), and in all."""
+    totals: dict[tuple[str, str], list[float]] = {}  # (group, phase) -> [requests, seconds] over the run
+    for (phase, tenant), (n, seconds) in after.items():
+        was_n, was_s = before.get((phase, tenant), (0.0, 0.0))
+        got = totals.setdefault(("heavy" if tenant in heavy else "light", phase), [0.0, 0.0])
+        got[0] += n - was_n
+        got[1] += seconds - was_s
     out = {}
-    for group, member in (("light", lambda t: t not in heavy), ("heavy", lambda t: t in heavy)):
-        def total(phase: str) -> tuple[float, float]:
-            keys = [k for k in after if k[0] == phase and member(k[1])]
-            return (sum(after[k][0] - before.get(k, (0.0, 0.0))[0] for k in keys),
-                    sum(after[k][1] - before.get(k, (0.0, 0.0))[1] for k in keys))
-
-        (rows, queue_s), (firsts, first_s) = total("queue"), total("first_token")
+    for group in ("light", "heavy"):
+        (rows, queue_s), (firsts, first_s) = (totals.get((group, p), (0.0, 0.0)) for p in ("queue", "first_token"))
         if rows and firsts:
             out[group] = {"rows": int(rows), "queue_mean_s": queue_s / rows, "first_token_mean_s": first_s / firsts,
                           "after_joining_mean_s": first_s / firsts - queue_s / rows}
     return out
 
 
-def engine_counters(url: str) -> dict[str, float]:
-    """The server's generation counters now (/metrics): steps, their decode and prompt tokens, step seconds, rows
+def engine_counters(families: list) -> dict[str, float]:
+    """The server's generation counters in a scrape: steps, their decode and prompt tokens, step seconds, rows
     parked for another tenant's."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+    for family in families:
         for s in family.samples:
             if s.name == "manyfold_generation_steps_total":
                 out["steps"] = out.get("steps", 0.0) + s.value

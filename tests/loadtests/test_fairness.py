@@ -195,3 +195,17 @@ def test_the_report_prints_and_writes_json_and_png(tmp_path, capsys):
     assert "light*" in out and "never" in out and "not measured" in out
     assert json.loads((tmp_path / "fairness.json").read_text())["runs"]["vtc"][ALL]["ttft_p99_s"] is None
     assert (tmp_path / "fairness.png").stat().st_size > 0
+
+
+def test_where_rows_waited_pools_each_groups_requests_over_the_run():
+    """Per-tenant sums before and after a run (the server's per-tenant waits): each group's mean wait to join and to
+    its first token over the run's requests alone, a tenant first seen after the run's start counted whole."""
+    from loadtests.fairness import where_rows_waited
+
+    before = {("queue", "light1"): (2, 1.0), ("first_token", "light1"): (2, 2.0), ("queue", HEAVY): (1, 5.0)}
+    after = {("queue", "light1"): (6, 9.0), ("first_token", "light1"): (5, 11.0), ("queue", "light2"): (2, 2.0),
+             ("first_token", "light2"): (2, 3.0), ("queue", HEAVY): (3, 15.0), ("first_token", HEAVY): (1, 4.0)}
+    got = where_rows_waited(before, after, (HEAVY,))
+    assert got[LIGHT]["rows"] == 6 and got[LIGHT]["queue_mean_s"] == pytest.approx(10 / 6)
+    assert got[LIGHT]["first_token_mean_s"] == pytest.approx(12 / 5)
+    assert (got[HEAVY]["rows"], got[HEAVY]["queue_mean_s"], got[HEAVY]["first_token_mean_s"]) == (2, 5.0, 4.0)
