@@ -2,6 +2,7 @@
 gives every running row one token a step: which rows join the batch, and what each tenant is served, step by step."""
 
 import asyncio
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -316,11 +317,34 @@ def test_a_flood_holding_every_slot_and_permit_gives_a_slot_to_another_tenant_at
         assert trace.joined["light"] >= 40 and not trace.parked and not scheduler.preemptions
 
 
+def test_rows_taken_and_left_waiting_are_not_charged_until_they_join():
+    """Two of a flood's rows are taken to join; the batch runs one and leaves the other waiting (its prompt found no
+    room in the step's token budget): the flood is charged the prompt of the row that joined alone, and only once
+    it joined, and the other waits as before, uncharged. Charged for rows it was not served (or while the step
+    runs), the flood would lift every tenant arriving meanwhile to a counter it never earned, and its rows would
+    then rank before theirs."""
+    from serve.engine.scheduling.generating import Generating, Generations
+
+    fairness = Fairness("vtc")
+    generations = Generations(BatchConfig(max_batch_size=SLOTS, fairness="vtc"), Forwards(Trace()), None, fairness,
+                              latencies={}, tenant_waits={}, batch_sizes=None, seconds=None, preemptions=Counter(),
+                              let_in=None, pull=None, spawn=None, finish=None, fail=None, shut_out=None, stepped=None)
+    heavy = [Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                 tenant="heavy") for _ in range(2)]
+    for r in heavy:
+        fairness.arrive(r)
+    g = Generating(Batch(Trace()), pending=list(heavy))
+    new = generations._next_rows(g)
+    assert new == heavy and not fairness.counters.get("heavy") and fairness.waiting == Counter({"heavy": 2})
+    generations._after_step(g, new, Step(waiting=[heavy[1]]), [], joining=0.0)
+    assert g.running == heavy[:1] and g.pending == heavy[1:]
+    assert fairness.counters["heavy"] == PROMPT_WEIGHT * PROMPT and fairness.waiting == Counter({"heavy": 1})
+    assert not heavy[1].charged
+
+
 def test_no_more_rows_are_parked_than_a_batch_holds():
     """Parked rows keep their keys and values in host memory: with a batch's worth parked already, no row is
     parked for another tenant's, however far ahead the tenant holding the most is."""
-    from collections import Counter
-
     from serve.engine.scheduling.generating import Generating, Generations
 
     made = []
@@ -345,6 +369,27 @@ def test_no_more_rows_are_parked_than_a_batch_holds():
     other = row("other")
     g = Generating(batch, pending=[row("heavy", parked=True) for _ in range(SLOTS)] + [other], running=list(heavy))
     assert generations._preempt(g) == ([], []) and g.pending[-1] is other
+
+
+@pytest.mark.parametrize("served", [{"heavy": 5000.0, "light": 100.0}, {"heavy": 100.0, "light": 100.0},
+                                    {"heavy": 50.0, "light": 100.0}])
+def test_a_row_takes_a_slot_only_from_a_tenant_served_at_least_as_much(served):
+    """Every slot taken, three by a light tenant's decoding rows, one by a flood's: the flood's waiting row parks a
+    light row only if the light tenant has been served at least as much (VTC would take the flood's row first);
+    served more than it, the flood waits for a slot to come free, however few it holds."""
+    fairness = Fairness("vtc")
+    fairness.counters.update(served)
+    rows = []
+    for tenant in ["light"] * 3 + ["heavy"] * 2:
+        r = Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=tenant)
+        r.tokens_seen, r.seq = 1, len(rows)
+        rows.append(r)
+    running, waiting = rows[:4], rows[4:]
+    park, new = fairness.preempt(running, waiting, Counter(r.tenant for r in running))
+    if served["heavy"] > served["light"]:
+        assert (park, new) == ([], [])
+    else:
+        assert park == [rows[2]] and new == waiting
 
 
 def test_a_light_rows_prompt_is_written_before_a_floods_long_one_in_the_policys_order(bases):
@@ -375,8 +420,6 @@ def test_rows_left_waiting_for_the_token_budget_let_another_tenant_out_of_the_qu
     """A flood's rows waiting to join for the prompt budget hold permits while its batch has free lanes: the next
     step pulls a light tenant's row out of the queue past them (crowded for the pull), and parks no running row for
     it (not crowded for parking: a lane is free)."""
-    from collections import Counter
-
     from serve.engine.scheduling.generating import Generating, Generations
 
     config = BatchConfig(max_batch_size=SLOTS, fairness="vtc")

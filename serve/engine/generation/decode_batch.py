@@ -164,9 +164,11 @@ class DecodeBatch:
         are step's waiting (no free lane, blocks or slot) or failed (its attach, alone). Rows come in the fairness
         policy's order, and once one finds too few blocks the rows after it wait too (as vLLM's scheduler stops at
         the first), so a long prompt is not passed over for ever by shorter ones. A new row is admitted only while
-        the prompts already admitted leave room in the next step's token budget (what vLLM's scheduler admits): one
+        the prompts ranked before it leave room in the next step's token budget (what vLLM's scheduler admits): one
         that could not start its prompt would hold its blocks unwritten, and would wait out of the fairness policy's
-        reach.
+        reach. A row left waiting for the budget holds back no row after it: those are ranked by the same policy
+        and checked against the prompts ranked before them (a flood's long prompt waiting behind its own does not
+        keep a light tenant's short one, ranked first, out of the step).
 
         With prefix caching a new row starts with the cached blocks of its prompt's longest cached prefix (never
         its last token, whose logits it samples from; none for a row echoing its prompt's log probabilities) and
@@ -188,8 +190,8 @@ class DecodeBatch:
             full = not kv.free_lanes or not kv.fits(length, cached)
             step.full = step.full or full
             step.budget = step.budget or queued
-            short = queued or full
-            if short or (len(cached) < len(hashes) and hashes[len(cached)] in writing):
+            short = full
+            if full or queued or (len(cached) < len(hashes) and hashes[len(cached)] in writing):
                 step.waiting.append(row.tag)
                 continue
             try:

@@ -96,24 +96,37 @@ class Fairness:
         return (0.0 if self.policy == "fcfs" else self.counters.get(row.tenant, 0.0), row.seq)
 
     def take(self, rows: list, n: int) -> tuple[list, list]:
-        """The n rows of `rows` that go next, charged as each is taken (so that two rows of one tenant count
-        against each other), and the rest in their order. -> (taken, rest)."""
-        rest = list(rows)
-        taken = []
+        """The n rows of `rows` that go next, each taken row's prompt counted against its tenant for the rows
+        after it (so that two rows of one tenant count against each other), and the rest in their order. ->
+        (taken, rest). Nothing is charged here: a row is charged when it joins (admit), and a step may leave a
+        row taken here waiting (its prompt finds no room in the step's token budget, no lane or blocks); charged
+        for rows not run, a flood would lift every tenant arriving meanwhile to a counter it was never served,
+        and its rows would then rank before theirs."""
+        rest, taken, tally = list(rows), [], Counter()
+
+        def key(row: Waiting) -> tuple[float, int]:
+            counter, seq = self.key(row)
+            return counter + tally[row.tenant], seq
+
         while rest and len(taken) < n:
-            row = min(rest, key=self.key)
+            row = min(rest, key=key)
             rest.remove(row)
-            self.admit(row)
+            if not row.charged and self.policy == "vtc":
+                tally[row.tenant] += PROMPT_WEIGHT * row.prompt_tokens() / row.weight
             taken.append(row)
         return taken, rest
 
     def outranked(self, row: Waiting, holding: Counter[str], weights: dict[str, float]) -> str | None:
         """The tenant a running row is to be parked from for `row` (holding: running rows by tenant; weights: by
-        tenant): the one holding the most for its weight, if it would still hold at least as many for its weight
-        as row's tenant once one row moved (so no row moves back: max-min over the slots, weighted)."""
-        most = max(holding, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)), default=None)
-        if most is None or most == row.tenant or \
-                (holding[most] - 1) / weights[most] < (holding[row.tenant] + 1) / row.weight:
+        tenant): of the tenants served at least as much as row's (VTC's order: row would go before their rows),
+        the one holding the most for its weight, if it would still hold at least as many for its weight as row's
+        tenant once one row moved (so no row moves back: max-min over the slots, weighted). A tenant served less
+        than the others takes no slot from them, however few it holds: a flood's long prompts, once charged,
+        wait for its turn, rather than parking the light rows that keep a step short."""
+        served = self.counters.get(row.tenant, 0.0)
+        ahead = [t for t in holding if t != row.tenant and self.counters.get(t, 0.0) >= served]
+        most = max(ahead, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)), default=None)
+        if most is None or (holding[most] - 1) / weights[most] < (holding[row.tenant] + 1) / row.weight:
             return None
         return most
 

@@ -171,7 +171,6 @@ class Generations:
         park, new = park[:room], new[:room]
         for row in new:
             g.pending.remove(row)
-            self.fairness.admit(row)
         return park, new
 
     def _next_rows(self, g: Generating) -> list[Row]:
@@ -197,6 +196,7 @@ class Generations:
         g.pending = list(step.parked) + list(step.waiting) + g.pending
         now = time.monotonic()
         for r in joined:
+            self.fairness.admit(r)  # its prompt charged now it runs (once: a resumed row's was when it first joined)
             if r.parked:  # resumed: its wait and its prompt were counted when it first joined
                 r.parked = False
                 continue
