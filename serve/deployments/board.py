@@ -39,6 +39,8 @@ class ResidencyBoard:
         self._ingresses_retired: dict[str, float] = {}
         self._loading: dict[str, tuple[float, str, int, int]] = {}
         """replica -> (when, the base it is fetching, bytes done, bytes in all), until it reports or leaves."""
+        self._writes = 0
+        """Changes of the store's manifest made through an ingress (variants added or removed): see `stored`."""
 
     def report(self, replica: str, held: dict[str, str], snapshot: dict | None = None) -> None:
         self._reports[replica] = (time.monotonic(), dict(held))
@@ -62,6 +64,16 @@ class ResidencyBoard:
             elif base not in out or done / max(total, 1) > out[base][0] / max(out[base][1], 1):
                 out[base] = (done, total)
         return out
+
+    def stored(self) -> int:
+        """An ingress changed the store's manifest and serves the change at once; -> the changes so far. Every other
+        ingress reads the count when a model id misses (Router.resolve) and looks for the change then, rather than
+        answering 404 until its catalog's next look (store_refresh_s)."""
+        self._writes += 1
+        return self._writes
+
+    def writes(self) -> int:
+        return self._writes
 
     def forget(self, replica: str) -> None:
         self._reports.pop(replica, None)

@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from serve.deployments.health import BaseState, DeploymentHealth
 from serve.engine.types import ModelInfo, SamplingParams, Tenant, TextDelta
 from serve.errors import ClientGone, ManyfoldError, Overloaded, ReplicaLost, VariantNotFound
-from serve.store.catalog import Catalog
+from serve.store.catalog import Catalog, Snapshot
 
 log = logging.getLogger("ray.serve")
 
@@ -39,6 +39,8 @@ class Router:
         self.handles = handles
         self.board = board
         self.health = health
+        self._writes_looked = 0
+        """The board's count of store changes (ResidencyBoard.stored) as of this catalog's latest look for one."""
         self._listed: object = None
         self._by_base: dict[str, list[tuple[str, str, str, list[str] | None, str, str | None]]] = {}
 
@@ -46,12 +48,47 @@ class Router:
         """-> (the handle of the base that answers `model`, the model id the replica is to run). The id is the
         entry's own, an alias resolved here: the replica runs the entry the name pointed to now, even if an
         upgrade switches the name before the request reaches it."""
-        snapshot, base, variant = await self.catalog.resolve(model)
+        snapshot, base, variant = await self._resolve(model)
         await self.health.require(base, model)
         handle = self.handles[base]
         if not variant:
             return handle, model
         return handle.options(multiplexed_model_id=snapshot.routed(variant)), variant
+
+    async def _resolve(self, model: str) -> tuple[Snapshot, str, str | None]:
+        """Catalog.resolve, and on a miss within its negative window, once more after a look for the change if
+        another ingress changed the store since this one last looked (_caught_up): a variant added through one
+        ingress is served through every other at once, not after store_refresh_s; a name nobody added costs one
+        call to the board, never a look at the store."""
+        try:
+            return await self.catalog.resolve(model)
+        except VariantNotFound as miss:
+            if not await self._caught_up():
+                raise miss
+            snapshot = self.catalog.snapshot
+            return snapshot, *snapshot.resolve(model)
+
+    async def _caught_up(self) -> bool:
+        """Look for a change of the store now if another ingress changed it since this one last looked (the
+        board's count, ResidencyBoard.stored); -> whether it looked. A board away: False (the catalog's own looks
+        still find the change within store_refresh_s)."""
+        try:
+            writes = await asyncio.wait_for(self._call(self.board.writes.remote()), PEEK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001
+            return False
+        if writes == self._writes_looked:
+            return False
+        await self.catalog.refresh()
+        self._writes_looked = writes
+        return True
+
+    async def _stored(self) -> None:
+        """This ingress changed the store: counted on the board for the others (bounded; a board away costs
+        them only the wait for their next look)."""
+        try:
+            await asyncio.wait_for(self._call(self.board.stored.remote()), PEEK_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001
+            log.warning("the residency board did not count a change of the store (%s)", e)
 
     @staticmethod
     @contextmanager
@@ -133,7 +170,9 @@ class Router:
 
     async def models(self) -> list[ModelInfo]:
         """Every model of the store, at once: a variant's residency is the best over all replicas of its base
-        (the ResidencyBoard, if it answers in time), and a base that is not running says so."""
+        (the ResidencyBoard, if it answers in time), and a base that is not running says so. A variant added or
+        removed through another ingress is listed as it is now (_caught_up)."""
+        await self._caught_up()
         states = await self.health.states()
         try:
             held = await asyncio.wait_for(self._call(self.board.residency.remote()), PEEK_TIMEOUT_S)
@@ -202,6 +241,7 @@ class Router:
             return await self._call(self.handles[base].add_variant.remote(name, base, path, kind))
         finally:
             await self.catalog.refresh()
+            await self._stored()
 
     async def add_variants(self, items: list[tuple[str, str, str, str]]) -> list[ModelInfo | ManyfoldError]:
         """add_variant for many (name, base, path, kind): each base's items go to one of its replicas in one call
@@ -218,6 +258,7 @@ class Router:
                  for b, group in groups.items()]
         results = await asyncio.gather(*calls, return_exceptions=True)
         await self.catalog.refresh()
+        await self._stored()
         for group, result in zip(groups.values(), results):
             if isinstance(result, BaseException) and not isinstance(result, ManyfoldError):
                 raise result
@@ -228,3 +269,4 @@ class Router:
     async def remove_variant(self, name: str) -> None:
         self.catalog.snapshot.variant(name)  # VariantNotFound for an unknown name
         await self.catalog.write(lambda store: store.remove(name))
+        await self._stored()

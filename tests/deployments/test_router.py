@@ -8,6 +8,7 @@ import pytest
 from ray.exceptions import (ActorDiedError, NodeDiedError, ObjectLostError, OutOfMemoryError, RayTaskError,
                             WorkerCrashedError)
 
+from serve.deployments.board import ResidencyBoard
 from serve.deployments.router import Router
 from serve.engine.types import ModelInfo
 from serve.errors import Unavailable, VariantNotFound
@@ -49,12 +50,23 @@ class _Health:
 
 
 class _Board:
-    def __init__(self, held: dict[str, str] | None = None):
+    """The real board's counts of store changes behind stand-in handles (one board shared by the ingresses)."""
+
+    def __init__(self, held: dict[str, str] | None = None, board: ResidencyBoard | None = None):
         self.held = held or {}
+        self.board = board or ResidencyBoard()
         self.residency = _Remote(self._residency)
+        self.stored = _Remote(self._answer(self.board.stored))
+        self.writes = _Remote(self._answer(self.board.writes))
 
     async def _residency(self):
         return self.held
+
+    @staticmethod
+    def _answer(fn):
+        async def call():
+            return fn()
+        return call
 
 
 def _store(root, variants: dict[str, str], aliases: dict[str, str] | None = None) -> Store:
@@ -239,3 +251,25 @@ def test_a_stream_lost_before_its_first_delta_is_sent_again_and_one_lost_after_e
         got, error = _streamed(router)
         assert got == ["a"] and isinstance(error, ReplicaLost) and lost == [("a", "unavailable")]
         assert len(replica.outcomes) == 1  # what the client had seen was not sent again
+
+
+def test_a_variant_added_through_one_ingress_is_served_through_another_at_once(tmp_path):
+    """Two ingresses over one store and one board, their catalogs' negative windows long (store_refresh_s): a
+    variant stored through the first is routed by the second at its first request, which finds the board's count
+    of changes ahead of its own and looks; a name nobody added costs it a call to the board and no look."""
+    store = _store(tmp_path, {"a-1": "a"})
+    board = _Board()
+    first, second = (Router(Catalog(tmp_path, refresh_s=3600), {"a": _Replica("a")}, _Board(board=board.board),
+                            _Health()) for _ in range(2))
+    with pytest.raises(VariantNotFound):
+        asyncio.run(second._handle("a-2"))
+    entry = store.manifest.variants["a-1"].model_copy(update={"name": "a-2"})
+    write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {**store.manifest.variants,
+                                                                           "a-2": entry}}))  # the replica's write
+    asyncio.run(first.add_variants([("a-2", "a", "/p/a-2", "lora")]))
+    looks = second.catalog.looks
+    handle, model = asyncio.run(second._handle("a-2"))
+    assert model == "a-2" and second.catalog.looks == looks + 1
+    with pytest.raises(VariantNotFound):
+        asyncio.run(second._handle("nobody-added-me"))
+    assert second.catalog.looks == looks + 1 and board.board.writes() == 1
