@@ -10,8 +10,8 @@ token, tokens/s served, requests ok / 429 / errors / timed out; each run's total
 received per second; and, from the server's per-tenant waits (/metrics), where the light and the heavy rows
 waited: to join a running batch, then from there to their first token. The checks: VTC's light p99 TTFT against
 the baseline's (goal <= 2x), VTC's total tokens/s against FCFS's (goal >= 0.95x); with --repeats N (each run N
-times, in turn, on the same servers) the light ratio's median (goal <= 2x) and worst (goal <= 3x). Table on stdout;
-bench-results/fairness.json and fairness.png.
+times, in turn, on the same servers, each repeat's arrivals its own) the light ratio's median (goal <= 2x) and worst
+(goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png.
 
 --shape picks the load beside the light tenants (issue 62): `flood` (the above), `light-bursts` (light1 sends its
 share in bursts of 5 at once), `long-prompts` (the heavy tenant's prompts are 1,000-token news articles),
@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="flood", help="; ".join(
         f"{name}: {shape.text}" for name, shape in SHAPES.items()))
     p.add_argument("--repeats", type=int, default=1, help="the runs measured this many times on the same servers, "
-                   "in turn; the checks take the median and the worst")
+                   "in turn, repeat k's arrivals drawn from seed + k - 1 (a repeat's prompts are not the last "
+                   "one's, read from the prefix cache); the checks take the median and the worst")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (each run then waits "
                    "at most --timeout for what is in flight)")
     p.add_argument("--runs", default=",".join(RUNS), help="of baseline,fcfs,vtc (the checks need all three)")
@@ -240,12 +241,13 @@ def warm(url: str, callers: list[Caller], prompt: str) -> None:
 
 
 def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float], prompts: list[str],
-            args: argparse.Namespace, shape: Shape, long_prompts: list[str]) -> dict:
-    """One open-loop run: the light tenants, and the heavy ones unless this is the baseline."""
+            args: argparse.Namespace, shape: Shape, long_prompts: list[str], seed: int) -> dict:
+    """One open-loop run: the light tenants, and the heavy ones unless this is the baseline; `seed` draws the
+    arrivals and their prompts (a repeat's own, the same in each of its runs)."""
     chosen = {c: rates[HEAVY if c.tenant in shape.heavy else "light"] for c in callers
               if name != "baseline" or c.tenant not in shape.heavy}
     heavy = [c for c in chosen if c.tenant in shape.heavy]
-    plan = plan_arrivals(chosen, prompts, args.duration, args.seed,
+    plan = plan_arrivals(chosen, prompts, args.duration, seed,
                          own_prompts={c: long_prompts for c in heavy} if shape.heavy_prompt_tokens else None,
                          max_tokens={c: shape.heavy_max_tokens for c in heavy} if shape.heavy_max_tokens else None,
                          bursts={c: shape.burst for c in chosen if c.tenant == "light1"})
@@ -369,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
             for k, runs in enumerate(repeats):
                 for name in [r for r in args.runs if settings[r] == fairness]:
                     log(f"repeat {k + 1} of {args.repeats}")
-                    runs[name] = measure(name, url, callers, rates, prompts, args, shape, long_prompts)
+                    runs[name] = measure(name, url, callers, rates, prompts, args, shape, long_prompts,
+                                         args.seed + k)
         log("server stopped")
     per_repeat = [checks(runs) for runs in repeats]
     middle = sorted(range(args.repeats), key=lambda k: per_repeat[k]["vtc_light_p99_over_baseline"])[
@@ -379,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
               "spec": {**vars(args), "rank": RANK, "tenants": list(names), "heavy": list(shape.heavy),
                        "shape_text": shape.text},
               "configs": configs,
-              "seeds": {"arrivals": f"random.Random('{args.seed}/<tenant>')", "probe": f"{args.seed}/probe"},
+              "seeds": {"arrivals": f"random.Random('<{args.seed} + repeat - 1>/<tenant>')",
+                        "probe": f"{args.seed}/probe"},
               "saturation": sat, "rates_rps": rates, "runs": repeats[middle], "median_repeat": middle + 1,
               "repeats": [{"runs": runs, "checks": c} for runs, c in zip(repeats, per_repeat)],
               "wall_s": time.perf_counter() - t0}

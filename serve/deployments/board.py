@@ -67,8 +67,8 @@ class ResidencyBoard:
 
     def stored(self) -> int:
         """An ingress changed the store's manifest and serves the change at once; -> the changes so far. Every other
-        ingress reads the count when a model id misses (Router.resolve) and looks for the change then, rather than
-        answering 404 until its catalog's next look (store_refresh_s)."""
+        ingress reads the count when a model id misses or models are listed (Router._caught_up) and looks for the
+        change then, rather than answering 404 until its catalog's next look (store_refresh_s)."""
         self._writes += 1
         return self._writes
 

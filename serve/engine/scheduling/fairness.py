@@ -120,9 +120,9 @@ class Fairness:
         """The tenant a running row is to be parked from for `row` (holding: running rows by tenant; weights: by
         tenant): of the tenants served at least as much as row's (VTC's order: row would go before their rows),
         the one holding the most for its weight, if it would still hold at least as many for its weight as row's
-        tenant once one row moved (so no row moves back: max-min over the slots, weighted). A tenant served less
-        than the others takes no slot from them, however few it holds: a flood's long prompts, once charged,
-        wait for its turn, rather than parking the light rows that keep a step short."""
+        tenant once one row moved (so no row moves back: max-min over the slots, weighted). A tenant served more
+        than the others takes no slot from them, however few it holds: a flood's long prompts wait for its turn,
+        rather than parking the light rows that keep a step short."""
         served = self.counters.get(row.tenant, 0.0)
         ahead = [t for t in holding if t != row.tenant and self.counters.get(t, 0.0) >= served]
         most = max(ahead, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)), default=None)
