@@ -36,7 +36,7 @@ from serve.engine.generation.row import BatchRow, NewRow, prefix_of, register
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
 from serve.engine.generation.sampling import RowSampling, sample_to_host
-from serve.engine.step.layout import Prefill, StepOutput, StepRunner, prompt_chunks
+from serve.engine.step.layout import Prefill, StepOutput, StepRunner, prompt_chunks, prompt_tokens_ahead
 from serve.engine.types import Generation
 from serve.errors import BadRequest
 
@@ -186,7 +186,7 @@ class DecodeBatch:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
-            queued = parked is None and self._ahead_of(row.tag, rank) >= budget
+            queued = parked is None and prompt_tokens_ahead(self.prefilling, row.tag, rank) >= budget
             full = not kv.free_lanes or not kv.fits(length, cached)
             step.full = step.full or full
             step.budget = step.budget or queued
@@ -211,21 +211,8 @@ class DecodeBatch:
                 parked[0].order = self._admitted
                 self._resume(*parked, slot, lane)
                 continue
-            name = row.variant.entry if row.variant is not None else self.rt.name
-            s = BatchRow.start(row, slot, lane, name, self.rt.eos_ids, self._admitted)
-            s.seed, s.owner, s.hashes, s.registered = seed, owner, hashes, len(cached)
-            s.written = s.gen.cached_tokens = len(cached) * kv.block_tokens
-            if kv.prefix_caching:
-                self.rt.prefix_tokens["queries"] += len(row.prompt)
-                self.rt.prefix_tokens["hits"] += s.written
+            self._start(row, slot, lane, seed, owner, hashes, cached)
             writing.update(hashes[len(cached):])
-            self.prefilling.append(s)
-
-    def _ahead_of(self, tag: Any, rank: Callable[[Any], Any]) -> int:
-        """Prompt tokens still to write of the rows a new row would follow in the next step's budget: those ranked
-        before it or with it (rank: the policy's order; among equals, admission's)."""
-        at = rank(tag)
-        return sum(len(s.prompt) - s.written for s in self.prefilling if not at < rank(s.tag))
 
     def _make_room(self, victims: Sequence[Any]) -> list[Any]:
         """Every decoding row's block for the position it writes next; where the cache has none free, decoding rows
@@ -255,6 +242,20 @@ class DecodeBatch:
                 self._release(s)
                 out.append(s.tag)
         return out
+
+    def _start(self, row: NewRow, slot: RowSlot, lane: int, seed: bytes, owner: bytes, hashes: list[bytes],
+               cached: list[int]) -> None:
+        """A new row in the batch, writing its prompt from the end of its cached prefix (the blocks `cached`,
+        already shared into its lane)."""
+        kv = self.rt.kv
+        name = row.variant.entry if row.variant is not None else self.rt.name
+        s = BatchRow.start(row, slot, lane, name, self.rt.eos_ids, self._admitted)
+        s.seed, s.owner, s.hashes, s.registered = seed, owner, hashes, len(cached)
+        s.written = s.gen.cached_tokens = len(cached) * kv.block_tokens
+        if kv.prefix_caching:
+            self.rt.prefix_tokens["queries"] += len(row.prompt)
+            self.rt.prefix_tokens["hits"] += s.written
+        self.prefilling.append(s)
 
     def _resume(self, s: BatchRow, saved: list, slot: RowSlot, kv: int) -> None:
         """A parked row back in the batch, its keys and values written into its new lane's blocks."""

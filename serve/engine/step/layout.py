@@ -165,6 +165,13 @@ def prompt_chunks(prefilling: list, budget: int, most: int | None, rank: Callabl
     return chunks
 
 
+def prompt_tokens_ahead(prefilling: list, tag: Any, rank: Callable[[Any], Any]) -> int:
+    """Prompt tokens still to write of the rows a new row tagged `tag` would follow in prompt_chunks' order: those
+    ranked before it or with it (rank: the policy's order; among equals, admission's)."""
+    at = rank(tag)
+    return sum(len(s.prompt) - s.written for s in prefilling if not at < rank(s.tag))
+
+
 def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int,
             prompt_bucket: int | None = None) -> StepInputs:
     """decoding: KV lane -> a running row (.slot its RowSlot, .next_token, .written: its next position).
