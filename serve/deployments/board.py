@@ -123,7 +123,7 @@ class ResidencyBoard:
 
 
 COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "batch_sizes", "load_seconds", "seconds", "steps",
-            "step_tokens", "latencies", "node_cache")
+            "step_tokens", "latencies", "node_cache", "tenant_waits", "preemptions", "prefix_tokens")
 """The keys of Engine.snapshot that only grow (the rest are gauges: what is held or waiting now)."""
 
 

@@ -67,17 +67,20 @@ def test_a_report_that_raises_never_reaches_the_request():
 
 
 def snapshot(hits: int, steps: int, queue: int) -> dict:
-    from serve.engine.stats import Distribution, Latencies
+    from serve.engine.stats import Distribution, Latencies, TenantWaits
 
-    lat = Latencies()
+    lat, waits = Latencies(), TenantWaits()
     for _ in range(steps):
         lat.end_to_end.observe(0.2)
+        waits.queue.observe(0.1)
     batches = Distribution((1, 2, 4))
     batches.observe(2)
     return {"cache_hits": hits, "cache_misses": 1, "cache_evictions": 0, "queue_depth": queue,
             "cache_bytes": {"hot": 10, "warm": 0, "recycled": 0, "slots": 0}, "batch_sizes": batches.to_dict(),
             "load_seconds": Distribution((1.0,)).to_dict(), "seconds": {"step": 0.5 * steps},
-            "steps": {"lm": {"eager:cpu": steps}}, "latencies": {"lm": lat.to_dict()}, "load": {}}
+            "steps": {"lm": {"eager:cpu": steps}}, "latencies": {"lm": lat.to_dict()}, "load": {},
+            "tenant_waits": {"acme": waits.to_dict()}, "preemptions": {"lm": steps},
+            "prefix_tokens": {"lm": {"queries": 10 * steps, "hits": steps}}}
 
 
 def counters(text: str) -> dict[tuple, float]:
@@ -108,6 +111,7 @@ def test_the_deployments_counters_never_go_backwards_as_replicas_come_and_go():
     assert hits == 3 + 9 + 1  # r1's and r2's last reports, retired, and r3's
     e2e = last[("vllm:e2e_request_latency_seconds_count", (("model_name", "lm"),))]
     assert e2e == 2 + 7 + 1
+    assert last[("manyfold_tenant_queue_seconds_count", (("tenant", "acme"),))] == 2 + 7 + 1
 
 
 def test_ingresses_request_counters_add_up_and_outlive_an_ingress():
