@@ -61,6 +61,12 @@ class BatchConfig(StrictModel):
     """Full KV blocks are kept after their rows end and reused by later rows whose prompts begin with the same
     tokens, on the same base and variant, for the same tenant only (serve/engine/kv/blocks.py)."""
 
+    def rows_held(self) -> int:
+        """Requests an engine holds at most: max_queue waiting, a permit's worth out of the queue
+        (max_batch_size * max_concurrent_groups) and max_batch_size more taken past the permits to take parked
+        rows' slots (serve/engine/scheduling/scheduler.py); beyond them it refuses."""
+        return self.max_queue + self.max_batch_size * (self.max_concurrent_groups + 1)
+
 
 class SlotsConfig(StrictModel):
     adapter_mib: Annotated[float, Field(gt=0)] = 256
@@ -123,8 +129,11 @@ class DeploymentConfig(StrictModel):
     torch_threads: Annotated[int, Field(ge=1)] | None = None
     """Threads torch computes with in each replica; None: its CPU share, rounded, at least 1 (Ray itself would
     leave one thread per replica)."""
-    max_ongoing_requests: Annotated[int, Field(ge=1)] = 256
-    """Requests one replica takes at once; its engine queues and batches them."""
+    max_ongoing_requests: Annotated[int, Field(ge=1)] | None = None
+    """Requests one replica takes at once; its engine queues and batches them. None: every request its engine can
+    hold (BatchConfig.rows_held), so that requests wait in the engine's queue, in the fairness policy's order, and
+    a full queue refuses the flood's (429) rather than a light tenant's. A smaller number makes the requests
+    beyond it wait in Ray's queue at the ingress, first come, first served, whatever batch.fairness says."""
     max_queued_requests: Annotated[int, Field(ge=1)] = 1024
     """Requests the ingress holds for this base while every replica is at max_ongoing_requests; beyond
     that, 429 with Retry-After."""

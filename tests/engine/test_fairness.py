@@ -435,3 +435,50 @@ def test_rows_left_waiting_for_the_token_budget_let_another_tenant_out_of_the_qu
     g.budget = True
     assert generations._crowded(g, budget=True) == Counter({"heavy": 1})
     assert generations._crowded(g) is None and generations._preempt(g) == ([], [])
+
+
+def test_a_replica_takes_every_request_its_engine_holds_so_none_waits_first_come_first_served_before_it(tmp_path):
+    """By default a base's replica takes as many requests at once as its engine holds (BatchConfig.rows_held): a
+    flood fills the engine's queue and is refused there (429) before the replica stops taking requests, so a light
+    tenant's request still reaches the fair queue (pushing out the flood's newest) and joins the batch, rather than
+    waiting in Ray's queue, first come, first served, behind the flood."""
+    from serve.app import replica_options
+    from serve.config import ServeConfig
+
+    trace = Trace()
+    config = ServeConfig(store=tmp_path, batch={"max_batch_size": SLOTS, "max_queue": 300, "max_concurrent_groups": 2,
+                                                "fairness": "vtc", "batch_wait_timeout_s": 0})  # 300: above 256
+    ongoing = replica_options(config, "base", 1.0)[0]["max_ongoing_requests"]
+    set_to_3 = ServeConfig(store=tmp_path, deployment={"max_ongoing_requests": 3})
+    assert replica_options(set_to_3, "base", 1.0)[0]["max_ongoing_requests"] == 3
+    with ThreadPoolExecutor(1) as compute:
+        scheduler = Scheduler(config.batch, holds=None, forwards=Forwards(trace), compute=compute)
+
+        async def run() -> tuple[int, list, BaseException | None]:
+            def submit(tenant: str, max_tokens: int) -> Row:
+                trace.submitted[tenant] = trace.submitted.get(tenant, 0) + 1
+                payload = ([0] * PROMPT, SamplingParams(max_tokens=max_tokens))
+                return scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
+
+            held, refused = [], None
+            while refused is None and len(held) < ongoing:  # the flood's rows outlast the test
+                try:
+                    held.append(submit("heavy", 10**6))
+                except Overloaded as e:
+                    refused = e
+                await _steps(trace, 1)  # the scheduler takes what its permits let out of the queue
+            results = []
+            if refused is not None:  # else the replica would have stopped taking requests first: failed below
+                light = submit("light", 2)
+                results = await asyncio.gather(scheduler.result(light), scheduler.result(held[-1]),
+                                               return_exceptions=True)
+            for r in held:  # the flood's callers go, as an HTTP client's disconnect marks them: each is answered
+                r.cancelled = True
+            await asyncio.gather(*(r.future for r in held), return_exceptions=True)
+            return len(held), results, refused
+
+        held, results, refused = asyncio.run(run())
+    assert refused is not None and held < ongoing  # the engine refused the flood before Ray would have queued
+    light, newest = results
+    assert not isinstance(light, BaseException) and len(light.token_ids) == 2
+    assert isinstance(newest, Overloaded) and "'heavy'" in str(newest)  # pushed out for the light row
