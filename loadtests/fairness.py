@@ -84,8 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="flood", help="; ".join(
         f"{name}: {shape.text}" for name, shape in SHAPES.items()))
     p.add_argument("--repeats", type=int, default=1, help="the runs measured this many times on the same servers, "
-                   "in turn, repeat k's arrivals drawn from seed + k - 1 (a repeat's prompts are not the last "
-                   "one's, read from the prefix cache); the checks take the median and the worst")
+                   "in turn, repeat k's arrivals drawn from seed + k - 1; the checks take the median and the worst")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (each run then waits "
                    "at most --timeout for what is in flight)")
     p.add_argument("--runs", default=",".join(RUNS), help="of baseline,fcfs,vtc (the checks need all three)")
@@ -147,12 +146,15 @@ def model_of(tenant: str) -> str:
 
 
 def server_config(store: Path, port: int, callers: list[Caller], fairness: str, max_batch: int) -> dict:
-    """What `manyfold serve --config` reads: the tenants by key digest, each allowed its own adapter alone."""
+    """What `manyfold serve --config` reads: the tenants by key digest, each allowed its own adapter alone. Prefix
+    caching off: a repeat's baseline and FCFS runs send the same prompts to one server, and the FCFS run read the
+    light tenants' prompts from the cache the baseline left (a block of 16 tokens of each, a third of its prompt
+    tokens), which the VTC run, on its own server, computed: the scenario compares the order rows are served in."""
     from serve.config import ServeConfig, key_digest
 
     config = {"store": str(store), "host": "127.0.0.1", "port": port, "drain_timeout_s": 5,
               "tenants": [{"name": c.tenant, "key_sha256": [key_digest(c.key)], "models": [c.model]} for c in callers],
-              "batch": {"fairness": fairness, "max_batch_size": max_batch},
+              "batch": {"fairness": fairness, "max_batch_size": max_batch, "prefix_caching": False},
               "deployment": {"graceful_shutdown_timeout_s": 2}}
     ServeConfig.model_validate(config)  # a wrong config fails here, not in a child's log
     return config
