@@ -144,7 +144,8 @@ def replica_options(config: ServeConfig, base: str, cpus: float) -> tuple[dict, 
     if d.resources:
         actor["resources"] = dict(d.resources)
     options = {"name": deployment_name(base), "ray_actor_options": actor,
-               "max_ongoing_requests": d.max_ongoing_requests or config.batch.rows_held(), "max_queued_requests": d.max_queued_requests,
+               "max_ongoing_requests": d.max_ongoing_requests or config.batch.rows_held(),
+               "max_queued_requests": d.max_queued_requests,
                "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
                "graceful_shutdown_wait_loop_s": STOP_POLL_S, "health_check_period_s": REPLICA_HEALTH_S}
     if d.max_replicas_per_node is not None:
