@@ -61,11 +61,15 @@ class BatchConfig(StrictModel):
     """Full KV blocks are kept after their rows end and reused by later rows whose prompts begin with the same
     tokens, on the same base and variant, for the same tenant only (serve/engine/kv/blocks.py)."""
 
+    def permits(self) -> int:
+        """Rows the scheduler takes out of its queue at once (serve/engine/scheduling/scheduler.py), each holding
+        a permit until it is answered; max_batch_size more may be taken past them to take parked rows' slots."""
+        return self.max_batch_size * self.max_concurrent_groups
+
     def rows_held(self) -> int:
-        """Requests an engine holds at most: max_queue waiting, a permit's worth out of the queue
-        (max_batch_size * max_concurrent_groups) and max_batch_size more taken past the permits to take parked
-        rows' slots (serve/engine/scheduling/scheduler.py); beyond them it refuses."""
-        return self.max_queue + self.max_batch_size * (self.max_concurrent_groups + 1)
+        """Requests an engine holds at most: max_queue waiting, the rows out of the queue with a permit, and the
+        max_batch_size taken past the permits; beyond them it refuses."""
+        return self.max_queue + self.permits() + self.max_batch_size
 
 
 class SlotsConfig(StrictModel):

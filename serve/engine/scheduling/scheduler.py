@@ -49,7 +49,7 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: FairQueue | None = None
         self._in_flight: asyncio.Semaphore | None = None
-        self._permits = config.max_batch_size * config.max_concurrent_groups
+        self._permits = config.permits()
         self._out = 0
         """Rows the gather has taken out of the queue (each with a permit) and not yet resolved."""
         self._borrowed = 0
@@ -178,7 +178,7 @@ class Scheduler:
                     self._fail(r, "admission", e)
 
     async def _gather(self) -> list[Row]:
-        """Bounded: at most max_batch_size * max_concurrent_groups rows are out of the queue at once; the rest
+        """Bounded: at most config.permits() rows are out of the queue at once; the rest
         wait there (and beyond max_queue are refused). Each row taken holds one permit until it is resolved."""
         rows: list[Row] = []
         try:
