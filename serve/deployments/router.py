@@ -267,6 +267,13 @@ class Router:
         return out  # type: ignore[return-value]  (every item has its outcome by now)
 
     async def remove_variant(self, name: str) -> None:
-        self.catalog.snapshot.variant(name)  # VariantNotFound for an unknown name
+        """VariantNotFound for a name unknown here even after a look for another ingress's change (_caught_up, as
+        _resolve looks): a variant added through one ingress is removed through any other at once."""
+        try:
+            self.catalog.snapshot.variant(name)
+        except VariantNotFound:
+            if not await self._caught_up():
+                raise
+            self.catalog.snapshot.variant(name)
         await self.catalog.write(lambda store: store.remove(name))
         await self._stored()

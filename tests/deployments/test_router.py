@@ -273,3 +273,22 @@ def test_a_variant_added_through_one_ingress_is_served_through_another_at_once(t
     with pytest.raises(VariantNotFound):
         asyncio.run(second._handle("nobody-added-me"))
     assert second.catalog.looks == looks + 1 and board.board.writes() == 1
+
+
+def test_a_variant_added_through_one_ingress_is_removed_through_another_at_once(tmp_path):
+    """The removal's own lookup catches up as a request's does: removed through the second ingress right after the
+    first stored it, not a 404 until the second's next look; an unknown name is still a 404."""
+    store = _store(tmp_path, {"a-1": "a"})
+    board = _Board()
+    first, second = (Router(Catalog(tmp_path, refresh_s=3600), {"a": _Replica("a")}, _Board(board=board.board),
+                            _Health()) for _ in range(2))
+    with pytest.raises(VariantNotFound):
+        asyncio.run(second.remove_variant("a-2"))
+    entry = store.manifest.variants["a-1"].model_copy(update={"name": "a-2"})
+    write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {**store.manifest.variants,
+                                                                           "a-2": entry}}))  # the replica's write
+    asyncio.run(first.add_variants([("a-2", "a", "/p/a-2", "lora")]))
+    asyncio.run(second.remove_variant("a-2"))
+    assert "a-2" not in Store(tmp_path).manifest.variants
+    with pytest.raises(VariantNotFound):
+        asyncio.run(second.remove_variant("nobody-added-me"))
