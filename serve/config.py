@@ -50,6 +50,10 @@ class BatchConfig(StrictModel):
     """The order waiting rows are taken in, per replica (serve/engine/scheduling/fairness.py). "vtc": by tenant, the one
     served fewest weighted tokens first (S-LoRA's Virtual Token Counter), so one tenant's flood cannot starve the rest;
     with no tenants configured each model is a tenant. "fcfs": first come, first served."""
+    vtc_burst_rows: Annotated[int, Field(ge=0, le=1024)] = 8
+    """VTC's banked credit, in rows: a tenant back from idle ranks up to this many of its rows' worth (prompt and
+    max_tokens, weighted) below the least served tenant waiting, so a tenant within its share is served a burst of
+    that many before a flood's rows, however the flood stands; 0 is S-LoRA's VTC, which banks nothing."""
     kv_cache_mib: Annotated[float, Field(gt=0)] | None = None
     """Memory for a causal base's KV cache, allocated once: the blocks it buys are shared by the running rows, each
     holding the blocks its positions fill (serve/engine/kv/store.py). None: the positions of DEFAULT_KV_ROWS rows of

@@ -97,11 +97,12 @@ class Forwards:
         raise AssertionError("no encoder rows here")
 
 
-def serve(policy: str, waves: list[list[tuple[str, int]]], max_queue: int = 1024) -> Trace:
+def serve(policy: str, waves: list[list[tuple[str, int]]], max_queue: int = 1024, burst_rows: int = 8) -> Trace:
     """Submit each wave's (tenant, rows) at once, the next wave once the one before is all answered... except that
     a wave of None waits for nothing. Returns the trace of the run."""
     trace = Trace()
-    config = BatchConfig(max_batch_size=SLOTS, max_queue=max_queue, fairness=policy, batch_wait_timeout_s=0)
+    config = BatchConfig(max_batch_size=SLOTS, max_queue=max_queue, fairness=policy, batch_wait_timeout_s=0,
+                         vtc_burst_rows=burst_rows)
     with ThreadPoolExecutor(1) as compute:
         scheduler = Scheduler(config, holds=None, forwards=Forwards(trace), compute=compute)
 
@@ -166,6 +167,41 @@ def test_a_tenant_back_from_idle_does_not_take_the_engine_over():
         assert _largest_gap(_since(trace, first_c), "c", other) <= BOUND
 
 
+@pytest.mark.parametrize("burst_rows", [8, 0])
+def test_a_tenant_back_from_idle_has_its_burst_served_before_a_flood_at_the_floor(burst_rows):
+    """A flood holds every slot and keeps sending; an idle tenant sends five rows at once. With credit for eight
+    rows, its five join before any more of the flood's, taking freed slots or parking the flood's rows. With none
+    (S-LoRA's lift to the floor itself), its later rows wait for the flood to be served as much again."""
+    trace = serve("vtc", [[("heavy", 40)], [("light", 5)]], burst_rows=burst_rows)
+    first = trace.admitted.index("light")
+    if burst_rows:
+        assert trace.admitted[first:first + 5] == ["light"] * 5
+        assert trace.parked and set(trace.parked) == {"heavy"}  # slots taken from the flood, none from the burst
+    else:
+        assert trace.admitted[first:first + 5] != ["light"] * 5
+
+
+@pytest.mark.parametrize("ahead", [2 * (PROMPT_WEIGHT * PROMPT + OUTPUT_WEIGHT * MAX_TOKENS), 1.0])
+def test_a_flood_far_ahead_gives_up_a_slot_even_holding_only_its_share(ahead):
+    """Every slot taken, two by a light tenant's rows, two by a flood's; the light tenant's third row waits. Served
+    less than the flood by more than that row's cost, it parks one of the flood's rows although the flood holds no
+    more slots than it (the slots' max-min share would keep them); served about as much, it waits for a slot to
+    come free."""
+    fairness = Fairness("vtc")
+    fairness.counters.update({"heavy": 500.0 + ahead, "light": 500.0})
+    rows = []
+    for tenant in ["light", "light", "heavy", "heavy", "light"]:
+        r = Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=tenant)
+        r.tokens_seen, r.seq = 1, len(rows)
+        rows.append(r)
+    running, waiting = rows[:4], rows[4:]
+    park, new = fairness.preempt(running, waiting, Counter(r.tenant for r in running))
+    if ahead > PROMPT_WEIGHT * PROMPT + OUTPUT_WEIGHT * MAX_TOKENS:
+        assert park == [rows[3]] and new == waiting  # the flood's latest row
+    else:
+        assert (park, new) == ([], [])
+
+
 def _since(trace: Trace, first_admission: int) -> Trace:
     """The trace of the steps after admission number `first_admission`, service counted from there."""
     out = Trace()
@@ -192,11 +228,12 @@ def test_a_full_queue_pushes_out_the_flooding_tenants_newest_row():
         fairness = Fairness(policy)
         queue = FairQueue(fairness, maxsize=4)
         loop = asyncio.get_running_loop()
-        rows = [Row("generate", "base", None, ([0], None), loop.create_future(), tenant="heavy") for _ in range(4)]
+        rows = [Row("generate", "base", None, ([0], SamplingParams()), loop.create_future(), tenant="heavy")
+                for _ in range(4)]
         for r in rows:
             fairness.arrive(r)
             assert queue.put_nowait(r) is None
-        light = Row("generate", "base", None, ([0], None), loop.create_future(), tenant="light")
+        light = Row("generate", "base", None, ([0], SamplingParams()), loop.create_future(), tenant="light")
         fairness.arrive(light)
         try:
             pushed = queue.put_nowait(light)

@@ -8,13 +8,17 @@ tokens at OUTPUT_WEIGHT (S-LoRA's w_p = 1, w_q = 2: a generated token costs a de
 one), divided by the tenant's weight. The next row is the oldest one of the waiting tenant with the smallest
 counter; its prompt is charged when it joins a batch, its tokens as they are generated. A tenant that starts
 waiting again after a spell with nothing waiting is lifted to the smallest counter of those waiting (with none
-waiting, to the counter of the last tenant whose wait ended), so idleness is not banked: a tenant back from idle
-competes from where the others stand, it does not take the engine over. Work-conserving: the policy only orders
-rows; a tenant alone is given every row it sends.
+waiting, to the counter of the last tenant whose wait ended) less `burst_rows` of its arriving row's cost: S-LoRA
+lifts to the smallest counter itself, which banks nothing, and then a light tenant whose few requests arrive
+together, as Poisson arrivals do, competes with a flood at the flood's level and waits for it row for row (the
+fairness scenario's light p99 was 4-5x its figure alone). Banked, but bounded: a tenant back from idle goes at
+most burst_rows rows ahead of the others, it does not take the engine over. Work-conserving: the policy only orders
+rows (and parks them); a tenant alone is given every row it sends.
 
 S-LoRA's Theorem 4.4: two tenants backlogged over an interval are served within 2U weighted tokens of each other,
-U = max(PROMPT_WEIGHT * L_input + OUTPUT_WEIGHT * M) over the interval's rows, M the tokens a batch holds; the test
-in tests/engine/test_fairness.py checks it on the scheduler's own counters.
+U = max(PROMPT_WEIGHT * L_input + OUTPUT_WEIGHT * M) over the interval's rows, M the tokens a batch holds; with
+the credit, 2U + burst_rows row costs. The tests in tests/engine/test_fairness.py check it on the scheduler's own
+counters.
 
 Per replica: each replica orders its own rows (Ray Serve spreads a tenant's requests over replicas).
 """
@@ -41,10 +45,19 @@ class Waiting(Protocol):
 
     def prompt_tokens(self) -> int: ...
 
+    def tokens_asked(self) -> int: ...
+
+
+def cost(row: Waiting) -> float:
+    """What the row may cost its tenant in all (its prompt, and every token it may generate), weighted."""
+    return (PROMPT_WEIGHT * row.prompt_tokens() + OUTPUT_WEIGHT * row.tokens_asked()) / row.weight
+
 
 @dataclass
 class Fairness:
     policy: Literal["vtc", "fcfs"] = "vtc"
+    burst_rows: int = 8
+    """A tenant back from idle is lifted this many of its rows' cost below the floor (BatchConfig.vtc_burst_rows)."""
     counters: dict[str, float] = field(default_factory=dict)
     """Each tenant's weighted tokens served (VTC's c_i); kept for fcfs too, for the same figures."""
     waiting: Counter[str] = field(default_factory=Counter)
@@ -54,13 +67,14 @@ class Fairness:
     _seq: Iterator[int] = field(default_factory=count)
 
     def arrive(self, row: Waiting) -> None:
-        """A row starts waiting: numbered in arrival order; its tenant lifted if it had nothing waiting."""
+        """A row starts waiting: numbered in arrival order; its tenant lifted if it had nothing waiting, to the
+        floor less burst_rows of this row's cost."""
         row.seq = next(self._seq)
         t = row.tenant
         if not self.waiting[t]:
             active = [self.counters.get(u, 0.0) for u, n in self.waiting.items() if n]
             floor = min(active) if active else self._last
-            self.counters[t] = max(self.counters.get(t, 0.0), floor)
+            self.counters[t] = max(self.counters.get(t, 0.0), floor - self.burst_rows * cost(row))
         self.waiting[t] += 1
 
     def admit(self, row: Waiting) -> None:
@@ -118,12 +132,19 @@ class Fairness:
 
     def outranked(self, row: Waiting, holding: Counter[str], weights: dict[str, float]) -> str | None:
         """The tenant a running row is to be parked from for `row` (holding: running rows by tenant; weights: by
-        tenant): of the tenants served at least as much as row's (VTC's order: row would go before their rows),
-        the one holding the most for its weight, if it would still hold at least as many for its weight as row's
-        tenant once one row moved (so no row moves back: max-min over the slots, weighted). A tenant served more
-        than the others takes no slot from them, however few it holds: a flood's long prompts wait for its turn,
-        rather than parking the light rows that keep a step short."""
+        tenant). Of the tenants served more than row's by at least row's whole cost, the one holding the most for
+        its weight, however few it holds: a flood holding its equal share of the slots still gives one up to a
+        tenant it is that far ahead of, and the row it gets back once row has been served cannot move row's back
+        (row's tenant is then at most level with it). Else, of the tenants served at least as much as row's
+        (VTC's order: row would go before their rows), the one holding the most for its weight, if it would still
+        hold at least as many for its weight as row's tenant once one row moved (so no row moves back: max-min
+        over the slots, weighted). A tenant served more than the others takes no slot from them, however few it
+        holds: a flood's long prompts wait for its turn, rather than parking the light rows that keep a step
+        short."""
         served = self.counters.get(row.tenant, 0.0)
+        far = [t for t in holding if t != row.tenant and holding[t] and self.counters.get(t, 0.0) >= served + cost(row)]
+        if far:
+            return max(far, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)))
         ahead = [t for t in holding if t != row.tenant and self.counters.get(t, 0.0) >= served]
         most = max(ahead, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)), default=None)
         if most is None or (holding[most] - 1) / weights[most] < (holding[row.tenant] + 1) / row.weight:

@@ -65,6 +65,10 @@ class Row:
             return len(self.payload[0])
         return sum(len(text) // 4 + 1 for text in self.payload)
 
+    def tokens_asked(self) -> int:
+        """The tokens a generation may write (its max_tokens; 0 where it set none, or for an encoder row)."""
+        return (self.payload[1].max_tokens or 0) if self.op == "generate" else 0
+
     @property
     def entry(self) -> str:
         """The name of its variant's entry (a group's for a member), or its base's."""
