@@ -3,6 +3,7 @@ from the catalog's snapshot once per snapshot, and a batch is split by base, eac
 a replica or node lost mid-request is a 503 to retry, never a bare 500."""
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from ray.exceptions import (ActorDiedError, NodeDiedError, ObjectLostError, OutOfMemoryError, RayTaskError,
@@ -239,7 +240,6 @@ def _streamed(router: Router) -> tuple[list[str], Exception | None]:
 
 def test_a_stream_lost_before_its_first_delta_is_sent_again_and_one_lost_after_ends_with_a_503():
     import tempfile
-    from pathlib import Path
 
     from serve.errors import ReplicaLost
 
@@ -253,20 +253,33 @@ def test_a_stream_lost_before_its_first_delta_is_sent_again_and_one_lost_after_e
         assert len(replica.outcomes) == 1  # what the client had seen was not sent again
 
 
+def _two_ingresses(tmp_path: Path) -> tuple[Router, Router, _Board]:
+    """Two ingresses over one store (a-1, of base a) and one board, their catalogs' negative windows long
+    (store_refresh_s). -> (first, second, the board)."""
+    _store(tmp_path, {"a-1": "a"})
+    board = _Board()
+    first, second = (Router(Catalog(tmp_path, refresh_s=3600), {"a": _Replica("a")}, _Board(board=board.board),
+                            _Health()) for _ in range(2))
+    return first, second, board
+
+
+def _add_through(router: Router, tmp_path: Path) -> None:
+    """a-2 (a copy of a-1) written to the store as the replica writes it, and added through `router`."""
+    store = Store(tmp_path)
+    entry = store.manifest.variants["a-1"].model_copy(update={"name": "a-2"})
+    write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {**store.manifest.variants,
+                                                                           "a-2": entry}}))
+    asyncio.run(router.add_variants([("a-2", "a", "/p/a-2", "lora")]))
+
+
 def test_a_variant_added_through_one_ingress_is_served_through_another_at_once(tmp_path):
     """Two ingresses over one store and one board, their catalogs' negative windows long (store_refresh_s): a
     variant stored through the first is routed by the second at its first request, which finds the board's count
     of changes ahead of its own and looks; a name nobody added costs it a call to the board and no look."""
-    store = _store(tmp_path, {"a-1": "a"})
-    board = _Board()
-    first, second = (Router(Catalog(tmp_path, refresh_s=3600), {"a": _Replica("a")}, _Board(board=board.board),
-                            _Health()) for _ in range(2))
+    first, second, board = _two_ingresses(tmp_path)
     with pytest.raises(VariantNotFound):
         asyncio.run(second._handle("a-2"))
-    entry = store.manifest.variants["a-1"].model_copy(update={"name": "a-2"})
-    write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {**store.manifest.variants,
-                                                                           "a-2": entry}}))  # the replica's write
-    asyncio.run(first.add_variants([("a-2", "a", "/p/a-2", "lora")]))
+    _add_through(first, tmp_path)
     looks = second.catalog.looks
     handle, model = asyncio.run(second._handle("a-2"))
     assert model == "a-2" and second.catalog.looks == looks + 1
@@ -278,16 +291,10 @@ def test_a_variant_added_through_one_ingress_is_served_through_another_at_once(t
 def test_a_variant_added_through_one_ingress_is_removed_through_another_at_once(tmp_path):
     """The removal's own lookup catches up as a request's does: removed through the second ingress right after the
     first stored it, not a 404 until the second's next look; an unknown name is still a 404."""
-    store = _store(tmp_path, {"a-1": "a"})
-    board = _Board()
-    first, second = (Router(Catalog(tmp_path, refresh_s=3600), {"a": _Replica("a")}, _Board(board=board.board),
-                            _Health()) for _ in range(2))
+    first, second, _ = _two_ingresses(tmp_path)
     with pytest.raises(VariantNotFound):
         asyncio.run(second.remove_variant("a-2"))
-    entry = store.manifest.variants["a-1"].model_copy(update={"name": "a-2"})
-    write_manifest(tmp_path, store.manifest.model_copy(update={"variants": {**store.manifest.variants,
-                                                                           "a-2": entry}}))  # the replica's write
-    asyncio.run(first.add_variants([("a-2", "a", "/p/a-2", "lora")]))
+    _add_through(first, tmp_path)
     asyncio.run(second.remove_variant("a-2"))
     assert "a-2" not in Store(tmp_path).manifest.variants
     with pytest.raises(VariantNotFound):
