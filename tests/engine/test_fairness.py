@@ -401,11 +401,45 @@ def test_no_more_rows_are_parked_than_a_batch_holds():
     batch.running = {r: Generation(prompt_tokens=PROMPT) for r in heavy}
     light = row("light")
     g = Generating(batch, pending=[light], running=list(heavy))
-    park, new = generations._preempt(g)
+    park, new = generations._preempt(g, [])
     assert park == [heavy[-1]] and new == [light]  # below the bound: the light row takes a heavy one's slot
     other = row("other")
     g = Generating(batch, pending=[row("heavy", parked=True) for _ in range(SLOTS)] + [other], running=list(heavy))
-    assert generations._preempt(g) == ([], []) and g.pending[-1] is other
+    assert generations._preempt(g, []) == ([], []) and g.pending[-1] is other
+
+
+@pytest.mark.parametrize("served", [{"heavy": 5000.0, "light": 0.0, "other": 0.0},
+                                    {"heavy": 100.0, "light": 100.0, "other": 100.0}])
+def test_rows_waiting_beyond_the_free_slots_park_a_floods_rows(served):
+    """A flood holds three of four slots and one is free; a light tenant's row and another tenant's wait. The free
+    slot goes to the first in VTC's order and the flood's latest row is parked for the second at the same step,
+    whether the flood is far ahead or level (then max-min over the slots, counting the row taking the free slot).
+    Parking only once every slot was taken, the second row would wait for a flood's row to end while the flood
+    keeps three slots: the fairness scenario's worst light waits (a tenant's second and third rows in a burst)."""
+    from serve.engine.scheduling.generating import Generating, Generations
+
+    made = []
+
+    def row(tenant: str, decoding: bool) -> Row:
+        r = Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=tenant)
+        r.tokens_seen, r.seq = int(decoding), len(made)
+        made.append(r)
+        return r
+
+    fairness = Fairness("vtc")
+    fairness.counters.update(served)
+    generations = Generations(BatchConfig(max_batch_size=SLOTS, fairness="vtc"), Forwards(Trace()), None, fairness,
+                              latencies={}, tenant_waits={}, batch_sizes=None, seconds=None, preemptions=Counter(),
+                              let_in=None, pull=None, spawn=None, finish=None, fail=None, shut_out=None, stepped=None)
+    batch = Batch(Trace())
+    heavy = [row("heavy", decoding=True) for _ in range(SLOTS - 1)]
+    batch.running = {r: Generation(prompt_tokens=PROMPT) for r in heavy}
+    light, other = row("light", decoding=False), row("other", decoding=False)
+    g = Generating(batch, pending=[light, other, row("heavy", decoding=False)], running=list(heavy))
+    joining = generations._next_rows(g)
+    assert joining == [light]
+    assert generations._preempt(g, joining) == ([heavy[-1]], [other])
+    assert [r.tenant for r in g.pending] == ["heavy"]
 
 
 @pytest.mark.parametrize("served", [{"heavy": 5000.0, "light": 100.0}, {"heavy": 100.0, "light": 100.0},
@@ -471,7 +505,7 @@ def test_rows_left_waiting_for_the_token_budget_let_another_tenant_out_of_the_qu
     assert generations._crowded(g, budget=True) is None  # no row waited for the budget yet
     g.budget = True
     assert generations._crowded(g, budget=True) == Counter({"heavy": 1})
-    assert generations._crowded(g) is None and generations._preempt(g) == ([], [])
+    assert generations._crowded(g) is None and generations._preempt(g, []) == ([], [])
 
 
 def test_a_replica_takes_every_request_its_engine_holds_so_none_waits_first_come_first_served_before_it(tmp_path):

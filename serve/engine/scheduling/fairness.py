@@ -151,13 +151,14 @@ class Fairness:
             return None
         return most
 
-    def preempt(self, running: list, waiting: list, holding: Counter[str]) -> tuple[list, list]:
-        """With every slot taken: for each waiting tenant, in the policy's order, whose next row outranks a running
-        row (outranked), the latest decoding row of the tenant holding the most is to be parked and that row is
-        to take its slot; holding is updated. Without it a flood holding every slot keeps a light tenant waiting
-        until its rows finish, all at once if they started at once; and a light tenant's burst would be served
-        no faster than the flood's counter advances. -> (rows to park, rows to join)."""
-        weights = {r.tenant: r.weight for r in [*running, *waiting]}
+    def preempt(self, running: list, waiting: list, holding: Counter[str], joining: list = ()) -> tuple[list, list]:
+        """With every slot taken (joining: rows taking the slots left free at this step, counted in holding, never
+        parked): for each waiting tenant, in the policy's order, whose next row outranks a running row (outranked),
+        the latest decoding row of the tenant holding the most is to be parked and that row is to take its slot;
+        holding is updated. Without it a flood holding every slot keeps a light tenant waiting until its rows
+        finish, all at once if they started at once; and a light tenant's burst would be served no faster than the
+        flood's counter advances. -> (rows to park, rows to join)."""
+        weights = {r.tenant: r.weight for r in [*running, *waiting, *joining]}
         park, new, seen = [], [], set()
         for row in sorted(waiting, key=self.key):
             if row.tenant in seen:

@@ -112,11 +112,12 @@ class Generations:
             while g.pending or len(g.batch):
                 await self.let_in()
                 gone = self._gone(g)
-                holding = self._crowded(g, budget=True)
+                holding = self._crowded(g, len(g.pending), budget=True)
                 if holding is not None:
                     self.pull(base, g, holding)
-                park, new = self._preempt(g)
-                new += self._next_rows(g)
+                new = self._next_rows(g)
+                park, parked_for = self._preempt(g, new)
+                new += parked_for
                 if ended is not None:
                     self.seconds.add("scheduling", time.perf_counter() - ended)
                 joining = time.monotonic()
@@ -149,24 +150,29 @@ class Generations:
         g.pending = [r for r in g.pending if not r.cancelled]
         return gone
 
-    def _crowded(self, g: Generating, budget: bool = False) -> Counter[str] | None:
-        """VTC with the batch full (every row it may hold, or all its KV cache or variant pool holds), or with
-        `budget` rows left waiting for the token budget (they hold permits, so another tenant's rows would stay
-        in the queue): the running rows by tenant (None: no row is to be parked or pulled)."""
-        if self.fairness.policy != "vtc" or (len(g.batch) < self.config.max_batch_size and not g.short
+    def _crowded(self, g: Generating, joining: int = 0, budget: bool = False) -> Counter[str] | None:
+        """VTC with every slot spoken for: the batch's rows and `joining` more take every row it may hold (or the
+        batch holds all its KV cache or variant pool holds), or with `budget` rows left waiting for the token budget
+        (they hold permits, so another tenant's rows would stay in the queue): the running rows by tenant (None: no
+        row is to be parked or pulled)."""
+        if self.fairness.policy != "vtc" or (len(g.batch) + joining < self.config.max_batch_size and not g.short
                                              and not (budget and g.budget)):
             return None
         return Counter(r.tenant for r in g.running)
 
-    def _preempt(self, g: Generating) -> tuple[list[Row], list[Row]]:
-        """VTC, with every slot of the batch taken: running rows parked (DecodeBatch.run) for rows of tenants
-        holding fewer (Fairness.preempt); those rows join in their place. At most max_batch_size rows are parked at
-        once, so the host memory their keys and values take stays within one KV store's. -> (rows to park, rows
-        to join)."""
-        holding = self._crowded(g)
-        if holding is None:
+    def _preempt(self, g: Generating, joining: list[Row]) -> tuple[list[Row], list[Row]]:
+        """VTC, with every slot of the batch taken once `joining` (the rows taking its free slots) join: running rows
+        parked (DecodeBatch.run) for rows still waiting of tenants holding fewer (Fairness.preempt); those rows join
+        in their place. Counted once the free slots are given: parking only with no slot free, a step with one
+        free slot gave it to one light row and left the tenant's next rows waiting for a free slot while a flood
+        kept the rest (the fairness scenario's worst light waits). At most max_batch_size rows are parked at once,
+        so the host memory their keys and values take stays within one KV store's. -> (rows to park, rows to
+        join)."""
+        holding = self._crowded(g, len(joining))
+        if holding is None or not g.pending:
             return [], []
-        park, new = self.fairness.preempt(g.running, g.pending, holding)
+        holding.update(r.tenant for r in joining)
+        park, new = self.fairness.preempt(g.running, g.pending, holding, joining)
         room = max(0, self.config.max_batch_size - sum(r.parked for r in g.pending))
         park, new = park[:room], new[:room]
         for row in new:

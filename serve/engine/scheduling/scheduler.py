@@ -347,9 +347,9 @@ class Scheduler:
 
     def _pull(self, base: str, g: Generating, holding: Counter[str]) -> None:
         """With every permit out (a flood's rows waiting to join hold them all), rows still in the queue that
-        would take a parked row's slot (Generations._preempt; holding: g's running rows by tenant, its batch full)
-        are taken out of it past the permits, at most max_batch_size borrowed at once; they reach g.pending
-        through admission like any row."""
+        would take a parked row's slot (Generations._preempt; holding: g's running rows by tenant, with every slot
+        spoken for) are taken out of it past the permits, at most max_batch_size borrowed at once; they reach
+        g.pending through admission like any row."""
         if not self._in_flight.locked():
             return
         pulled, weights = [], {r.tenant: r.weight for r in g.running}
