@@ -130,7 +130,8 @@ class Fairness:
             taken.append(row)
         return taken, rest
 
-    def outranked(self, row: Waiting, holding: Counter[str], weights: dict[str, float]) -> str | None:
+    def outranked(self, row: Waiting, holding: Counter[str], weights: dict[str, float],
+                  far_only: bool = False) -> str | None:
         """The tenant a running row is to be parked from for `row` (holding: running rows by tenant; weights: by
         tenant). Of the tenants served more than row's by at least row's whole cost, the one holding the most for
         its weight, however few it holds: a flood holding its equal share of the slots still gives one up to a
@@ -140,11 +141,15 @@ class Fairness:
         hold at least as many for its weight as row's tenant once one row moved (so no row moves back: max-min
         over the slots, weighted). A tenant served more than the others takes no slot from them, however few it
         holds: a flood's long prompts wait for its turn, rather than parking the light rows that keep a step
-        short."""
+        short. far_only: the first rule alone (a step that gave slots free to rows ranked first: parking one of two
+        floods for the other there as well churns their rows, and every parked row holds host memory that a light
+        row's parking then lacks)."""
         served = self.counters.get(row.tenant, 0.0)
         far = [t for t in holding if t != row.tenant and holding[t] and self.counters.get(t, 0.0) >= served + cost(row)]
         if far:
             return max(far, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)))
+        if far_only:
+            return None
         ahead = [t for t in holding if t != row.tenant and self.counters.get(t, 0.0) >= served]
         most = max(ahead, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)), default=None)
         if most is None or (holding[most] - 1) / weights[most] < (holding[row.tenant] + 1) / row.weight:
@@ -153,18 +158,19 @@ class Fairness:
 
     def preempt(self, running: list, waiting: list, holding: Counter[str], joining: list = ()) -> tuple[list, list]:
         """With every slot taken (joining: rows taking the slots left free at this step, counted in holding, never
-        parked): for each waiting tenant, in the policy's order, whose next row outranks a running row (outranked),
-        the latest decoding row of the tenant holding the most is to be parked and that row is to take its slot;
-        holding is updated. Without it a flood holding every slot keeps a light tenant waiting until its rows
-        finish, all at once if they started at once; and a light tenant's burst would be served no faster than the
-        flood's counter advances. -> (rows to park, rows to join)."""
+        parked; with any, only a tenant far ahead gives a slot up): for each waiting tenant, in the policy's order,
+        whose next row outranks a running row (outranked), the latest decoding row of the tenant holding the most is
+        to be parked and that row is to take its slot; holding is updated. Without it a flood holding every slot
+        keeps a light tenant waiting until its rows finish, all at once if they started at once; and a light
+        tenant's burst would be served no faster than the flood's counter advances. -> (rows to park, rows to
+        join)."""
         weights = {r.tenant: r.weight for r in [*running, *waiting, *joining]}
         park, new, seen = [], [], set()
         for row in sorted(waiting, key=self.key):
             if row.tenant in seen:
                 continue
             seen.add(row.tenant)
-            most = self.outranked(row, holding, weights)
+            most = self.outranked(row, holding, weights, far_only=bool(joining))
             victim = max((r for r in running if r.tenant == most and r.tokens_seen and r not in park),
                          key=lambda r: r.seq, default=None)
             if victim is None:
