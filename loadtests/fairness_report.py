@@ -1,10 +1,17 @@
 """The fairness scenario's arithmetic and output: per-tenant figures from request records, service per 1-second
-bin, the must-show ratios, the table and the plot. Pure functions over records, so tests need no server."""
+bin, the must-show ratios, the table and the plot. Pure functions over records, so tests need no server.
+
+Over the load shapes' reports (one JSON each, --repeats N), the table of issue 62's must-show and its plot:
+
+    python -m loadtests.fairness_report bench-results/fairness-flood.json ... --out bench-results/fairness-shapes
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,8 +134,6 @@ WORST_P99_RATIO_GOAL = 3.0
 def repeat_checks(per_repeat: list[dict]) -> dict:
     """The must-show over repeated runs (each one's checks()): the light p99 ratio's median and worst, the total
     tokens/s ratio's median and worst (nan where a repeat missed a run)."""
-    import statistics
-
     p99 = [c["vtc_light_p99_over_baseline"] for c in per_repeat]
     total = [c["vtc_total_over_fcfs"] for c in per_repeat]
     if any(math.isnan(x) for x in p99 + total) or not per_repeat:
@@ -257,3 +262,95 @@ def write_report(report: dict, out: Path) -> dict:
         return report
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return report
+
+
+def shape_rows(reports: list[dict]) -> list[dict]:
+    """One row per shape's report (written with --repeats): each run's light p99 alone, under VTC and under FCFS,
+    the VTC / alone and VTC / FCFS tokens/s ratios, their median and worst, and whether the must-show holds."""
+    rows = []
+    for r in reports:
+        runs = [rep["runs"] for rep in r["repeats"]]
+        c = r["checks"]
+        rows.append({"shape": r["spec"].get("shape", "flood"),
+                     "alone_p99_s": [x["baseline"][LIGHT]["ttft_p99_s"] for x in runs],
+                     "vtc_p99_s": [x["vtc"][LIGHT]["ttft_p99_s"] for x in runs],
+                     "fcfs_p99_s": [x["fcfs"][LIGHT]["ttft_p99_s"] for x in runs],
+                     "ratios": c.get("light_p99_ratios", []), "median": c.get("light_p99_median"),
+                     "worst": c.get("light_p99_worst"), "total_ratios": c.get("total_ratios", []),
+                     "total_median": c.get("total_median"),
+                     "met": bool(c.get("light_p99_ok") and c.get("total_ok"))})
+    return rows
+
+
+def _f(x: float | None) -> str:
+    return "never" if x is None or (isinstance(x, float) and math.isinf(x)) else f"{x:.2f}"
+
+
+def print_shapes(rows: list[dict]) -> None:
+    """The must-show table, in Markdown (bench-results/README.md carries it as printed)."""
+    print("| shape | light p99 alone (s, per run) | VTC light p99 (s) | VTC / alone | median | worst "
+          "| FCFS light p99 (s) | VTC tok/s / FCFS | must-show |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [r["shape"], *(", ".join(map(_f, r[k])) for k in ("alone_p99_s", "vtc_p99_s", "ratios")),
+                 _f(r["median"]), _f(r["worst"]), ", ".join(map(_f, r["fcfs_p99_s"])),
+                 ", ".join(map(_f, r["total_ratios"])), "met" if r["met"] else "not met"]
+        print("| " + " | ".join(cells) + " |")
+    print(f"goal: VTC / alone at most {P99_RATIO_GOAL:g} at the median of the runs and {WORST_P99_RATIO_GOAL:g} at the "
+          f"worst; VTC's tokens/s at least {THROUGHPUT_RATIO_GOAL:g}x FCFS's at the median. never: a light request "
+          "timed out before its first token.")
+
+
+def plot_shapes(rows: list[dict], path: Path) -> None:
+    """Each shape's VTC / alone light p99 ratio, run by run (dots) and at the median (bar), beside the goals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    xs = range(len(rows))
+    ax.bar(xs, [r["median"] or 0.0 for r in rows], color=["#4a8" if r["met"] else "#c84" for r in rows], alpha=0.6,
+           label="median of the runs")
+    for x, r in zip(xs, rows):
+        ax.scatter([x] * len(r["ratios"]), r["ratios"], color="#222", s=14, zorder=3)
+    ax.axhline(P99_RATIO_GOAL, color="#888", linestyle="--", linewidth=0.8,
+               label=f"goal at the median ({P99_RATIO_GOAL:g}x)")
+    ax.axhline(WORST_P99_RATIO_GOAL, color="#888", linestyle=":", linewidth=0.8,
+               label=f"goal at the worst ({WORST_P99_RATIO_GOAL:g}x)")
+    ax.set_xticks(list(xs), [r["shape"] for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("light p99 TTFT under VTC / alone (dots: each run)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.fairness_report", description=__doc__.splitlines()[0])
+    p.add_argument("reports", nargs="+", type=Path, help="the shapes' JSON reports (--scenario fairness --repeats N)")
+    p.add_argument("--out", type=Path, help="write OUT.json (the rows) and OUT.png (the plot)")
+    args = p.parse_args(argv)
+    reports = [json.loads(path.read_text()) for path in args.reports]
+    missing = [str(path) for path, r in zip(args.reports, reports) if not r.get("repeats")]
+    if missing:
+        print(f"error: not a report of repeated runs (--repeats N): {', '.join(missing)}")
+        return 1
+    rows = shape_rows(reports)
+    print_shapes(rows)
+    if args.out is None:
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(finite(rows), indent=1) + "\n")
+    try:
+        plot_shapes(rows, args.out.with_suffix(".png"))
+    except ImportError:
+        print(f"wrote {args.out.with_suffix('.json')}; no PNG: matplotlib is not installed (the `loadtest` extra)")
+        return 0
+    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

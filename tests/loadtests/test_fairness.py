@@ -2,6 +2,7 @@
 arrival plan and its stream reading; no server, no timing."""
 
 import asyncio
+import importlib.util
 import json
 import math
 from collections import Counter
@@ -17,6 +18,7 @@ from loadtests.fairness_report import (
     Record,
     checks,
     finite,
+    main,
     repeat_checks,
     run_summary,
     served_tokens,
@@ -209,3 +211,36 @@ def test_where_rows_waited_pools_each_groups_requests_over_the_run():
     assert got[LIGHT]["rows"] == 6 and got[LIGHT]["queue_mean_s"] == pytest.approx(10 / 6)
     assert got[LIGHT]["first_token_mean_s"] == pytest.approx(12 / 5)
     assert (got[HEAVY]["rows"], got[HEAVY]["queue_mean_s"], got[HEAVY]["first_token_mean_s"]) == (2, 5.0, 4.0)
+
+
+def test_the_shapes_table_reads_each_shapes_report_and_judges_its_runs(tmp_path, capsys):
+    """Two shapes' reports of three runs: the table gives each run's light p99 alone and under VTC, their ratio,
+    the median and the worst, and says met where both hold; a run whose light request never saw a token is never,
+    and its shape not met. The rows go to OUT.json (and the plot to OUT.png, with the loadtest extra)."""
+    def repeat(vtc_ttft: float | None) -> dict:
+        vtc = [answered("light1", i, vtc_ttft) if vtc_ttft else Record("light1", i, "timeout") for i in range(5)]
+        runs = {"baseline": run_summary([answered("light1", i, 0.5) for i in range(5)], 10, 10),
+                "fcfs": run_summary([answered("light1", i, 4.0) for i in range(5)], 10, 10),
+                "vtc": run_summary(vtc, 10, 10)}
+        return {"runs": runs, "checks": checks(runs)}
+
+    paths = []
+    for shape, ttfts in (("flood", (0.6, 0.9, 1.2)), ("long-prompts", (0.6, None, 1.2))):
+        reps = [repeat(t) for t in ttfts]
+        report = {"spec": {"shape": shape}, "repeats": reps, "checks": repeat_checks([r["checks"] for r in reps])}
+        paths.append(tmp_path / f"fairness-{shape}.json")
+        paths[-1].write_text(json.dumps(finite(report)))
+    assert main([*map(str, paths), "--out", str(tmp_path / "shapes")]) == 0
+    lines = {line.split(" | ")[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert lines["| flood"].endswith("| 0.50, 0.50, 0.50 | 0.60, 0.90, 1.20 | 1.20, 1.80, 2.40 | 1.80 | 2.40 "
+                                     "| 4.00, 4.00, 4.00 | 1.00, 1.00, 1.00 | met |")
+    assert "| 0.60, never, 1.20 | 1.20, never, 2.40 |" in lines["| long-prompts"]
+    assert lines["| long-prompts"].endswith("| not met |")
+    rows = json.loads((tmp_path / "shapes.json").read_text())
+    assert [(r["shape"], r["met"]) for r in rows] == [("flood", True), ("long-prompts", False)]
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "shapes.png").stat().st_size > 0
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps({"spec": {}, "runs": {}, "checks": {}}))
+    assert main([str(single)]) == 1
+    assert capsys.readouterr().out == f"error: not a report of repeated runs (--repeats N): {single}\n"
