@@ -158,8 +158,9 @@ def finite(value):
     return value
 
 
-def _s(x: float) -> str:
-    return "-" if math.isnan(x) else "never" if math.isinf(x) else f"{x:.2f}"
+def _s(x: float | None) -> str:
+    """None: a figure a report's JSON holds as null, which is inf (finite())."""
+    return "never" if x is None or math.isinf(x) else "-" if math.isnan(x) else f"{x:.2f}"
 
 
 def print_table(report: dict) -> None:
@@ -282,19 +283,15 @@ def shape_rows(reports: list[dict]) -> list[dict]:
     return rows
 
 
-def _f(x: float | None) -> str:
-    return "never" if x is None or (isinstance(x, float) and math.isinf(x)) else f"{x:.2f}"
-
-
 def print_shapes(rows: list[dict]) -> None:
     """The must-show table, in Markdown (bench-results/README.md carries it as printed)."""
     print("| shape | light p99 alone (s, per run) | VTC light p99 (s) | VTC / alone | median | worst "
           "| FCFS light p99 (s) | VTC tok/s / FCFS | must-show |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["shape"], *(", ".join(map(_f, r[k])) for k in ("alone_p99_s", "vtc_p99_s", "ratios")),
-                 _f(r["median"]), _f(r["worst"]), ", ".join(map(_f, r["fcfs_p99_s"])),
-                 ", ".join(map(_f, r["total_ratios"])), "met" if r["met"] else "not met"]
+        cells = [r["shape"], *(", ".join(map(_s, r[k])) for k in ("alone_p99_s", "vtc_p99_s", "ratios")),
+                 _s(r["median"]), _s(r["worst"]), ", ".join(map(_s, r["fcfs_p99_s"])),
+                 ", ".join(map(_s, r["total_ratios"])), "met" if r["met"] else "not met"]
         print("| " + " | ".join(cells) + " |")
     print(f"goal: VTC / alone at most {P99_RATIO_GOAL:g} at the median of the runs and {WORST_P99_RATIO_GOAL:g} at the "
           f"worst; VTC's tokens/s at least {THROUGHPUT_RATIO_GOAL:g}x FCFS's at the median. never: a light request "
