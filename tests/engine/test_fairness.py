@@ -2,7 +2,10 @@
 gives every running row one token a step: which rows join the batch, and what each tenant is served, step by step."""
 
 import asyncio
+import contextlib
+import threading
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -75,6 +78,8 @@ class Trace:
         self.submitted: dict[str, int] = {}
         self.parked: list[str] = []
         """The tenant of each row parked, in turn."""
+        self.hold: Hold | None = None
+        """Where the compute thread stops, at the end of a step, until the test has done what it does there."""
 
     def serve(self, tenant: str, cost: float) -> None:
         self.served[tenant] = self.served.get(tenant, 0.0) + cost
@@ -84,6 +89,31 @@ class Trace:
         joined = {t: self.admitted.count(t) for t in self.submitted}
         self.steps.append({"served": dict(self.served),
                            "backlogged": {t for t, n in self.submitted.items() if joined[t] < n}})
+        hold = self.hold
+        if hold is not None and hold.reached(self):
+            self.hold = None
+            hold.loop.call_soon_threadsafe(hold.here.set)
+            assert hold.go.wait(HANG_S), "the test never let the step go"
+
+
+HANG_S = 60
+"""What a wait of these tests gives up after: a hang, not a timing (no step takes a noticeable time)."""
+
+
+class Hold:
+    """The end of the step after which `until` holds of the trace and n more steps have run."""
+
+    def __init__(self, trace: Trace, n: int, until: Callable[[Trace], bool]):
+        self.n, self.until = n, until
+        self.since = len(trace.steps) if until(trace) else None
+        self.loop = asyncio.get_running_loop()
+        self.here = asyncio.Event()
+        self.go = threading.Event()
+
+    def reached(self, trace: Trace) -> bool:
+        if self.since is None and self.until(trace):
+            self.since = len(trace.steps)
+        return self.since is not None and len(trace.steps) >= self.since + self.n
 
 
 class Forwards:
@@ -97,9 +127,10 @@ class Forwards:
         raise AssertionError("no encoder rows here")
 
 
-def serve(policy: str, waves: list[list[tuple[str, int]]], max_queue: int = 1024, burst_rows: int = 8) -> Trace:
-    """Submit each wave's (tenant, rows) at once, the next wave once the one before is all answered... except that
-    a wave of None waits for nothing. Returns the trace of the run."""
+def serve(policy: str, waves: list[list[tuple[str, int]]], max_queue: int = 1024, burst_rows: int = 8,
+          until: Callable[[Trace], bool] = lambda t: True, then: int = 3) -> Trace:
+    """Submit each wave's (tenant, rows) at once, the next wave at the end of the step after which `until` holds
+    of the trace and `then` more steps have run (_held). Returns the trace of the run."""
     trace = Trace()
     config = BatchConfig(max_batch_size=SLOTS, max_queue=max_queue, fairness=policy, batch_wait_timeout_s=0,
                          vtc_burst_rows=burst_rows)
@@ -108,30 +139,41 @@ def serve(policy: str, waves: list[list[tuple[str, int]]], max_queue: int = 1024
 
         async def run() -> None:
             pending = []
-            for wave in waves:
+            def submit(wave: list[tuple[str, int]]) -> None:
                 for tenant, n in wave:
                     trace.submitted[tenant] = trace.submitted.get(tenant, 0) + n
                     for _ in range(n):
                         payload = ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
                         row = scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
                         pending.append(scheduler.result(row))
-                await _steps(trace, 3)
+
+            submit(waves[0])
+            for wave in waves[1:]:
+                async with _held(trace, then, until):
+                    submit(wave)
             await asyncio.gather(*pending)
 
         asyncio.run(run())
     return trace
 
 
-async def _steps(trace: Trace, n: int) -> None:
-    """Until n more steps have run (the compute thread's progress, not a clock)."""
-    start = len(trace.steps)
-    for _ in range(100_000):
-        if len(trace.steps) >= start + n:
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the scheduler made no progress")
+@contextlib.asynccontextmanager
+async def _held(trace: Trace, n: int, until: Callable[[Trace], bool] = lambda t: True) -> AsyncIterator[None]:
+    """The body runs with the compute thread stopped at the end of the step after which `until` holds and n more
+    steps have run (the scheduler has not seen that step's outcome yet): what it submits lands at that step
+    exactly, however loaded the machine."""
+    trace.hold = hold = Hold(trace, n, until)
+    try:
+        try:
+            await asyncio.wait_for(hold.here.wait(), HANG_S)
+        except TimeoutError:
+            raise AssertionError("the scheduler made no progress") from None
+        yield
+    finally:
+        hold.go.set()
 
 
+ROW_COST = PROMPT_WEIGHT * PROMPT + OUTPUT_WEIGHT * MAX_TOKENS
 BOUND = 2 * (PROMPT_WEIGHT * PROMPT + OUTPUT_WEIGHT * SLOTS * MAX_TOKENS)
 """S-LoRA's Theorem 4.4: 2U, U = w_p * L_input + w_q * M, M the tokens a batch holds."""
 
@@ -155,33 +197,46 @@ def test_two_backlogged_tenants_are_served_within_vtcs_bound():
     assert fcfs.admitted[:60] == ["a"] * 60
 
 
-def test_a_tenant_back_from_idle_does_not_take_the_engine_over():
+@pytest.mark.parametrize("burst_rows", [0, 8])
+def test_a_tenant_back_from_idle_does_not_take_the_engine_over(burst_rows):
     """A and B are served for a while; C, idle until then, sends 60 rows. Lifted to the smallest counter of those
-    waiting, C competes from where they stand: it is not given the engine until it has caught up on the service
-    it missed while idle."""
-    trace = serve("vtc", [[("a", 60), ("b", 60)], [], [], [], [("c", 60)]])
+    waiting (less its credit of burst_rows rows), C competes from where they stand: it is not given the engine until
+    it has caught up on the service it missed while idle, and stays within 2U of A and B, plus its credit."""
+    trace = serve("vtc", [[("a", 60), ("b", 60)], [], [], [], [("c", 60)]], burst_rows=burst_rows)
     first_c = trace.admitted.index("c")
     after = trace.admitted[first_c:first_c + 12 * SLOTS]
-    assert after.count("c") <= len(after) // 3 + SLOTS  # a third of the engine, give or take one batch
+    assert after.count("c") <= len(after) // 3 + SLOTS + burst_rows  # a third, give or take a batch, and its credit
     for other in ("a", "b"):
-        assert _largest_gap(_since(trace, first_c), "c", other) <= BOUND
+        assert _largest_gap(_since(trace, first_c), "c", other) <= BOUND + burst_rows * ROW_COST
+
+
+@pytest.mark.parametrize("phase", range(MAX_TOKENS))
+def test_a_tenant_back_from_idle_has_its_burst_served_before_a_flood(phase):
+    """A flood holds every slot and keeps sending; an idle tenant sends five rows at once, once the flood has been
+    served more than its credit and the burst cost (so the credit is all its own), at each step of the flood's
+    rows' lives (they finish together every MAX_TOKENS steps). With credit for eight rows, its five join before any
+    more of the flood's, taking freed slots or parking the flood's rows, never its own."""
+    trace = serve("vtc", [[("heavy", 60)], [("light", 5)]], burst_rows=8,
+                  until=lambda t: t.served.get("heavy", 0) >= 2 * (8 + 5) * ROW_COST, then=phase)
+    first = trace.admitted.index("light")
+    assert trace.admitted[first:first + 5] == ["light"] * 5
+    assert set(trace.parked) <= {"heavy"}
 
 
 @pytest.mark.parametrize("burst_rows", [8, 0])
-def test_a_tenant_back_from_idle_has_its_burst_served_before_a_flood_at_the_floor(burst_rows):
-    """A flood holds every slot and keeps sending; an idle tenant sends five rows at once. With credit for eight
-    rows, its five join before any more of the flood's, taking freed slots or parking the flood's rows. With none
-    (S-LoRA's lift to the floor itself), its later rows wait for the flood to be served as much again."""
-    trace = serve("vtc", [[("heavy", 40)], [("light", 5)]], burst_rows=burst_rows)
-    first = trace.admitted.index("light")
-    if burst_rows:
-        assert trace.admitted[first:first + 5] == ["light"] * 5
-        assert trace.parked and set(trace.parked) == {"heavy"}  # slots taken from the flood, none from the burst
-    else:
-        assert trace.admitted[first:first + 5] != ["light"] * 5
+def test_a_tenant_back_from_idle_is_lifted_to_the_floor_less_its_credit(burst_rows):
+    """S-LoRA lifts a tenant back from idle to the smallest counter of those waiting (burst_rows 0), banking
+    nothing; with credit, burst_rows of its row's cost below it, but never below what it was served."""
+    fairness = Fairness("vtc", burst_rows)
+    fairness.counters.update({"heavy": 1000.0, "light": 10.0, "regular": 990.0})
+    for tenant in ("heavy", "light", "heavy", "regular"):
+        fairness.arrive(Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                            tenant=tenant))
+    assert fairness.counters == {"heavy": 1000.0, "light": 1000.0 - burst_rows * ROW_COST,
+                                 "regular": 990.0 if burst_rows else 1000.0}
 
 
-@pytest.mark.parametrize("ahead", [2 * (PROMPT_WEIGHT * PROMPT + OUTPUT_WEIGHT * MAX_TOKENS), 1.0])
+@pytest.mark.parametrize("ahead", [2 * ROW_COST, 1.0])
 def test_a_flood_far_ahead_gives_up_a_slot_even_holding_only_its_share(ahead):
     """Every slot taken, two by a light tenant's rows, two by a flood's; the light tenant's third row waits. Served
     less than the flood by more than that row's cost, it parks one of the flood's rows although the flood holds no
@@ -196,7 +251,7 @@ def test_a_flood_far_ahead_gives_up_a_slot_even_holding_only_its_share(ahead):
         rows.append(r)
     running, waiting = rows[:4], rows[4:]
     park, new = fairness.preempt(running, waiting, Counter(r.tenant for r in running))
-    if ahead > PROMPT_WEIGHT * PROMPT + OUTPUT_WEIGHT * MAX_TOKENS:
+    if ahead > ROW_COST:
         assert park == [rows[3]] and new == waiting  # the flood's latest row
     else:
         assert (park, new) == ([], [])
@@ -309,9 +364,9 @@ def test_the_slot_a_finished_row_frees_goes_to_the_row_the_policy_picks_from_all
                 return scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
 
             rows = [submit("heavy", n) for n in (8, 16, 24, 32)] + [submit("heavy", 60) for _ in range(12)]
-            await _steps(trace, 1)
-            asked = len(trace.steps)
-            rows.append(submit("light", 2))
+            async with _held(trace, 1):
+                asked = len(trace.steps)
+                rows.append(submit("light", 2))
             await asyncio.gather(*(scheduler.result(r) for r in rows))
             return asked
 
@@ -338,9 +393,9 @@ def test_a_flood_holding_every_slot_and_permit_gives_a_slot_to_another_tenant_at
                 return scheduler.submit("generate", "base", None, None, payload, tenant=Tenant(tenant))
 
             heavy = [submit("heavy", 40) for _ in range(16)]
-            await _steps(trace, 2)
-            asked = len(trace.steps)
-            light = submit("light", 2)
+            async with _held(trace, 2):
+                asked = len(trace.steps)
+                light = submit("light", 2)
             results = await asyncio.gather(*(scheduler.result(r) for r in heavy + [light]))
             return asked, results
 
@@ -541,7 +596,8 @@ def test_a_replica_takes_every_request_its_engine_holds_so_none_waits_first_come
                     held.append(submit("heavy", 10**6))
                 except Overloaded as e:
                     refused = e
-                await _steps(trace, 1)  # the scheduler takes what its permits let out of the queue
+                async with _held(trace, 1):  # the scheduler takes what its permits let out of the queue
+                    pass
             results = []
             if refused is not None:  # else the replica would have stopped taking requests first: failed below
                 light = submit("light", 2)

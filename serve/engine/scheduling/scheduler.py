@@ -346,18 +346,27 @@ class Scheduler:
             await asyncio.sleep(0)
 
     def _pull(self, base: str, g: Generating, holding: Counter[str]) -> None:
-        """With every permit out (a flood's rows waiting to join hold them all), rows still in the queue that
-        would take a parked row's slot (Generations._preempt; holding: g's running rows by tenant, with every slot
-        spoken for) are taken out of it past the permits, at most max_batch_size borrowed at once; they reach
-        g.pending through admission like any row."""
+        """With every permit out (a flood's rows waiting to join hold them all), rows still in the queue are taken
+        out of it past the permits, at most max_batch_size borrowed at once, when they go before what waits in
+        g.pending: each row that would take one of this step's free slots ahead of the rows waiting to join
+        (Fairness.take), and a tenant's next row that would take a parked row's slot (Generations._preempt;
+        holding: g's running rows by tenant, with every slot spoken for). Pulling only for parking, a burst's rows
+        came out one a step, and a slot its flood's finished rows freed went to the flood's rows already out: the
+        permits they gave back repaid the borrowed ones first. The rows pulled reach g.pending through admission
+        like any row."""
         if not self._in_flight.locked():
             return
-        pulled, weights = [], {r.tenant: r.weight for r in g.running}
-        for row in self._queue.heads():
-            if self._borrowed >= self.config.max_batch_size:
+        free = max(0, self.config.max_batch_size - len(g.batch))
+        pulled, passed, weights = [], set(), {r.tenant: r.weight for r in g.running}
+        while self._borrowed < self.config.max_batch_size:
+            row = next((r for r in self._queue.heads() if r.tenant not in passed), None)
+            if row is None:
                 break
-            if row.op != "generate" or row.base != base or any(r.tenant == row.tenant for r in g.pending) \
-                    or self.fairness.outranked(row, holding, weights) is None:
+            waiting = [*g.pending, *pulled]
+            joins = row in self.fairness.take([*waiting, row], free)[0]
+            parks = all(r.tenant != row.tenant for r in waiting) and self.fairness.outranked(row, holding, weights)
+            if row.op != "generate" or row.base != base or not (joins or parks):
+                passed.add(row.tenant)  # its later rows go after this one
                 continue
             self._queue.take(row)
             self._borrowed += 1
