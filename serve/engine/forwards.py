@@ -82,7 +82,7 @@ class RowGeneration:
         return len(self.batch)
 
     def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row],
-            rank: Callable[[Row], Any] | None = None) -> Step:
+            rank: Callable[[Row], Any] | None = None, share: Callable[[Row], int] | None = None) -> Step:
         rows, failed = [], []
         for r in new:
             try:
@@ -91,7 +91,7 @@ class RowGeneration:
             except Exception as e:  # its variant no longer has the member it asked for, say
                 failed.append((r, e))
         with self.batch.rt.seconds.timing("step"):
-            step = self.batch.run(rows, gone, park, victims, rank)
+            step = self.batch.run(rows, gone, park, victims, rank, share)
         step.failed += failed
         return step
 

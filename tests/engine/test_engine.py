@@ -340,7 +340,7 @@ def test_a_decode_step_that_fails_while_admitting_rows_fails_them_too(serving_st
     engine = Engine(ServeConfig(store=serving_store[0]))
     calls = []
 
-    def failing_run(self, new_rows, gone, park, victims, rank):
+    def failing_run(self, new_rows, gone, park, victims, rank, share):
         calls.append(len(new_rows))
         raise RuntimeError("decode step failed")
 

@@ -36,7 +36,7 @@ class Batch:
         return len(self.running)
 
     def run(self, new: list[Row], gone: list[Row], park: list[Row] = (), victims: list[Row] = (),
-            rank=None) -> Step:
+            rank=None, share=None) -> Step:
         step = Step()
         for r in park:
             self.parked[r] = self.running.pop(r)
@@ -543,6 +543,54 @@ def test_a_light_rows_prompt_is_written_before_a_floods_long_one_in_the_policys_
         assert ("light" in step.waiting) == light_waits
         decoding = {tag: len(gen.token_ids) for tag, gen in batch.rows()}
         assert decoding == ({} if light_waits else {"light": 1})
+        batch.close()
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_a_tenant_far_ahead_writes_its_share_of_a_steps_prompt_tokens(policy):
+    """Under vtc, a flood served more than a light tenant by a light row's cost or more has its prompts written
+    far_tokens a step while the light tenant has a row in the batch or waiting; level with it, or alone, it gets
+    the whole budget. fcfs caps nothing."""
+    fairness = Fairness(policy)
+
+    def row(tenant: str) -> Row:
+        return Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                   tenant=tenant)
+
+    heavy, light = row("heavy"), row("light")
+    for ahead, shares in ((ROW_COST, (4, 512)), (ROW_COST - 1, (512, 512))):
+        fairness.counters.update({"heavy": 100.0 + ahead, "light": 100.0})
+        share = fairness.prompt_share([heavy, light, row("light")], 512, 4)
+        assert (share(heavy), share(light)) == (shares if policy == "vtc" else (512, 512))
+    assert fairness.prompt_share([heavy, row("heavy")], 512, 4)(heavy) == 512
+
+
+def test_a_prompt_is_written_at_most_its_share_a_step(bases):
+    """A 40-token prompt in steps of 16 tokens beside a 10-token one ranked first: given a share of 4 tokens a step,
+    it samples its first token at the tenth step, not the fourth (6 tokens, then 15 a step beside the other row's
+    decode token); the row ranked first is written whole in the first step either way."""
+    from serve.config import BatchConfig
+    from serve.engine.generation.decode_batch import DecodeBatch
+    from serve.engine.generation.row import NewRow
+    from serve.engine.model import BaseModelRuntime
+    from serve.engine.types import SamplingParams
+
+    rt = BaseModelRuntime("lm", bases["plain"], batch=BatchConfig(max_batch_size=4, max_step_tokens=16,
+                                                                  max_model_len=96, prefix_caching=False))
+    params = SamplingParams(max_tokens=4)
+    for share, heavy_first, light_first in (({"heavy": 4}.get, 10, 1), (None, 4, 1)):
+        batch = DecodeBatch(rt)
+        new = [NewRow("light", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], params),
+               NewRow("heavy", [j % 40 + 3 for j in range(40)], params)]
+        first: dict[str, int] = {}
+        for step in range(1, 12):
+            out = batch.run(new, share=(lambda tag: share(tag) or 16) if share else None,
+                            rank={"light": 0, "heavy": 1}.get)
+            new = []
+            for tag, gen in [*batch.rows(), *out.finished]:  # a row may end at its first token
+                if gen.token_ids or gen.end_token is not None:
+                    first.setdefault(tag, step)
+        assert (first.get("heavy"), first.get("light")) == (heavy_first, light_first)
         batch.close()
 
 

@@ -87,7 +87,8 @@ class DecodeBatch:
 
     @torch.no_grad()
     def run(self, new: Sequence[NewRow], abort: Sequence[Any] = (), park: Sequence[Any] = (),
-            victims: Sequence[Any] = (), rank: Callable[[Any], Any] | None = None) -> Step:
+            victims: Sequence[Any] = (), rank: Callable[[Any], Any] | None = None,
+            share: Callable[[Any], int] | None = None) -> Step:
         """Drop the rows tagged in abort, park the decoding rows tagged in park, admit new rows that get a variant
         slot, a KV lane and their prompt's blocks, give every decoding row the block its next position needs
         (parking rows, those tagged in victims first, where the cache has too few), then one step for every row;
@@ -107,7 +108,8 @@ class DecodeBatch:
 
         rank(tag): the fairness policy's order of the rows (smaller first; None: admission order). The prompts being
         written share a step's token budget in that order, and a new row is admitted while the prompts ranked
-        before it leave room, so a light tenant's prompt is not written after a flood's long ones."""
+        before it leave room, so a light tenant's prompt is not written after a flood's long ones. share(tag): the
+        most tokens of the row's prompt a step writes (None: the budget; Fairness.prompt_share)."""
         rank = rank or (lambda tag: 0)
         if abort:
             for s in self._all():
@@ -132,7 +134,7 @@ class DecodeBatch:
             step.parked += room
             step.full = step.full or bool(room)
             if self.decoding or self.prefilling:
-                launched = self._launch(rank)
+                launched = self._launch(rank, share)
                 if self._continuable(launched):
                     self.inflight = self._continue(launched)
                 self._read(launched)
@@ -275,14 +277,14 @@ class DecodeBatch:
         if slot is not None:
             self.rt.detach(slot)
 
-    def _launch(self, rank: Callable[[Any], Any]) -> "_Launched":
+    def _launch(self, rank: Callable[[Any], Any], share: Callable[[Any], int] | None) -> "_Launched":
         """One forward: every decoding row's next token and the prefills the token budget allows; its tokens
         sampled on the device and on their way to the host."""
         decoding = dict(sorted(self.decoding.items()))
         if decoding:
             faults.hit("decode", [s.name for s in decoding.values()])
         prefills = prompt_chunks(self.prefilling, self.rt.max_step_tokens - len(decoding), self.rt.max_step_chunks,
-                                 rank)
+                                 rank, share)
         if prefills:
             faults.hit("prefill", [p.row.name for p in prefills])
         for p in prefills:

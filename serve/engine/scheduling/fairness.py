@@ -25,7 +25,7 @@ Per replica: each replica orders its own rows (Ray Serve spreads a tenant's requ
 
 import asyncio
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Literal, Protocol
@@ -179,6 +179,21 @@ class Fairness:
             holding[most] -= 1
             holding[row.tenant] += 1
         return park, new
+
+    def prompt_share(self, rows: list, budget: int, far_tokens: int) -> Callable[[Waiting], int]:
+        """The most prompt tokens a step writes of a row, given the rows in the batch and waiting to join it: under
+        vtc, far_tokens for a row whose tenant is far ahead of another tenant there (served more than it by at
+        least its next row's whole cost, as in outranked), the step's budget for the others. The other tenants'
+        rows wait on every step, and a step that writes a flood's 500-token chunk takes three of their own (the
+        fairness scenario's long-prompts shape: 801 ms steps beside the flood, 258 ms alone). A tenant alone, or
+        level with the others, is given the whole budget: work-conserving where no one is waiting on it."""
+        if self.policy != "vtc":
+            return lambda row: budget
+        reach: dict[str, float] = {}
+        for r in rows:
+            reach[r.tenant] = min(reach.get(r.tenant, float("inf")), self.counters.get(r.tenant, 0.0) + cost(r))
+        far = {t for t in reach if any(self.counters.get(t, 0.0) >= c for u, c in reach.items() if u != t)}
+        return lambda row: far_tokens if row.tenant in far else budget
 
     def victims(self, running: list) -> list:
         """Running rows in the order they give up their KV blocks when the cache runs short: the most served tenant's

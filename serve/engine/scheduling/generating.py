@@ -121,8 +121,10 @@ class Generations:
                 if ended is not None:
                     self.seconds.add("scheduling", time.perf_counter() - ended)
                 joining = time.monotonic()
+                share = self.fairness.prompt_share([*g.running, *new, *g.pending], self.config.max_step_tokens,
+                                                   self.config.vtc_far_prompt_tokens)
                 step = await self._on_compute(g.batch.run, new, gone, park, self.fairness.victims(g.running),
-                                              self.fairness.key)
+                                              self.fairness.key, share)
                 ended = time.perf_counter()
                 self.stepped()
                 self._after_step(g, new, step, park, joining)

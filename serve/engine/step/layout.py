@@ -149,16 +149,18 @@ class StepInputs:
                                                 self.chunk_tokens)
 
 
-def prompt_chunks(prefilling: list, budget: int, most: int | None, rank: Callable[[Any], Any]) -> list[Prefill]:
+def prompt_chunks(prefilling: list, budget: int, most: int | None, rank: Callable[[Any], Any],
+                  share: Callable[[Any], int] | None = None) -> list[Prefill]:
     """The next chunks of the prompts being written (rows with .prompt, .written, .kv, .params, .tag), in `rank`'s
     order of their tags (the fairness policy's; among equals, theirs), within `budget` tokens (at least one, so a
-    batch of max_step_tokens running rows still admits) and `most` chunks (None: any)."""
+    batch of max_step_tokens running rows still admits), `most` chunks (None: any) and share(tag) tokens a row
+    (None: any)."""
     budget = max(budget, 1)
     chunks = []
     for s in sorted(prefilling, key=lambda s: rank(s.tag)):
         if budget == 0 or (most is not None and len(chunks) == most):
             break
-        n = min(len(s.prompt) - s.written, budget)
+        n = min(len(s.prompt) - s.written, budget, max(1, share(s.tag)) if share is not None else budget)
         chunks.append(Prefill(s, s.kv, s.written, n, s.prompt[s.written:s.written + n],
                               keep_all=s.params.echoes_logprobs, samples=s.written + n == len(s.prompt)))
         budget -= n
