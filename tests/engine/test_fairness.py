@@ -139,6 +139,7 @@ def serve(policy: str, waves: list[list[tuple[str, int]]], max_queue: int = 1024
 
         async def run() -> None:
             pending = []
+
             def submit(wave: list[tuple[str, int]]) -> None:
                 for tenant, n in wave:
                     trace.submitted[tenant] = trace.submitted.get(tenant, 0) + n
