@@ -108,8 +108,8 @@ class DecodeBatch:
 
         rank(tag): the fairness policy's order of the rows (smaller first; None: admission order). The prompts being
         written share a step's token budget in that order, and a new row is admitted while the prompts ranked
-        before it leave room, so a light tenant's prompt is not written after a flood's long ones. share(tag): the
-        most tokens of the row's prompt a step writes (None: the budget; Fairness.prompt_share)."""
+        before it leave room, so a light tenant's prompt is not written after a flood's long ones. share(tag): at
+        most this many of the row's prompt tokens a step (Fairness.prompt_share)."""
         rank = rank or (lambda tag: 0)
         if abort:
             for s in self._all():

@@ -144,7 +144,7 @@ class Fairness:
         short. far_only: the first rule alone, at a step that gave slots free to the rows ranked first (max-min
         there too left the light tenants beside two floods 8x their p99 alone in the fairness scenario)."""
         served = self.counters.get(row.tenant, 0.0)
-        far = [t for t in holding if t != row.tenant and holding[t] and self.counters.get(t, 0.0) >= served + cost(row)]
+        far = [t for t in holding if t != row.tenant and holding[t] and self.ahead_by(t, row)]
         if far:
             return max(far, key=lambda t: (holding[t] / weights[t], self.counters.get(t, 0.0)))
         if far_only:
@@ -189,11 +189,12 @@ class Fairness:
         level with the others, is given the whole budget: work-conserving where no one is waiting on it."""
         if self.policy != "vtc":
             return lambda row: budget
-        reach: dict[str, float] = {}
-        for r in rows:
-            reach[r.tenant] = min(reach.get(r.tenant, float("inf")), self.counters.get(r.tenant, 0.0) + cost(r))
-        far = {t for t in reach if any(self.counters.get(t, 0.0) >= c for u, c in reach.items() if u != t)}
+        far = {t for t in {r.tenant for r in rows} if any(r.tenant != t and self.ahead_by(t, r) for r in rows)}
         return lambda row: far_tokens if row.tenant in far else budget
+
+    def ahead_by(self, tenant: str, row: Waiting) -> bool:
+        """`tenant` is far ahead of row's: served more by at least row's whole cost (outranked, prompt_share)."""
+        return self.counters.get(tenant, 0.0) >= self.counters.get(row.tenant, 0.0) + cost(row)
 
     def victims(self, running: list) -> list:
         """Running rows in the order they give up their KV blocks when the cache runs short: the most served tenant's
