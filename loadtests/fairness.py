@@ -2,7 +2,7 @@
 
 Eight tenants by API key share one `manyfold serve` of SmolLM2-135M on 127.0.0.1, each calling its own LoRA
 adapter (q,v rank 8: the tenants scenario's trained adapter, perturbed per tenant) with streamed greedy
-completions of 16 tokens. A closed loop first finds the saturation rate (completed requests/s). Then open-loop
+completions of 16 tokens. A closed loop first finds the saturation rate (requests/s). Then open-loop
 Poisson arrivals, the same seeds in every run: seven light tenants at 70% of saturation in all, alone (baseline),
 then beside an eighth, heavy tenant sending ten times a light tenant's rate, under `batch.fairness: fcfs` and
 then `vtc` (the server restarted between the two: it is a config setting). Per tenant: p50/p99 time to first
@@ -408,7 +408,8 @@ def probe(url: str, callers: list[Caller], prompts: list[str], args: argparse.Na
     """The saturation rate: measured by a closed loop, or as --saturation-rps gives it."""
     if args.saturation_rps is not None:
         return {"completed_rps": args.saturation_rps, "given": True}
-    log(f"saturation probe: closed loop, {args.probe_concurrency} in flight, {args.probe_s:g} s")
+    log(f"saturation probe: closed loop, {args.probe_concurrency} in flight, their starts spread over "
+        f"{args.probe_s / 3:g} s, {args.probe_s:g} s")
     sat = asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
                                  args.timeout, args.seed))
     log(f"saturation {sat['completed_rps']:.2f} req/s ({sat['not_ok']} of {sat['requests']} not ok)")

@@ -10,7 +10,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from loadtests.fairness_load import Caller, plan_arrivals, stream_one
+from loadtests.fairness_load import Caller, plan_arrivals, probe_rate, stream_one
 from loadtests.fairness_report import (
     ALL,
     HEAVY,
@@ -102,6 +102,19 @@ def test_finite_makes_strict_json():
     out = finite({"a": math.inf, "b": [math.nan, 1.0], "c": {"d": 2}})
     assert out == {"a": None, "b": [None, 1.0], "c": {"d": 2}}
     json.dumps(out, allow_nan=False)
+
+
+def test_the_probe_rate_counts_the_tokens_streamed_in_its_window_not_whole_completions():
+    """A wave of requests ending just past the window's start adds its tokens inside the window only, so the rate
+    does not move by a wave with where the window falls."""
+    straddling = [answered("light1", 0.0, 9.5, tokens=4, gap_s=0.25) for _ in range(8)]  # 2 of 4 tokens in [10, 20]
+    inside = [answered("light2", 11.0, 1.0, tokens=4) for _ in range(4)]
+    refused = Record("heavy", 12.0, "429")
+    rate = probe_rate([*straddling, *inside, refused], 10.0, 20.0)
+    assert rate["tokens_per_request"] == 4
+    assert rate["tokens_per_s"] == pytest.approx((8 * 2 + 4 * 4) / 10)
+    assert rate["completed_rps"] == pytest.approx(rate["tokens_per_s"] / 4)
+    assert rate["requests"] == 13 and rate["not_ok"] == 1
 
 
 def test_a_light_tenants_arrivals_are_the_same_with_or_without_the_heavy_one():
