@@ -13,6 +13,7 @@ from serve.engine.generation.decode_batch import DecodeBatch
 from serve.engine.generation.row import NewRow
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Row, Step
+from serve.engine.step.layout import Share
 from serve.engine.types import Embeddings
 from serve.errors import CapacityExceeded, ManyfoldError
 
@@ -82,7 +83,7 @@ class RowGeneration:
         return len(self.batch)
 
     def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row],
-            rank: Callable[[Row], Any] | None = None, share: Callable[[Row], int] | None = None) -> Step:
+            rank: Callable[[Row], Any] | None = None, share: Share | None = None) -> Step:
         rows, failed = [], []
         for r in new:
             try:

@@ -562,8 +562,9 @@ def test_a_tenant_far_ahead_writes_its_share_of_a_steps_prompt_tokens(policy):
     for ahead, shares in ((ROW_COST, (4, 512)), (ROW_COST - 1, (512, 512))):
         fairness.counters.update({"heavy": 100.0 + ahead, "light": 100.0})
         share = fairness.prompt_share([heavy, light, row("light")], 512, 4)
-        assert (share(heavy), share(light)) == (shares if policy == "vtc" else (512, 512))
-    assert fairness.prompt_share([heavy, row("heavy")], 512, 4)(heavy) == 512
+        assert (share(heavy), share(light)) == (("heavy", shares[0] if policy == "vtc" else 512),
+                                                ("light", shares[1] if policy == "vtc" else 512))
+    assert fairness.prompt_share([heavy, row("heavy")], 512, 4)(heavy) == ("heavy", 512)
 
 
 def test_a_prompt_is_written_at_most_its_share_a_step(bases):
@@ -585,7 +586,7 @@ def test_a_prompt_is_written_at_most_its_share_a_step(bases):
                NewRow("heavy", [j % 40 + 3 for j in range(40)], params)]
         first: dict[str, int] = {}
         for step in range(1, 12):
-            out = batch.run(new, share=(lambda tag: share(tag) or 16) if share else None,
+            out = batch.run(new, share=(lambda tag: (tag, share(tag) or 16)) if share else None,
                             rank={"light": 0, "heavy": 1}.get)
             new = []
             for tag, gen in [*batch.rows(), *out.finished]:  # a row may end at its first token
@@ -593,6 +594,35 @@ def test_a_prompt_is_written_at_most_its_share_a_step(bases):
                     first.setdefault(tag, step)
         assert (first.get("heavy"), first.get("light")) == (heavy_first, light_first)
         batch.close()
+
+
+def test_a_tenants_prompts_share_its_allowance_and_a_row_past_it_waits_to_join(bases):
+    """A tenant allowed 4 prompt tokens a step: its first 40-token prompt is written 4 a step and samples at the tenth
+    step; its second, sent with it, is left waiting to join while the first fills the allowance (not admitted to
+    hold a lane unwritten), then written once the first is done. Two of its prompts written at once would each have
+    taken the allowance, and the step twice it."""
+    from serve.config import BatchConfig
+    from serve.engine.generation.decode_batch import DecodeBatch
+    from serve.engine.generation.row import NewRow
+    from serve.engine.model import BaseModelRuntime
+    from serve.engine.types import SamplingParams
+
+    rt = BaseModelRuntime("lm", bases["plain"], batch=BatchConfig(max_batch_size=4, max_step_tokens=64,
+                                                                  max_model_len=96, prefix_caching=False))
+    params = SamplingParams(max_tokens=4)
+    batch = DecodeBatch(rt)
+    rows = {("heavy", i): NewRow(("heavy", i), [(j + i) % 40 + 3 for j in range(40)], params) for i in range(2)}
+    new, first, writing = list(rows.values()), {}, {}
+    for step in range(1, 14):
+        out = batch.run(new, share=lambda tag: (tag[0], 4), rank=lambda tag: tag[1])
+        new = [rows[tag] for tag in out.waiting]
+        writing[step] = [(s.tag[1], s.written) for s in batch.prefilling]
+        for tag, gen in [*batch.rows(), *out.finished]:
+            if gen.token_ids or gen.end_token is not None:
+                first.setdefault(tag, step)
+    assert first == {("heavy", 0): 10}
+    assert [writing[k] for k in (1, 9, 10, 11, 13)] == [[(0, 4)], [(0, 36)], [], [(1, 4)], [(1, 12)]]
+    batch.close()
 
 
 def test_rows_left_waiting_for_the_token_budget_let_another_tenant_out_of_the_queue_but_park_nothing():

@@ -36,7 +36,8 @@ from serve.engine.generation.row import BatchRow, NewRow, prefix_of, register
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
 from serve.engine.generation.sampling import RowSampling, sample_to_host
-from serve.engine.step.layout import Prefill, StepOutput, StepRunner, prompt_chunks, prompt_tokens_ahead
+from serve.engine.step.layout import (Prefill, Share, StepOutput, StepRunner, allowance_spent, prompt_chunks,
+                                      prompt_tokens_ahead)
 from serve.engine.types import Generation
 from serve.errors import BadRequest
 
@@ -88,7 +89,7 @@ class DecodeBatch:
     @torch.no_grad()
     def run(self, new: Sequence[NewRow], abort: Sequence[Any] = (), park: Sequence[Any] = (),
             victims: Sequence[Any] = (), rank: Callable[[Any], Any] | None = None,
-            share: Callable[[Any], int] | None = None) -> Step:
+            share: Share | None = None) -> Step:
         """Drop the rows tagged in abort, park the decoding rows tagged in park, admit new rows that get a variant
         slot, a KV lane and their prompt's blocks, give every decoding row the block its next position needs
         (parking rows, those tagged in victims first, where the cache has too few), then one step for every row;
@@ -108,8 +109,8 @@ class DecodeBatch:
 
         rank(tag): the fairness policy's order of the rows (smaller first; None: admission order). The prompts being
         written share a step's token budget in that order, and a new row is admitted while the prompts ranked
-        before it leave room, so a light tenant's prompt is not written after a flood's long ones. share(tag): at
-        most this many of the row's prompt tokens a step (Fairness.prompt_share)."""
+        before it leave room, so a light tenant's prompt is not written after a flood's long ones. share(tag): the
+        group and the most prompt tokens a step writes of that group's rows (Fairness.prompt_share)."""
         rank = rank or (lambda tag: 0)
         if abort:
             for s in self._all():
@@ -122,7 +123,7 @@ class DecodeBatch:
                 self._read(inflight)
             step.finished += self._drop_finished()
             step.parked = self._park(park)
-        self._admit(new, step, rank)
+        self._admit(new, step, rank, share)
         if self.inflight is not None:
             inflight, self.inflight = self.inflight, None
             if self._continuable(inflight):
@@ -160,7 +161,7 @@ class DecodeBatch:
         if errors:
             raise errors[0]
 
-    def _admit(self, new: Sequence[NewRow], step: Step, rank: Callable[[Any], Any]) -> None:
+    def _admit(self, new: Sequence[NewRow], step: Step, rank: Callable[[Any], Any], share: Share | None) -> None:
         """Each new row that gets a KV lane, the blocks of its prompt and first token (a parked row: of what it had
         written and its next token) and a variant slot starts its prompt, or resumes where it was parked; the others
         are step's waiting (no free lane, blocks or slot) or failed (its attach, alone). Rows come in the fairness
@@ -168,7 +169,8 @@ class DecodeBatch:
         the first), so a long prompt is not passed over for ever by shorter ones. A new row is admitted only while
         the prompts ranked before it leave room in the next step's token budget (what vLLM's scheduler admits): one
         that could not start its prompt would hold its blocks unwritten, and would wait out of the fairness policy's
-        reach. A row left waiting for the budget holds back no row after it: those are ranked by the same policy
+        reach; so is one whose group's prompts being written already fill its allowance (share). A row left waiting for
+        the budget holds back no row after it: those are ranked by the same policy
         and checked against the prompts ranked before them (a flood's long prompt waiting behind its own does not
         keep a light tenant's short one, ranked first, out of the step).
 
@@ -188,7 +190,8 @@ class DecodeBatch:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
-            queued = parked is None and prompt_tokens_ahead(self.prefilling, row.tag, rank) >= budget
+            queued = parked is None and (prompt_tokens_ahead(self.prefilling, row.tag, rank) >= budget
+                                         or share is not None and allowance_spent(self.prefilling, row.tag, share))
             full = not kv.free_lanes or not kv.fits(length, cached)
             step.full = step.full or full
             step.budget = step.budget or queued
@@ -277,7 +280,7 @@ class DecodeBatch:
         if slot is not None:
             self.rt.detach(slot)
 
-    def _launch(self, rank: Callable[[Any], Any], share: Callable[[Any], int] | None) -> "_Launched":
+    def _launch(self, rank: Callable[[Any], Any], share: Share | None) -> "_Launched":
         """One forward: every decoding row's next token and the prefills the token budget allows; its tokens
         sampled on the device and on their way to the host."""
         decoding = dict(sorted(self.decoding.items()))

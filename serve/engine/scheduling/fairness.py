@@ -180,17 +180,19 @@ class Fairness:
             holding[row.tenant] += 1
         return park, new
 
-    def prompt_share(self, rows: list, budget: int, far_tokens: int) -> Callable[[Waiting], int]:
-        """The most prompt tokens a step writes of a row, given the rows in the batch and waiting to join it: under
-        vtc, far_tokens for a row whose tenant is far ahead of another tenant there (served more than it by at
-        least its next row's whole cost, as in outranked), the step's budget for the others. The other tenants'
-        rows wait on every step, and a step that writes a flood's 500-token chunk takes three of their own (the
-        fairness scenario's long-prompts shape: 801 ms steps beside the flood, 258 ms alone). A tenant alone, or
-        level with the others, is given the whole budget: work-conserving where no one is waiting on it."""
+    def prompt_share(self, rows: list, budget: int, far_tokens: int) -> Callable[[Waiting], tuple[str, int]]:
+        """Each row's group (its tenant) and the most prompt tokens a step writes of that tenant's rows in all,
+        given the rows in the batch and waiting to join it: under vtc, far_tokens for a tenant far ahead of another
+        tenant there (served more than it by at least its next row's whole cost, as in outranked), the step's
+        budget for the others. The other tenants' rows wait on every step, and a step that writes a flood's
+        500-token chunk takes three of their own (the fairness scenario's long-prompts shape: 801 ms steps beside
+        the flood, 258 ms alone); by the tenant, not the row, or each of its prompts written at once takes the
+        whole allowance. A tenant alone, or level with the others, is given the
+        whole budget: work-conserving where no one is waiting on it."""
         if self.policy != "vtc":
-            return lambda row: budget
+            return lambda row: (row.tenant, budget)
         far = {t for t in {r.tenant for r in rows} if any(r.tenant != t and self.ahead_by(t, r) for r in rows)}
-        return lambda row: far_tokens if row.tenant in far else budget
+        return lambda row: (row.tenant, far_tokens if row.tenant in far else budget)
 
     def ahead_by(self, tenant: str, row: Waiting) -> bool:
         """`tenant` is far ahead of row's: served more by at least row's whole cost (outranked, prompt_share)."""

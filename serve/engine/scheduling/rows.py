@@ -4,7 +4,7 @@ torch: serve/engine/forwards.py and cache.py implement the seams.
 """
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -125,7 +125,8 @@ class GenerationBatch(Protocol):
     def __len__(self) -> int: ...
 
     def run(self, new: list[Row], gone: list[Row], park: list[Row], victims: list[Row],
-            rank: Callable[[Row], Any] | None = None, share: Callable[[Row], int] | None = None) -> Step: ...
+            rank: Callable[[Row], Any] | None = None,
+            share: Callable[[Row], tuple[Hashable, int]] | None = None) -> Step: ...
 
     def rows(self) -> list[tuple[Row, Generation]]: ...
 

@@ -17,7 +17,7 @@ position) runs eagerly, as does any step on a CPU; the reason is counted.
 """
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,9 @@ from serve.engine.step.invariant import BatchInvariant
 
 CHUNK_ROWS = 8
 """Prompt chunks a fixed-shape step holds at most (its chunk table's rows, and the LM head's rows for them)."""
+Share = Callable[[Any], tuple[Hashable, int]]
+"""share(tag) -> (the group a row's prompt tokens count against, the most prompt tokens a step writes of that group's
+rows in all): a tenant's rows share its allowance (Fairness.prompt_share)."""
 MIN_TOKEN_BUCKET = 16
 """The smallest token bucket of a fixed-shape step's prompt chunks (a power of two up from there)."""
 
@@ -150,21 +153,35 @@ class StepInputs:
 
 
 def prompt_chunks(prefilling: list, budget: int, most: int | None, rank: Callable[[Any], Any],
-                  share: Callable[[Any], int] | None = None) -> list[Prefill]:
+                  share: Share | None = None) -> list[Prefill]:
     """The next chunks of the prompts being written (rows with .prompt, .written, .kv, .params, .tag), in `rank`'s
     order of their tags (the fairness policy's; among equals, theirs), within `budget` tokens (at least one, so a
-    batch of max_step_tokens running rows still admits), `most` chunks (None: any) and share(tag) tokens a row
-    (None: any)."""
+    batch of max_step_tokens running rows still admits), `most` chunks (None: any) and each group's allowance
+    (share; None: any). A row whose group's allowance is spent writes nothing this step: two of a flood's long
+    prompts written at once would each take the allowance, and the step twice it."""
     budget = max(budget, 1)
-    chunks = []
+    chunks, used = [], Counter()
     for s in sorted(prefilling, key=lambda s: rank(s.tag)):
         if budget == 0 or (most is not None and len(chunks) == most):
             break
-        n = min(len(s.prompt) - s.written, budget, max(1, share(s.tag)) if share is not None else budget)
+        n = min(len(s.prompt) - s.written, budget)
+        if share is not None:
+            group, allowed = share(s.tag)
+            n = min(n, max(1, allowed) - used[group])
+            if n <= 0:
+                continue
+            used[group] += n
         chunks.append(Prefill(s, s.kv, s.written, n, s.prompt[s.written:s.written + n],
                               keep_all=s.params.echoes_logprobs, samples=s.written + n == len(s.prompt)))
         budget -= n
     return chunks
+
+
+def allowance_spent(prefilling: list, tag: Any, share: Share) -> bool:
+    """The prompts still being written of `tag`'s share group fill that group's allowance a step: a new row of it
+    would hold its lane and blocks unwritten."""
+    group, allowed = share(tag)
+    return sum(len(s.prompt) - s.written for s in prefilling if share(s.tag)[0] == group) >= max(1, allowed)
 
 
 def prompt_tokens_ahead(prefilling: list, tag: Any, rank: Callable[[Any], Any]) -> int:
