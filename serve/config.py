@@ -56,7 +56,7 @@ class BatchConfig(StrictModel):
     that many before a flood's rows, however the flood stands; 0 is S-LoRA's VTC, which banks nothing."""
     vtc_far_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 16
     """Under vtc, prompt tokens one step writes of the rows of a tenant far ahead of another tenant in the batch
-    (served more by at least that tenant's next row's cost), all its rows together: a flood's long prompts are
+    (served more by more than the credit: vtc_burst_rows + 1 of that tenant's next rows), all its rows together: a flood's long prompts are
     written a little a step, one at a time, so the steps the other tenants' rows wait on stay short. The budget's
     rest stays unused then: latency bought with the far tenant's throughput, never another's. On a CPU a prompt
     token costs about what a decoding row does (SmolLM2, 16 rows decoding: 93 ms a step, 144 ms with 16 prompt

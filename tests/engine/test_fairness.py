@@ -549,17 +549,18 @@ def test_a_light_rows_prompt_is_written_before_a_floods_long_one_in_the_policys_
 
 @pytest.mark.parametrize("policy", ["vtc", "fcfs"])
 def test_a_tenant_far_ahead_writes_its_share_of_a_steps_prompt_tokens(policy):
-    """Under vtc, a flood served more than a light tenant by a light row's cost or more has its prompts written
-    far_tokens a step while the light tenant has a row in the batch or waiting; level with it, or alone, it gets
-    the whole budget. fcfs caps nothing."""
-    fairness = Fairness(policy)
+    """Under vtc, a flood served more than a light tenant by more than the credit (burst_rows + 1 of the light
+    tenant's rows) has its prompts written far_tokens a step while the light tenant has a row in the batch or
+    waiting; within the credit of it, as light tenants lie of each other, or alone, it gets the whole budget. fcfs
+    caps nothing."""
+    fairness = Fairness(policy, burst_rows=2)
 
     def row(tenant: str) -> Row:
         return Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
                    tenant=tenant)
 
     heavy, light = row("heavy"), row("light")
-    for ahead, shares in ((ROW_COST, (4, 512)), (ROW_COST - 1, (512, 512))):
+    for ahead, shares in ((3 * ROW_COST, (4, 512)), (3 * ROW_COST - 1, (512, 512))):
         fairness.counters.update({"heavy": 100.0 + ahead, "light": 100.0})
         share = fairness.prompt_share([heavy, light, row("light")], 512, 4)
         assert (share(heavy), share(light)) == (("heavy", shares[0] if policy == "vtc" else 512),

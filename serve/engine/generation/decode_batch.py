@@ -169,10 +169,10 @@ class DecodeBatch:
         the first), so a long prompt is not passed over for ever by shorter ones. A new row is admitted only while
         the prompts ranked before it leave room in the next step's token budget (what vLLM's scheduler admits): one
         that could not start its prompt would hold its blocks unwritten, and would wait out of the fairness policy's
-        reach; so is one whose group's prompts being written already fill its allowance (share). A row left waiting for
-        the budget holds back no row after it: those are ranked by the same policy
-        and checked against the prompts ranked before them (a flood's long prompt waiting behind its own does not
-        keep a light tenant's short one, ranked first, out of the step).
+        reach; so would one whose group's prompts being written already fill its allowance (share). A row left
+        waiting for the budget holds back no row after it: those are ranked by the same policy and checked against
+        the prompts ranked before them (a flood's long prompt waiting behind its own does not keep a light tenant's
+        short one, ranked first, out of the step).
 
         With prefix caching a new row starts with the cached blocks of its prompt's longest cached prefix (never
         its last token, whose logits it samples from; none for a row echoing its prompt's log probabilities) and

@@ -182,21 +182,25 @@ class Fairness:
 
     def prompt_share(self, rows: list, budget: int, far_tokens: int) -> Callable[[Waiting], tuple[str, int]]:
         """Each row's group (its tenant) and the most prompt tokens a step writes of that tenant's rows in all,
-        given the rows in the batch and waiting to join it: under vtc, far_tokens for a tenant far ahead of another
-        tenant there (served more than it by at least its next row's whole cost, as in outranked), the step's
-        budget for the others. The other tenants' rows wait on every step, and a step that writes a flood's
+        given the rows in the batch and waiting to join it: under vtc, far_tokens for a flood there (a tenant
+        served more than another one's by more than the credit, burst_rows + 1 of that one's next rows), the
+        step's budget for the others. The other tenants' rows wait on every step, and a step that writes a flood's
         500-token chunk takes three of their own (the fairness scenario's long-prompts shape: 801 ms steps beside
-        the flood, 258 ms alone); by the tenant, not the row, or each of its prompts written at once takes the
-        whole allowance. A tenant alone, or level with the others, is given the
-        whole budget: work-conserving where no one is waiting on it."""
+        the flood, 258 ms alone). By the tenant, not the row, or each of its prompts written at once takes the
+        whole allowance; beyond the credit, since light tenants lie within it of each other (one back from idle
+        is lifted to burst_rows below the floor), and one capped for another had its short prompts written over
+        several steps. A tenant alone, or within the credit of the others, is given the whole budget:
+        work-conserving where no one is waiting on it."""
         if self.policy != "vtc":
             return lambda row: (row.tenant, budget)
-        far = {t for t in {r.tenant for r in rows} if any(r.tenant != t and self.ahead_by(t, r) for r in rows)}
+        far = {t for t in {r.tenant for r in rows}
+               if any(r.tenant != t and self.ahead_by(t, r, self.burst_rows + 1) for r in rows)}
         return lambda row: (row.tenant, far_tokens if row.tenant in far else budget)
 
-    def ahead_by(self, tenant: str, row: Waiting) -> bool:
-        """`tenant` is far ahead of row's: served more by at least row's whole cost (outranked, prompt_share)."""
-        return self.counters.get(tenant, 0.0) >= self.counters.get(row.tenant, 0.0) + cost(row)
+    def ahead_by(self, tenant: str, row: Waiting, rows: float = 1) -> bool:
+        """`tenant` is far ahead of row's: served more by at least `rows` times row's whole cost (outranked: one;
+        prompt_share: beyond the credit)."""
+        return self.counters.get(tenant, 0.0) >= self.counters.get(row.tenant, 0.0) + rows * cost(row)
 
     def victims(self, running: list) -> list:
         """Running rows in the order they give up their KV blocks when the cache runs short: the most served tenant's
