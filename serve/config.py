@@ -56,11 +56,12 @@ class BatchConfig(StrictModel):
     that many before a flood's rows, however the flood stands; 0 is S-LoRA's VTC, which banks nothing."""
     vtc_far_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 16
     """Under vtc, prompt tokens one step writes of the rows of a tenant far ahead of another tenant in the batch
-    (served more by more than the credit: vtc_burst_rows + 1 of that tenant's next rows), all its rows together: a flood's long prompts are
-    written a little a step, one at a time, so the steps the other tenants' rows wait on stay short. The budget's
-    rest stays unused then: latency bought with the far tenant's throughput, never another's. On a CPU a prompt
-    token costs about what a decoding row does (SmolLM2, 16 rows decoding: 93 ms a step, 144 ms with 16 prompt
-    tokens, 181 ms with 32); a GPU's step barely grows with a few hundred, and can be given more."""
+    (served more by more than the credit: vtc_burst_rows + 1 of that tenant's next rows), all its rows together:
+    a flood's long prompts are written a little a step, one at a time, so the steps the other tenants' rows wait
+    on stay short. The budget's rest stays unused then: latency bought with the far tenant's throughput, never
+    another's. On a CPU a prompt token costs about what a decoding row does (SmolLM2, 16 rows decoding: 93 ms a
+    step, 144 ms with 16 prompt tokens, 181 ms with 32); a GPU's step barely grows with a few hundred, and can be
+    given more."""
     kv_cache_mib: Annotated[float, Field(gt=0)] | None = None
     """Memory for a causal base's KV cache, allocated once: the blocks it buys are shared by the running rows, each
     holding the blocks its positions fill (serve/engine/kv/store.py). None: the positions of DEFAULT_KV_ROWS rows of
