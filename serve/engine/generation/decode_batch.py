@@ -36,8 +36,7 @@ from serve.engine.generation.row import BatchRow, NewRow, prefix_of, register
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
 from serve.engine.generation.sampling import RowSampling, sample_to_host
-from serve.engine.step.layout import (Prefill, Share, StepOutput, StepRunner, allowance_spent, prompt_chunks,
-                                      prompt_tokens_ahead)
+from serve.engine.step.layout import Prefill, Share, StepOutput, StepRunner, prompt_chunks, prompt_waits
 from serve.engine.types import Generation
 from serve.errors import BadRequest
 
@@ -190,8 +189,7 @@ class DecodeBatch:
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
             length = (parked[0].written if parked is not None else len(row.prompt)) + 1
             seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
-            queued = parked is None and (prompt_tokens_ahead(self.prefilling, row.tag, rank) >= budget
-                                         or share is not None and allowance_spent(self.prefilling, row.tag, share))
+            queued = parked is None and prompt_waits(self.prefilling, row.tag, budget, rank, share)
             full = not kv.free_lanes or not kv.fits(length, cached)
             step.full = step.full or full
             step.budget = step.budget or queued

@@ -177,18 +177,17 @@ def prompt_chunks(prefilling: list, budget: int, most: int | None, rank: Callabl
     return chunks
 
 
-def allowance_spent(prefilling: list, tag: Any, share: Share) -> bool:
-    """The prompts still being written of `tag`'s share group fill that group's allowance a step: a new row of it
-    would hold its lane and blocks unwritten."""
+def prompt_waits(prefilling: list, tag: Any, budget: int, rank: Callable[[Any], Any], share: Share | None) -> bool:
+    """prompt_chunks would write none of a new row tagged `tag` at the next step, so admitted it would hold its lane
+    and blocks unwritten: the prompts still to write of the rows it would follow (ranked before it or with it;
+    among equals, in admission's order) fill `budget`, or those of its share group fill the group's allowance."""
+    at = rank(tag)
+    if sum(len(s.prompt) - s.written for s in prefilling if not at < rank(s.tag)) >= budget:
+        return True
+    if share is None:
+        return False
     group, allowed = share(tag)
     return sum(len(s.prompt) - s.written for s in prefilling if share(s.tag)[0] == group) >= max(1, allowed)
-
-
-def prompt_tokens_ahead(prefilling: list, tag: Any, rank: Callable[[Any], Any]) -> int:
-    """Prompt tokens still to write of the rows a new row tagged `tag` would follow in prompt_chunks' order: those
-    ranked before it or with it (rank: the policy's order; among equals, admission's)."""
-    at = rank(tag)
-    return sum(len(s.prompt) - s.written for s in prefilling if not at < rank(s.tag))
 
 
 def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int,
