@@ -96,6 +96,9 @@ class RowGeneration:
         step.failed += failed
         return step
 
+    def prompt_waits(self, row: Row, rank: Callable[[Row], Any], share: Share | None) -> bool:
+        return self.batch.prompt_waits(row, rank, share)
+
     def rows(self) -> list[tuple[Row, Any]]:
         return self.batch.rows()
 

@@ -35,6 +35,9 @@ class Batch:
     def __len__(self) -> int:
         return len(self.running)
 
+    def prompt_waits(self, row: Row, rank, share) -> bool:
+        return False  # a step here writes every prompt at once
+
     def run(self, new: list[Row], gone: list[Row], park: list[Row] = (), victims: list[Row] = (),
             rank=None, share=None) -> Step:
         step = Step()
@@ -237,6 +240,59 @@ def test_a_tenant_back_from_idle_is_lifted_to_the_floor_less_its_credit(burst_ro
                                  "regular": 990.0 if burst_rows else 1000.0}
 
 
+def test_a_tenant_back_from_idle_is_not_lifted_above_a_tenant_whose_rows_are_running():
+    """The floor is the least served of the tenants with rows waiting or running: with a flood the only tenant
+    waiting, a light tenant back from idle is lifted no higher than the credit below a light tenant whose row runs
+    (lifted to the flood's counter, its rows would rank after every running light tenant's)."""
+    fairness = Fairness("vtc", burst_rows=2)
+    rows = {t: Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=t)
+            for t in ("heavy", "running", "back")}
+    fairness.arrive(rows["heavy"])
+    fairness.arrive(rows["running"])
+    fairness.admit(rows["running"])  # it runs: nothing of its tenant waits
+    fairness.counters.update({"heavy": 2000.0, "running": 100.0, "back": 10.0})
+    fairness.arrive(rows["back"])
+    assert fairness.counters["back"] == 100.0 - 2 * ROW_COST
+    fairness.leave(rows["running"])
+    fairness.leave(rows["back"])
+    later = Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant="back")
+    fairness.arrive(later)  # the flood is the only other tenant left: lifted to it
+    assert fairness.counters["back"] == 2000.0 - 2 * ROW_COST
+
+
+def test_a_row_whose_prompt_would_wait_leaves_its_free_slot_to_the_next():
+    """One slot free; the flood's rows rank first, but their prompts would wait for the one it is writing (its share
+    of the step spent): the slot goes to the light tenant's row ranked after them, not to a flood row that would
+    leave it empty for the step."""
+    from serve.engine.scheduling.generating import Generating, Generations
+
+    class Writing(Batch):
+        def prompt_waits(self, row: Row, rank, share) -> bool:
+            return share(row)[0] == "heavy"
+
+    fairness = Fairness("vtc")
+    fairness.counters.update({"heavy": 0.0, "light": 500.0})
+    generations = Generations(BatchConfig(max_batch_size=SLOTS, fairness="vtc"), Forwards(Trace()), None, fairness,
+                              latencies={}, tenant_waits={}, batch_sizes=None, seconds=None, preemptions=Counter(),
+                              let_in=None, pull=None, spawn=None, finish=None, fail=None, shut_out=None, stepped=None)
+    batch = Writing(Trace())
+    for _ in range(SLOTS - 1):
+        batch.running[Row("generate", "base", None, ([0], SamplingParams(max_tokens=MAX_TOKENS)), None,
+                          tenant="other")] = Generation()
+    pending = [Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=t)
+               for t in ("heavy", "heavy", "light")]
+    for r in pending:
+        fairness.arrive(r)
+    g = Generating(batch, pending=list(pending))
+    assert generations._next_rows(g, lambda row: (row.tenant, 16)) == pending[2:]
+    assert g.pending == pending[:2]
+    batch.prompt_waits = lambda row, rank, share: False  # the flood's prompt written: its rows go first again
+    g.pending.append(Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                         tenant="light"))
+    fairness.arrive(g.pending[-1])
+    assert generations._next_rows(g, lambda row: (row.tenant, 16)) == pending[:1]
+
+
 @pytest.mark.parametrize("ahead", [2 * ROW_COST, 1.0])
 def test_a_flood_far_ahead_gives_up_a_slot_even_holding_only_its_share(ahead):
     """Every slot taken, two by a light tenant's rows, two by a flood's; the light tenant's third row waits. Served
@@ -427,7 +483,7 @@ def test_rows_taken_and_left_waiting_are_not_charged_until_they_join():
     for r in heavy:
         fairness.arrive(r)
     g = Generating(Batch(Trace()), pending=list(heavy))
-    new = generations._next_rows(g)
+    new = generations._next_rows(g, lambda row: (row.tenant, 1 << 20))
     assert new == heavy and not fairness.counters.get("heavy") and fairness.waiting == Counter({"heavy": 2})
     generations._after_step(g, new, Step(waiting=[heavy[1]]), [], joining=0.0)
     assert g.running == heavy[:1] and g.pending == heavy[1:]
@@ -492,7 +548,7 @@ def test_rows_waiting_beyond_the_free_slots_park_a_floods_rows(served):
     batch.running = {r: Generation(prompt_tokens=PROMPT) for r in heavy}
     light, other = row("light", decoding=False), row("other", decoding=False)
     g = Generating(batch, pending=[light, other, row("heavy", decoding=False)], running=list(heavy))
-    joining = generations._next_rows(g)
+    joining = generations._next_rows(g, lambda row: (row.tenant, 1 << 20))
     assert joining == [light]
     if served["heavy"] > served["other"]:
         assert generations._preempt(g, joining) == ([heavy[-1]], [other])

@@ -160,6 +160,13 @@ class DecodeBatch:
         if errors:
             raise errors[0]
 
+    def prompt_waits(self, tag: Any, rank: Callable[[Any], Any], share: Share | None) -> bool:
+        """A new row tagged `tag` would wait at the next step for the prompts being written (_admit's test; a parked
+        row's prompt is written): the scheduler passes it over when it gives out the free slots."""
+        if any(p[0].tag is tag for p in self.parked):
+            return False
+        return prompt_waits(self.prefilling, tag, self.rt.max_step_tokens - len(self.decoding), rank, share)
+
     def _admit(self, new: Sequence[NewRow], step: Step, rank: Callable[[Any], Any], share: Share | None) -> None:
         """Each new row that gets a KV lane, the blocks of its prompt and first token (a parked row: of what it had
         written and its next token) and a variant slot starts its prompt, or resumes where it was parked; the others

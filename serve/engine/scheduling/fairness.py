@@ -7,13 +7,13 @@ VTC keeps one counter per tenant: the tokens it has been served, prompt tokens a
 tokens at OUTPUT_WEIGHT (S-LoRA's w_p = 1, w_q = 2: a generated token costs a decode step, a prompt token a share of
 one), divided by the tenant's weight. The next row is the oldest one of the waiting tenant with the smallest
 counter; its prompt is charged when it joins a batch, its tokens as they are generated. A tenant that starts
-waiting again after a spell with nothing waiting is lifted to the smallest counter of those waiting (with none
-waiting, to the counter of the last tenant whose wait ended) less `burst_rows` of its arriving row's cost: S-LoRA
-lifts to the smallest counter itself, which banks nothing, and then a light tenant whose few requests arrive
-together, as Poisson arrivals do, competes with a flood at the flood's level and waits for it row for row (the
-fairness scenario's light p99 was 4-5x its figure alone). Banked, but bounded: a tenant back from idle goes at
-most burst_rows rows ahead of the others, it does not take the engine over. Work-conserving: the policy only orders
-rows (and parks them); a tenant alone is given every row it sends.
+waiting again after a spell with nothing waiting is lifted to the smallest counter of the other tenants with rows
+waiting or running (with none, to the counter of the last tenant whose wait ended) less `burst_rows` of its arriving
+row's cost: S-LoRA lifts to the smallest counter of those waiting itself, which banks nothing, and then a light
+tenant whose few requests arrive together, as Poisson arrivals do, competes with a flood at the flood's level and
+waits for it row for row (the fairness scenario's light p99 was 4-5x its figure alone). Banked, but bounded: a
+tenant back from idle goes at most burst_rows rows ahead of the others, it does not take the engine over.
+Work-conserving: the policy only orders rows (and parks them); a tenant alone is given every row it sends.
 
 S-LoRA's Theorem 4.4: two tenants backlogged over an interval are served within 2U weighted tokens of each other,
 U = max(PROMPT_WEIGHT * L_input + OUTPUT_WEIGHT * M) over the interval's rows, M the tokens a batch holds; with
@@ -62,20 +62,29 @@ class Fairness:
     """Each tenant's weighted tokens served (VTC's c_i); kept for fcfs too, for the same figures."""
     waiting: Counter[str] = field(default_factory=Counter)
     """Rows of each tenant not yet in a batch (nor answered)."""
+    open: Counter[str] = field(default_factory=Counter)
+    """Rows of each tenant not yet answered, waiting or running: the tenants a tenant back from idle is lifted
+    against."""
     _last: float = 0.0
     """The counter of the last tenant whose rows all joined a batch (VTC's l)."""
     _seq: Iterator[int] = field(default_factory=count)
 
     def arrive(self, row: Waiting) -> None:
         """A row starts waiting: numbered in arrival order; its tenant lifted if it had nothing waiting, to the
-        floor less burst_rows of this row's cost."""
+        floor less burst_rows of this row's cost. The floor is the least served of the other tenants with rows
+        waiting or running (none: the last whose wait ended), not of those waiting alone: with a flood the only
+        tenant waiting, a light tenant back from idle was lifted to the flood's counter less the credit, above the
+        light tenants whose rows were running, and its rows then ranked after all of theirs and were parked for
+        them (a flood's 1,000-token prompt, charged as its row joined, put it 1,300 tokens above them: 14 s
+        to join)."""
         row.seq = next(self._seq)
         t = row.tenant
         if not self.waiting[t]:
-            active = [self.counters.get(u, 0.0) for u, n in self.waiting.items() if n]
+            active = [self.counters.get(u, 0.0) for u, n in self.open.items() if n and u != t]
             floor = min(active) if active else self._last
             self.counters[t] = max(self.counters.get(t, 0.0), floor - self.burst_rows * cost(row))
         self.waiting[t] += 1
+        self.open[t] += 1
 
     def admit(self, row: Waiting) -> None:
         """The row joins a batch (or an encoder forward): its prompt is charged and it waits no more."""
@@ -86,10 +95,14 @@ class Fairness:
         self._stop_waiting(row)
 
     def leave(self, row: Waiting) -> None:
-        """The row is answered without joining a batch (refused, failed, its caller gone): nothing to charge."""
+        """The row is answered (once), whether it ran or not: refused, failed or its caller gone before it joined a
+        batch, it is charged nothing."""
         if not row.charged:
             row.charged = True
             self._stop_waiting(row)
+        self.open[row.tenant] -= 1
+        if not self.open[row.tenant]:
+            del self.open[row.tenant]
 
     def served(self, row: Waiting, tokens: int) -> None:
         """The row was given `tokens` more generated tokens."""

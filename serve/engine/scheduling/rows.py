@@ -128,6 +128,10 @@ class GenerationBatch(Protocol):
             rank: Callable[[Row], Any] | None = None,
             share: Callable[[Row], tuple[Hashable, int]] | None = None) -> Step: ...
 
+    def prompt_waits(self, row: Row, rank: Callable[[Row], Any],
+                     share: Callable[[Row], tuple[Hashable, int]] | None) -> bool:
+        """A new row would wait at the next step for the prompts being written (DecodeBatch.prompt_waits)."""
+
     def rows(self) -> list[tuple[Row, Generation]]: ...
 
     def close(self) -> None: ...
