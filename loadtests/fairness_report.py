@@ -13,8 +13,10 @@ import json
 import math
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from serve.bench.report import percentile
 
@@ -254,15 +256,20 @@ def plot(report: dict, path: Path) -> None:
 def write_report(report: dict, out: Path) -> dict:
     """The table on stdout, then OUT.json (non-finite figures as null) and OUT.png."""
     print_table(report)
+    write_figures(report, out, plot)
+    return report
+
+
+def write_figures(data: dict | list, out: Path, draw: Callable[[Any, Path], None]) -> None:
+    """OUT.json (non-finite figures as null), then OUT.png as `draw` plots it, where matplotlib is installed."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(finite(report), indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(finite(data), indent=1) + "\n")
     try:
-        plot(report, out.with_suffix(".png"))
+        draw(data, out.with_suffix(".png"))
     except ImportError:
         print(f"wrote {out.with_suffix('.json')}; no PNG: matplotlib is not installed (the `loadtest` extra)")
-        return report
+        return
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
-    return report
 
 
 def shape_rows(reports: list[dict]) -> list[dict]:
@@ -336,16 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = shape_rows(reports)
     print_shapes(rows)
-    if args.out is None:
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(finite(rows), indent=1) + "\n")
-    try:
-        plot_shapes(rows, args.out.with_suffix(".png"))
-    except ImportError:
-        print(f"wrote {args.out.with_suffix('.json')}; no PNG: matplotlib is not installed (the `loadtest` extra)")
-        return 0
-    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    if args.out is not None:
+        write_figures(rows, args.out, plot_shapes)
     return 0
 
 
