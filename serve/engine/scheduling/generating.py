@@ -185,9 +185,8 @@ class Generations:
         """The rows that join the batch at this step, in the fairness policy's order, passing over those whose
         prompts would wait for the prompts being written (their group's allowance spent, or the step's budget
         filled by the prompts ranked before them): given a free slot, such a row leaves it empty for the step,
-        and a row ranked after it waits. A flood's long prompts, charged when their rows joined, ranked its next
-        rows first and took every free slot, step after step, while a light tenant's short prompt waited for the
-        flood's to be written (the fairness scenario's long-prompts shape: light rows 4.7 s on average to join)."""
+        and a row ranked after it waits. A flood of long prompts, its next rows ranked first, took every free slot
+        step after step while its prompt was written, and a light tenant's short one waited for it."""
         ready = [r for r in g.pending if not g.batch.prompt_waits(r, self.fairness.key, share)]
         new = self.fairness.take(ready, max(0, self.config.max_batch_size - len(g.batch)))[0]
         taken = {id(r) for r in new}
