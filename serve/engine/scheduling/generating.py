@@ -187,8 +187,11 @@ class Generations:
         filled by the prompts ranked before them): given a free slot, such a row leaves it empty for the step,
         and a row ranked after it waits. A flood of long prompts, its next rows ranked first, took every free slot
         step after step while its prompt was written, and a light tenant's short one waited for it."""
+        free = max(0, self.config.max_batch_size - len(g.batch))
+        if not free:  # a full batch, the common case under load: no row's prompt need be checked
+            return []
         ready = [r for r in g.pending if not g.batch.prompt_waits(r, self.fairness.key, share)]
-        new = self.fairness.take(ready, max(0, self.config.max_batch_size - len(g.batch)))[0]
+        new = self.fairness.take(ready, free)[0]
         taken = {id(r) for r in new}
         g.pending = [r for r in g.pending if id(r) not in taken]
         return new
