@@ -4,14 +4,14 @@ Eight tenants by API key share one `manyfold serve` of SmolLM2-135M on 127.0.0.1
 adapter (q,v rank 8: the tenants scenario's trained adapter, perturbed per tenant) with streamed greedy
 completions of 16 tokens. A closed loop first finds the saturation rate (requests/s). Then open-loop
 Poisson arrivals, the same seeds in every run: seven light tenants at 70% of saturation in all, alone (baseline),
-then beside an eighth, heavy tenant sending ten times a light tenant's rate, under `batch.fairness: fcfs` and
-then `vtc` (the server restarted between the two: it is a config setting). Per tenant: p50/p99 time to first
+and beside an eighth, heavy tenant sending ten times a light tenant's rate, under `batch.fairness: fcfs` and
+`vtc` (a server each: it is a config setting). Per tenant: p50/p99 time to first
 token, tokens/s served, requests ok / 429 / errors / timed out; each run's total tokens/s; each tenant's tokens
 received per second; and, from the server's per-tenant waits (/metrics), where the light and the heavy rows
 waited: to join a running batch, then from there to their first token. The checks: VTC's light p99 TTFT against
-the baseline's (goal <= 2x), VTC's total tokens/s against FCFS's (goal >= 0.95x); with --repeats N (each run N
-times, in turn, on the same servers, each repeat's arrivals its own) the light ratio's median (goal <= 2x) and worst
-(goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png.
+the baseline's (goal <= 2x), VTC's total tokens/s against FCFS's (goal >= 0.95x); with --repeats N (each repeat's
+runs on servers of their own, its VTC run just before its baseline, each repeat's arrivals its own) the light
+ratio's median (goal <= 2x) and worst (goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png.
 
 --shape picks the load beside the light tenants (issue 62): `flood` (the above), `light-bursts` (light1 sends its
 share in bursts of 5 at once), `long-prompts` (the heavy tenant's prompts are 1,000-token news articles),
@@ -83,8 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenario", choices=["fairness"], default="fairness")
     p.add_argument("--shape", choices=sorted(SHAPES), default="flood", help="; ".join(
         f"{name}: {shape.text}" for name, shape in SHAPES.items()))
-    p.add_argument("--repeats", type=int, default=1, help="the runs measured this many times on the same servers, "
-                   "in turn, repeat k's arrivals drawn from seed + k - 1; the checks take the median and the worst")
+    p.add_argument("--repeats", type=int, default=1, help="the runs measured this many times, each repeat on servers "
+                   "of its own (server_turns), repeat k's arrivals drawn from seed + k - 1; the checks take the "
+                   "median and the worst")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (each run then waits "
                    "at most --timeout for what is in flight)")
     p.add_argument("--runs", default=",".join(RUNS), help="of baseline,fcfs,vtc (the checks need all three)")
@@ -340,9 +341,21 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
             "preemptions": int(d.get("preemptions", 0))}
 
 
+def server_turns(runs: list[str], repeats: int) -> list[tuple[int, str, list[str]]]:
+    """(repeat, batch.fairness, its runs) in the order they are measured, each on a server of its own: a repeat's
+    VTC run first, then its baseline and FCFS runs on a fresh FCFS server. A repeat's runs follow each other, and
+    its VTC run and its baseline are minutes apart, not the whole of the other repeats (the light p99 near
+    saturation moves with the machine's speed, which drifts over half an hour); every VTC run starts from counters
+    of its own, not the last repeat's."""
+    settings = {"vtc": "vtc", "baseline": "fcfs", "fcfs": "fcfs"}
+    order = [r for r in ("vtc", "baseline", "fcfs") if r in runs]
+    return [(k, fairness, [r for r in order if settings[r] == fairness])
+            for k in range(repeats) for fairness in dict.fromkeys(settings[r] for r in order)]
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Build (cached), then one server per fairness setting in turn: probe on the first, measure its runs
-    (--repeats times, in turn)."""
+    """Build (cached), then for each repeat one server per fairness setting in turn (server_turns): probe on the
+    first, measure its runs."""
     from serve.bench.report import machine
 
     args = parse_args(argv)
@@ -353,13 +366,12 @@ def main(argv: list[str] | None = None) -> dict:
     long_prompts = news_prompts(shape.heavy_prompt_tokens) if shape.heavy_prompt_tokens else []
     names = (*LIGHT_TENANTS, *shape.heavy)
     callers = [Caller(t, secrets.token_urlsafe(24), model_of(t)) for t in names]
-    settings = {"baseline": "fcfs", "fcfs": "fcfs", "vtc": "vtc"}
     repeats: list[dict] = [{} for _ in range(args.repeats)]
     configs, sat, rates = {}, None, {}
-    for fairness in dict.fromkeys(settings[r] for r in args.runs):
+    for k, fairness, names_run in server_turns(args.runs, args.repeats):
         config = server_config(store, free_port(), callers, fairness, args.max_batch)
         configs[fairness] = config
-        log(f"starting manyfold serve, batch.fairness {fairness}")
+        log(f"repeat {k + 1} of {args.repeats}: starting manyfold serve, batch.fairness {fairness}")
         with Server(config, args.start_timeout) as url:
             warm(url, callers, prompts[0])
             if sat is None:
@@ -370,11 +382,9 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"warm-up: the probe's closed loop again, {args.probe_s:g} s")
                 asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
                                        args.timeout, args.seed))
-            for k, runs in enumerate(repeats):
-                for name in [r for r in args.runs if settings[r] == fairness]:
-                    log(f"repeat {k + 1} of {args.repeats}")
-                    runs[name] = measure(name, url, callers, rates, prompts, args, shape, long_prompts,
-                                         args.seed + k)
+            for name in names_run:
+                repeats[k][name] = measure(name, url, callers, rates, prompts, args, shape, long_prompts,
+                                           args.seed + k)
         log("server stopped")
     per_repeat = [checks(runs) for runs in repeats]
     middle = sorted(range(args.repeats), key=lambda k: per_repeat[k]["vtc_light_p99_over_baseline"])[
