@@ -1,4 +1,4 @@
-"""Where a store's bytes live: a local directory or object storage (s3://, gs://, file://), through obstore.
+"""Where a store's bytes live: a local directory or object storage (s3://, gs://, az://, file://), through obstore.
 
 A store writes objects that never change once written:
     objects/<sha256>                      a file's bytes, named by their digest (the same bytes twice: one object)
@@ -12,11 +12,12 @@ obstore over s3fs (`manyfold bench objects`: both against moto's S3 server on lo
 a 64 MB get in 0.087 s against 0.269, 200 gets of 4 KB in 0.50 s against 1.61 (s3fs batched), 200 small puts
 0.63 against 0.89, the 64 MB put 0.56 against 0.46; both refuse a put-if-absent on an existing key, obstore with
 a typed AlreadyExistsError; one API for S3, GCS, Azure, local directories and memory. The endpoint comes from
-AWS_ENDPOINT_URL and the credentials from the standard AWS variables (obstore reads them). With none of them set, an
-s3:// store is refused before any request, naming what was looked for: obstore would otherwise ask the cloud's
-instance-metadata service, which off EC2 is a wait and an address nobody meant; MANYFOLD_S3_INSTANCE_METADATA=1 lets
-it. A request is retried for at most RETRY_S, and what object storage answers (a missing bucket, a denial, no
-answer) is one line naming the URL (StoreUnreachable).
+AWS_ENDPOINT_URL and the credentials from each cloud's standard variables (obstore reads them). With none of them
+set, an s3://, gs:// or az:// store is refused before any request, naming what was looked for (check_credentials):
+obstore would otherwise ask the cloud's instance-metadata service, which off the cloud is a wait and an address
+nobody meant; MANYFOLD_S3_INSTANCE_METADATA=1 (MANYFOLD_GCS_..., MANYFOLD_AZURE_...) lets it. A request is
+retried for at most RETRY_S, and what object storage answers (a missing bucket, a denial, no answer) is one line
+naming the URL (StoreUnreachable).
 """
 
 import hashlib
@@ -25,6 +26,7 @@ import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
@@ -44,24 +46,80 @@ MIB = 1 << 20
 RETRY_S = 10.0
 """How long a request to object storage is retried (5xx answers, connections refused or dropped) before it fails:
 obstore's default of three minutes would hold a command, or a request's variant load, that long."""
-INSTANCE_METADATA = "MANYFOLD_S3_INSTANCE_METADATA"
 S3_CREDENTIALS = (("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"), ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN"),
                   ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",), ("AWS_CONTAINER_CREDENTIALS_FULL_URI",))
 """The credential sources obstore reads for S3, each a set of variables that must all be set (files are named by
 the variables, and ~/.aws is not read)."""
+GCS_ADC = Path(".config/gcloud/application_default_credentials.json")
+"""gcloud's application default credentials under $HOME, which obstore reads for GCS when no variable names any."""
 
 
-def check_s3_credentials(location: str) -> None:
-    """ConfigError naming what was looked for when no S3 credential source is set, anonymous access is not asked
-    for (AWS_SKIP_SIGNATURE) and the instance-metadata service is not allowed (INSTANCE_METADATA=1)."""
-    env = os.environ
-    if any(all(env.get(v) for v in source) for source in S3_CREDENTIALS) or env.get(INSTANCE_METADATA) == "1" or \
-            env.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true"):
+@dataclass(frozen=True)
+class Cloud:
+    """What obstore reads for one scheme's credentials, and the variables that let it go without them."""
+
+    name: str
+    sources: tuple[tuple[str, ...], ...]
+    """Each a set of variables that must all be set."""
+    anonymous: str
+    """The variable asking for unsigned requests (a public bucket)."""
+    metadata: str
+    """The variable letting obstore ask this machine's instance-metadata service, its fallback with no source."""
+    where: str
+    """Where that service answers."""
+    files: tuple[Path, ...] = ()
+    """Credential files obstore reads under $HOME."""
+    unread: str = ""
+    """What the error says obstore does not read, where a user would expect it to."""
+
+
+CLOUDS = {
+    "s3://": Cloud("S3", S3_CREDENTIALS, "AWS_SKIP_SIGNATURE", "MANYFOLD_S3_INSTANCE_METADATA", "on EC2",
+                  unread=" (~/.aws is not read)"),
+    "gs://": Cloud("GCS", (("GOOGLE_SERVICE_ACCOUNT",), ("GOOGLE_SERVICE_ACCOUNT_PATH",),
+                           ("GOOGLE_SERVICE_ACCOUNT_KEY",), ("GOOGLE_APPLICATION_CREDENTIALS",),
+                           ("GOOGLE_BEARER_TOKEN",)),
+                   "GOOGLE_SKIP_SIGNATURE", "MANYFOLD_GCS_INSTANCE_METADATA", "on GCE or GKE", (GCS_ADC,)),
+    "az://": Cloud("Azure", (("AZURE_STORAGE_ACCOUNT_KEY",), ("AZURE_STORAGE_SAS_TOKEN",), ("AZURE_STORAGE_TOKEN",),
+                             ("AZURE_CLIENT_ID", "AZURE_CLIENT_SECRET", "AZURE_TENANT_ID"),
+                             ("AZURE_CLIENT_ID", "AZURE_FEDERATED_TOKEN_FILE", "AZURE_TENANT_ID"),
+                             ("AZURE_USE_AZURE_CLI",), ("AZURE_STORAGE_USE_EMULATOR",)),
+                   "AZURE_SKIP_SIGNATURE", "MANYFOLD_AZURE_INSTANCE_METADATA", "on an Azure VM"),
+}
+"""By scheme."""
+SPELLINGS = {"AZURE_STORAGE_ACCOUNT_KEY": ("AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_MASTER_KEY"),
+             "AZURE_STORAGE_SAS_TOKEN": ("AZURE_STORAGE_SAS_KEY",),
+             "AZURE_CLIENT_ID": ("AZURE_STORAGE_CLIENT_ID",),
+             "AZURE_CLIENT_SECRET": ("AZURE_STORAGE_CLIENT_SECRET",),
+             "AZURE_TENANT_ID": ("AZURE_STORAGE_TENANT_ID", "AZURE_AUTHORITY_ID", "AZURE_STORAGE_AUTHORITY_ID")}
+"""The other names obstore reads a variable by: a source is named by its first, and any of them counts."""
+
+
+def _set(name: str) -> bool:
+    """A variable is set: a flag (unsigned requests, the CLI, the emulator, the metadata service) when 1 or true."""
+    value = os.environ.get(name, "")
+    if name.endswith(("_SKIP_SIGNATURE", "_USE_AZURE_CLI", "_USE_EMULATOR", "_INSTANCE_METADATA")):
+        return value.lower() in ("1", "true")
+    return bool(value)
+
+
+def check_credentials(location: str) -> None:
+    """ConfigError naming what was looked for when a cloud store has no credential source set, unsigned requests
+    are not asked for and the instance-metadata service is not allowed: obstore's fallback would ask that service,
+    which off the cloud is a wait and an address nobody meant. A file:// or memory:// store needs none."""
+    cloud = next((c for scheme, c in CLOUDS.items() if location.startswith(scheme)), None)
+    if cloud is None:
         return
-    looked = "; ".join(" and ".join(source) for source in S3_CREDENTIALS)
-    raise ConfigError(f"store {location}: no S3 credentials: set {looked} (~/.aws is not read), or "
-                      f"AWS_SKIP_SIGNATURE=true for a public bucket, or {INSTANCE_METADATA}=1 to ask this machine's "
-                      f"instance-metadata service (on EC2)")
+    home = Path(os.environ.get("HOME", "~")).expanduser()
+    found = any(all(any(_set(v) for v in (name, *SPELLINGS.get(name, ()))) for name in source)
+                for source in cloud.sources)
+    if found or _set(cloud.anonymous) or _set(cloud.metadata) or any((home / f).is_file() for f in cloud.files):
+        return
+    looked = "; ".join(" and ".join(source) for source in cloud.sources)
+    files = "".join(f", or ~/{f}" for f in cloud.files) + cloud.unread
+    raise ConfigError(f"store {location}: no {cloud.name} credentials: set {looked}{files}, or {cloud.anonymous}=true "
+                      f"for a public bucket, or {cloud.metadata}=1 to ask this machine's instance-metadata service "
+                      f"({cloud.where})")
 
 
 @contextmanager
@@ -114,8 +172,7 @@ class Objects:
                                   f"{', '.join(SCHEMES)}")
             if self.location.startswith("file://"):  # created if missing, as a local path is: obstore opens none
                 Path(url2pathname(urlparse(self.location).path)).mkdir(parents=True, exist_ok=True)
-            if self.location.startswith("s3://"):
-                check_s3_credentials(self.location)
+            check_credentials(self.location)
             options = {}
             if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://"):
                 options["client_options"] = {"allow_http": True}

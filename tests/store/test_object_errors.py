@@ -1,7 +1,7 @@
 """What an operator sees when object storage cannot be used, through `manyfold store list --store s3://...` against
 the S3 server on loopback: one line naming the URL and a non-zero exit for each way it fails (no credentials, a
 bucket that does not exist, a denial, an endpoint that does not answer), and no request to the instance-metadata
-service unless the operator allows it (MANYFOLD_S3_INSTANCE_METADATA=1)."""
+service unless the operator allows it (MANYFOLD_S3_INSTANCE_METADATA=1; gs:// and az:// stores alike)."""
 
 import os
 import socket
@@ -70,6 +70,19 @@ def test_no_credentials_is_one_line_naming_what_was_looked_for_and_asks_no_metad
                          **dict.fromkeys(CREDENTIALS))
     assert allowed.returncode != 0 and allowed.stderr.count("\n") == 1, allowed.stderr  # still no credentials
     assert metadata.connections > 0  # asked, as allowed: the listener stands where the service would
+
+
+@pytest.mark.parametrize("url,cloud,flag", [
+    ("gs://manyfold-bucket/store", "GCS", "MANYFOLD_GCS_INSTANCE_METADATA"),
+    ("az://manyfold-container/store", "Azure", "MANYFOLD_AZURE_INSTANCE_METADATA"),
+])
+def test_a_gcs_or_azure_store_without_credentials_is_refused_before_any_request(url, cloud, flag, metadata, tmp_path):
+    """obstore's fallback for these is the cloud's own metadata service, at an address no loopback listener stands
+    in for: the refusal comes before the store is opened, so nothing is asked at all."""
+    unset = [k for k in os.environ if k.startswith(("GOOGLE_", "AZURE_"))]
+    proc = store_list(url, metadata, HOME=str(tmp_path), **dict.fromkeys(unset))
+    one_line(proc, 2, f"store {url}: no {cloud} credentials: set ")
+    assert f"{flag}=1" in proc.stderr
 
 
 def test_a_bucket_that_does_not_exist_is_one_line(s3_server, metadata):
