@@ -30,15 +30,21 @@ from typing import Any
 import torch
 
 from serve.engine import faults
-from serve.engine.step.batch import RowSlot
 from serve.engine.generation.detokenize import Detokenizer
 from serve.engine.generation.row import BatchRow, NewRow, prefix_of, register
+from serve.engine.generation.sampling import RowSampling, sample_to_host
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
-from serve.engine.generation.sampling import RowSampling, sample_to_host
-from serve.engine.step.layout import Prefill, Share, StepOutput, StepRunner, prompt_chunks, prompt_waits
+from serve.engine.step.batch import RowSlot
+from serve.engine.step.layout import (
+    Prefill,
+    Share,
+    StepOutput,
+    StepRunner,
+    prompt_chunks,
+    prompt_waits,
+)
 from serve.engine.types import Generation
-from serve.errors import BadRequest
 
 
 @dataclass(eq=False)
@@ -376,20 +382,7 @@ class DecodeBatch:
                   if s.params.logprobs is not None and s.params.max_tokens > 0 and s.failed is None]
         contexts = {i: seqs[i].context() for i in asking}  # before this token
         for s, tok in zip(seqs, chosen):
-            s.next_token = tok
-            try:
-                if s.grammar is not None and not s.grammar.accept(tok):  # its mask left it no token
-                    raise BadRequest(f"structured output: after {len(s.gen.token_ids)} tokens the grammar allows no "
-                                     f"token of this model's vocabulary")
-                s.done = self.text.advance(s, tok)
-                if not s.done and s.grammar is not None and s.grammar.complete:  # its end token, ignored (ignore_eos)
-                    s.gen.finish_reason, s.done = "stop", True
-                    self.text.flush(s)
-            except Exception as e:  # this row's text alone: it leaves with the error, the batch goes on
-                s.failed, s.done = e, True
-            if not s.done and s.written >= self.rt.kv.positions:  # its context is full (the engine's checks forbid it)
-                s.gen.finish_reason, s.done = "length", True
-                self.text.flush(s)
+            s.take(tok, self.text, self.rt.kv.positions)
         for k in sorted({seqs[i].params.logprobs for i in asking}):
             idx = [i for i in asking if seqs[i].params.logprobs == k]
             rows = torch.tensor([at[i] for i in idx], dtype=torch.long, device=logits.device)

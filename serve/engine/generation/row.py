@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
-from serve.engine.generation.detokenize import RowText
+from serve.engine.generation.detokenize import Detokenizer, RowText
 from serve.engine.generation.grammars import RowGrammar
 from serve.engine.generation.sampling import RowSampling
 from serve.engine.kv.blocks import chain, prefix_seed, tenant_key
 from serve.engine.kv.store import KVStore
 from serve.engine.step.batch import RowSlot
 from serve.engine.types import SamplingParams
+from serve.errors import BadRequest
 from serve.variants.base import LoadedVariant
 
 
@@ -74,6 +75,25 @@ class BatchRow(RowText):
         ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
         return cls.after(row.prompt, p, name, rng=rng, tag=row.tag, slot=slot, kv=kv, prompt=list(row.prompt),
                          grammar=grammar, end_ids=ends, order=order)
+
+    def take(self, tok: int, text: Detokenizer, positions: int) -> None:
+        """Its sampled token: fed back at the next step, its text advanced (text.advance: an end token, a stop
+        string, max_tokens), its grammar moved on, and done where either ends it or its context (positions) is
+        full. An error here is this row's alone: it leaves with it (failed), the batch goes on."""
+        self.next_token = tok
+        try:
+            if self.grammar is not None and not self.grammar.accept(tok):  # its mask left it no token
+                raise BadRequest(f"structured output: after {len(self.gen.token_ids)} tokens the grammar allows no "
+                                 f"token of this model's vocabulary")
+            self.done = text.advance(self, tok)
+            if not self.done and self.grammar is not None and self.grammar.complete:  # its end token, ignored
+                self.gen.finish_reason, self.done = "stop", True
+                text.flush(self)
+        except Exception as e:
+            self.failed, self.done = e, True
+        if not self.done and self.written >= positions:  # its context is full (the engine's checks forbid it)
+            self.gen.finish_reason, self.done = "length", True
+            text.flush(self)
 
     def sampling(self) -> RowSampling:
         return RowSampling(self.params, self.rng, self.prompt, self.gen.token_ids, self.end_ids, self.grammar)
