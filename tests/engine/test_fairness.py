@@ -607,8 +607,8 @@ def test_a_light_rows_prompt_is_written_before_a_floods_long_one_in_the_policys_
 def test_a_tenant_far_ahead_writes_its_share_of_a_steps_prompt_tokens(policy):
     """Under vtc, a flood served more than a light tenant by more than the credit (burst_rows + 1 of the light
     tenant's rows) has its prompts written far_tokens a step while the light tenant has a row in the batch or
-    waiting; within the credit of it, as light tenants lie of each other, or alone, it gets the whole budget. fcfs
-    caps nothing."""
+    waiting, and none at a step that writes the light tenant's prompt (its own prompt does not count); within the
+    credit of it, as light tenants lie of each other, or alone, it gets the whole budget. fcfs caps nothing."""
     fairness = Fairness(policy, burst_rows=2)
 
     def row(tenant: str) -> Row:
@@ -621,7 +621,55 @@ def test_a_tenant_far_ahead_writes_its_share_of_a_steps_prompt_tokens(policy):
         share = fairness.prompt_share([heavy, light, row("light")], 512, 4)
         assert (share(heavy), share(light)) == (("heavy", shares[0] if policy == "vtc" else 512),
                                                 ("light", shares[1] if policy == "vtc" else 512))
-    assert fairness.prompt_share([heavy, row("heavy")], 512, 4)(heavy) == ("heavy", 512)
+        writes_light = fairness.prompt_share([heavy, light, row("light")], 512, 4, writing=[heavy, light])
+        far = policy == "vtc" and shares[0] == 4
+        assert writes_light(heavy) == ("heavy", 0 if far else share(heavy)[1])  # a step writing a light prompt
+        assert writes_light(light) == share(light)
+    assert fairness.prompt_share([heavy, row("heavy")], 512, 4, writing=[heavy])(heavy) == ("heavy", 512)
+
+
+def test_a_flood_far_ahead_writes_no_prompt_at_a_step_writing_a_light_rows_prompt():
+    """The step a light row joins writes its prompt, and its first token comes from that step: a flood far ahead
+    writes none of its own prompt there, nor at a step writing the prompt of a light row already in the batch, and
+    goes on at the next step, when the light rows only decode."""
+    from serve.engine.scheduling.generating import Generating, Generations
+
+    fairness = Fairness("vtc", burst_rows=2)
+    config = BatchConfig(max_batch_size=SLOTS, fairness="vtc", max_step_tokens=64, vtc_far_prompt_tokens=4)
+    generations = Generations(config, Forwards(Trace()), None, fairness, latencies={}, tenant_waits={},
+                              batch_sizes=None, seconds=None, preemptions=Counter(), let_in=None, pull=None,
+                              spawn=None, finish=None, fail=None, shut_out=None, stepped=None)
+    rows = {name: Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                      tenant=name.rstrip("0123456789")) for name in ("heavy", "light1", "light2")}
+    fairness.counters.update({"heavy": 100.0 + 3 * ROW_COST, "light": 100.0})
+    g = Generating(Batch(Trace()), running=[rows["heavy"], rows["light1"]], pending=[rows["light2"]])
+    rows["light1"].tokens_seen = 3  # decoding; the flood's row is still writing its prompt
+    assert generations._share(g, [])(rows["heavy"]) == ("heavy", 4)
+    g.pending = []
+    assert generations._share(g, [rows["light2"]])(rows["heavy"]) == ("heavy", 0)  # light2 joins
+    assert generations._share(g, [rows["light2"]])(rows["light2"]) == ("light", 64)
+    rows["light1"].tokens_seen = 0  # in the batch, its prompt still being written
+    assert generations._share(g, [])(rows["heavy"]) == ("heavy", 0)
+    rows["light1"].parked, rows["light1"].tokens_seen = True, 3  # parked and resuming: its prompt is written
+    assert generations._share(g, [rows["light1"]])(rows["heavy"]) == ("heavy", 4)
+
+
+def test_a_group_allowed_no_prompt_tokens_writes_none_and_its_new_rows_wait():
+    """An allowance of 0 (a flood at a step writing a light row's prompt) writes nothing of that group, and a new
+    row of it would wait; the other group's prompt is written whole."""
+    from types import SimpleNamespace
+
+    from serve.engine.step.layout import prompt_chunks, prompt_waits
+
+    def prefilling(tag: str, length: int):
+        return SimpleNamespace(tag=tag, prompt=[1] * length, written=0, kv=0, params=SamplingParams(max_tokens=1))
+
+    rows = [prefilling("heavy", 100), prefilling("light", 10)]
+    share = {"heavy": ("heavy", 0), "light": ("light", 64)}.get
+    chunks = prompt_chunks(rows, 64, None, {"light": 0, "heavy": 1}.get, share)
+    assert [(c.row.tag, c.length) for c in chunks] == [("light", 10)]
+    assert prompt_waits(rows[1:], "heavy", 64, {"light": 0, "heavy": 1}.get, share)
+    assert not prompt_waits(rows[:1], "light", 64, {"light": 0, "heavy": 1}.get, share)
 
 
 def test_a_prompt_is_written_at_most_its_share_a_step(bases):

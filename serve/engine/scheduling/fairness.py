@@ -25,7 +25,7 @@ Per replica: each replica orders its own rows (Ray Serve spreads a tenant's requ
 
 import asyncio
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Literal, Protocol
@@ -193,22 +193,28 @@ class Fairness:
             holding[row.tenant] += 1
         return park, new
 
-    def prompt_share(self, rows: list, budget: int, far_tokens: int) -> Callable[[Waiting], tuple[str, int]]:
+    def prompt_share(self, rows: list, budget: int, far_tokens: int, writing: Collection = ()
+                     ) -> Callable[[Waiting], tuple[str, int]]:
         """Each row's group (its tenant) and the most prompt tokens a step writes of that tenant's rows in all,
         given the rows in the batch and waiting to join it: under vtc, far_tokens for a flood there (a tenant
-        served more than another one's by more than the credit, burst_rows + 1 of that one's next rows), the
-        step's budget for the others. The other tenants' rows wait on every step, and a step that writes a flood's
-        500-token chunk takes three of their own (the fairness scenario's long-prompts shape: 801 ms steps beside
-        the flood, 258 ms alone). By the tenant, not the row, or each of its prompts written at once takes the
-        whole allowance; beyond the credit, since light tenants lie within it of each other (one back from idle
-        is lifted to burst_rows below the floor), and one capped for another had its short prompts written over
-        several steps. A tenant alone, or within the credit of the others, is given the whole budget:
-        work-conserving where no one is waiting on it."""
+        served more than another one's by more than the credit, burst_rows + 1 of that one's next rows), none in a
+        step that writes the prompt of a row of a tenant it is that far ahead of (writing: the step's rows with a
+        prompt to write), the step's budget for the others. The other tenants' rows wait on every step, and a step
+        that writes a flood's 500-token chunk takes three of their own (the fairness scenario's long-prompts
+        shape: 801 ms steps beside the flood, 258 ms alone); a light row's first token comes from the step that
+        writes its prompt, and a flood's 16 tokens beside it made that step a third longer on a CPU (184 ms
+        alone), so the flood's prompt goes on at the next step without one. By the tenant, not the row, or each
+        of its prompts written at once takes the whole allowance; beyond the credit, since light tenants lie
+        within it of each other (one back from idle is lifted to burst_rows below the floor), and one capped for
+        another had its short prompts written over several steps. A tenant alone, or within the credit of the
+        others, is given the whole budget: work-conserving where no one is waiting on it."""
         if self.policy != "vtc":
             return lambda row: (row.tenant, budget)
-        far = {t for t in {r.tenant for r in rows}
-               if any(r.tenant != t and self.ahead_by(t, r, self.burst_rows + 1) for r in rows)}
-        return lambda row: (row.tenant, far_tokens if row.tenant in far else budget)
+        allowed, writing_now = {}, {id(r) for r in writing}
+        for t in {r.tenant for r in rows}:
+            behind = [r for r in rows if r.tenant != t and self.ahead_by(t, r, self.burst_rows + 1)]
+            allowed[t] = budget if not behind else 0 if any(id(r) in writing_now for r in behind) else far_tokens
+        return lambda row: (row.tenant, allowed.get(row.tenant, budget))
 
     def ahead_by(self, tenant: str, row: Waiting, rows: float = 1) -> bool:
         """`tenant` is far ahead of row's: served more by at least `rows` times row's whole cost (outranked: one;

@@ -115,11 +115,10 @@ class Generations:
                 holding = self._crowded(g, len(g.pending), budget=True)
                 if holding is not None:
                     self.pull(base, g, holding)
-                share = self.fairness.prompt_share([*g.running, *g.pending], self.config.max_step_tokens,
-                                                   self.config.vtc_far_prompt_tokens)
-                new = self._next_rows(g, share)
+                new = self._next_rows(g, self._share(g))
                 park, parked_for = self._preempt(g, new)
                 new += parked_for
+                share = self._share(g, new)
                 if ended is not None:
                     self.seconds.add("scheduling", time.perf_counter() - ended)
                 joining = time.monotonic()
@@ -180,6 +179,15 @@ class Generations:
         for row in new:
             g.pending.remove(row)
         return park, new
+
+    def _share(self, g: Generating, new: list[Row] | None = None) -> Callable[[Row], tuple[str, int]]:
+        """Each row's group and prompt-token allowance at this step (Fairness.prompt_share), given the rows joining
+        it (new; None: before they are chosen), whose prompts it writes, and the batch's rows still writing
+        theirs."""
+        new = new or []
+        writing = [r for r in [*g.running, *new] if not r.parked and not r.tokens_seen]
+        return self.fairness.prompt_share([*g.running, *new, *g.pending], self.config.max_step_tokens,
+                                          self.config.vtc_far_prompt_tokens, writing)
 
     def _next_rows(self, g: Generating, share: Callable[[Row], tuple[str, int]]) -> list[Row]:
         """The rows that join the batch at this step, in the fairness policy's order, passing over those whose

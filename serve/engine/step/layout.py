@@ -167,7 +167,7 @@ def prompt_chunks(prefilling: list, budget: int, most: int | None, rank: Callabl
         n = min(len(s.prompt) - s.written, budget)
         if share is not None:
             group, allowed = share(s.tag)
-            n = min(n, max(1, allowed) - used[group])
+            n = min(n, allowed - used[group])
             if n <= 0:
                 continue
             used[group] += n
@@ -187,7 +187,7 @@ def prompt_waits(prefilling: list, tag: Any, budget: int, rank: Callable[[Any], 
     if share is None:
         return False
     group, allowed = share(tag)
-    return sum(len(s.prompt) - s.written for s in prefilling if share(s.tag)[0] == group) >= max(1, allowed)
+    return sum(len(s.prompt) - s.written for s in prefilling if share(s.tag)[0] == group) >= allowed
 
 
 def lay_out(decoding: dict[int, Any], prefills: list[Prefill], bucket: int, scratch: int, pad_id: int,
