@@ -3,15 +3,15 @@
 Eight tenants by API key share one `manyfold serve` of SmolLM2-135M on 127.0.0.1, each calling its own LoRA
 adapter (q,v rank 8: the tenants scenario's trained adapter, perturbed per tenant) with streamed greedy
 completions of 16 tokens. A closed loop first finds the saturation rate (requests/s). Then open-loop
-Poisson arrivals, the same seeds in every run: seven light tenants at 70% of saturation in all, alone (baseline),
-and beside an eighth, heavy tenant sending ten times a light tenant's rate, under `batch.fairness: fcfs` and
-`vtc` (a server each: it is a config setting). Per tenant: p50/p99 time to first
-token, tokens/s served, requests ok / 429 / errors / timed out; each run's total tokens/s; each tenant's tokens
-received per second; and, from the server's per-tenant waits (/metrics), where the light and the heavy rows
-waited: to join a running batch, then from there to their first token. The checks: VTC's light p99 TTFT against
-the baseline's (goal <= 2x), VTC's total tokens/s against FCFS's (goal >= 0.95x); with --repeats N (each repeat's
-runs on servers of their own, its VTC run just before its baseline, each repeat's arrivals its own) the light
-ratio's median (goal <= 2x) and worst (goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png.
+Poisson arrivals, the same seeds in every run: seven light tenants at 70% of saturation in all, alone (baseline,
+under VTC: SETTINGS), and beside an eighth, heavy tenant sending ten times a light tenant's rate, under
+`batch.fairness: vtc` and `fcfs` (every run on a server of its own). Per tenant: p50/p99 time to first token,
+tokens/s served, requests ok / 429 / errors / timed out; each run's total tokens/s; each tenant's tokens received
+per second; and, from the server's per-tenant waits (/metrics), where the light and the heavy rows waited: to join a
+running batch, then from there to their first token. The checks: VTC's light p99 TTFT against the baseline's (goal
+<= 2x), VTC's total tokens/s against FCFS's (goal >= 0.95x); with --repeats N (each repeat's runs in turn, its VTC
+run just before its baseline, each repeat's arrivals its own: server_turns) the light ratio's median (goal <= 2x)
+and worst (goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png.
 
 --shape picks the load beside the light tenants (issue 62): `flood` (the above), `light-bursts` (light1 sends its
 share in bursts of 5 at once), `long-prompts` (the heavy tenant's prompts are 1,000-token news articles),
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenario", choices=["fairness"], default="fairness")
     p.add_argument("--shape", choices=sorted(SHAPES), default="flood", help="; ".join(
         f"{name}: {shape.text}" for name, shape in SHAPES.items()))
-    p.add_argument("--repeats", type=int, default=1, help="the runs measured this many times, each repeat on servers "
+    p.add_argument("--repeats", type=int, default=1, help="the runs measured this many times, each run on a server "
                    "of its own (server_turns), repeat k's arrivals drawn from seed + k - 1; the checks take the "
                    "median and the worst")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (each run then waits "
@@ -148,9 +148,9 @@ def model_of(tenant: str) -> str:
 
 def server_config(store: Path, port: int, callers: list[Caller], fairness: str, max_batch: int) -> dict:
     """What `manyfold serve --config` reads: the tenants by key digest, each allowed its own adapter alone. Prefix
-    caching off: a repeat's baseline and FCFS runs send the same prompts to one server, and the FCFS run read the
-    light tenants' prompts from the cache the baseline left (a block of 16 tokens of each, a third of its prompt
-    tokens), which the VTC run, on its own server, computed: the scenario compares the order rows are served in."""
+    caching off: when a repeat's baseline and FCFS runs shared a server, the FCFS run read the light tenants'
+    prompts from the cache the baseline left (a block of 16 tokens of each, a third of its prompt tokens), which
+    the VTC run, on its own server, computed: the scenario compares the order rows are served in."""
     from serve.config import ServeConfig, key_digest
 
     config = {"store": str(store), "host": "127.0.0.1", "port": port, "drain_timeout_s": 5,
@@ -341,21 +341,25 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
             "preemptions": int(d.get("preemptions", 0))}
 
 
-def server_turns(runs: list[str], repeats: int) -> list[tuple[int, str, list[str]]]:
-    """(repeat, batch.fairness, its runs) in the order they are measured, each on a server of its own: a repeat's
-    VTC run first, then its baseline and FCFS runs on a fresh FCFS server. A repeat's runs follow each other, and
-    its VTC run and its baseline are minutes apart, not the whole of the other repeats (the light p99 near
-    saturation moves with the machine's speed, which drifts over half an hour); every VTC run starts from counters
-    of its own, not the last repeat's."""
-    settings = {"vtc": "vtc", "baseline": "fcfs", "fcfs": "fcfs"}
-    order = [r for r in ("vtc", "baseline", "fcfs") if r in runs]
-    return [(k, fairness, [r for r in order if settings[r] == fairness])
-            for k in range(repeats) for fairness in dict.fromkeys(settings[r] for r in order)]
+SETTINGS = {"vtc": "vtc", "baseline": "vtc", "fcfs": "fcfs"}
+"""Each run's batch.fairness. The light tenants alone run under VTC, the server's default and the policy under
+test: the ratio is what the heavy tenants cost them. Alone under FCFS (as up to 0097634), a light tenant whose
+Poisson arrivals bunched was served in turn with the others; under VTC its later rows go after theirs, so beside
+the flood that tenant's rows made the pooled p99 (the other tenants' p99s stayed near their alone figures)."""
+
+
+def server_turns(runs: list[str], repeats: int) -> list[tuple[int, str, str]]:
+    """(repeat, run, its batch.fairness) in the order they are measured, each run on a server of its own: a
+    repeat's VTC run, then its baseline, then its FCFS run. A repeat's runs follow each other, so its VTC run and
+    its baseline are minutes apart, not the whole of the other repeats (the light p99 near saturation moves with
+    the machine's speed, which drifts over half an hour); and each starts from VTC's counters at zero, not from
+    what another run left (a flood back from idle after a baseline would be lifted, with its 1,000-token rows'
+    credit, below the light tenants the baseline served)."""
+    return [(k, name, SETTINGS[name]) for k in range(repeats) for name in ("vtc", "baseline", "fcfs") if name in runs]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Build (cached), then for each repeat one server per fairness setting in turn (server_turns): probe on the
-    first, measure its runs."""
+    """Build (cached), then each run on a server of its own, in turn (server_turns): probe on the first."""
     from serve.bench.report import machine
 
     args = parse_args(argv)
@@ -368,10 +372,10 @@ def main(argv: list[str] | None = None) -> dict:
     callers = [Caller(t, secrets.token_urlsafe(24), model_of(t)) for t in names]
     repeats: list[dict] = [{} for _ in range(args.repeats)]
     configs, sat, rates = {}, None, {}
-    for k, fairness, names_run in server_turns(args.runs, args.repeats):
+    for k, name, fairness in server_turns(args.runs, args.repeats):
         config = server_config(store, free_port(), callers, fairness, args.max_batch)
         configs[fairness] = config
-        log(f"repeat {k + 1} of {args.repeats}: starting manyfold serve, batch.fairness {fairness}")
+        log(f"repeat {k + 1} of {args.repeats}, {name}: starting manyfold serve, batch.fairness {fairness}")
         with Server(config, args.start_timeout) as url:
             warm(url, callers, prompts[0])
             if sat is None:
@@ -382,9 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"warm-up: the probe's closed loop again, {args.probe_s:g} s")
                 asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
                                        args.timeout, args.seed))
-            for name in names_run:
-                repeats[k][name] = measure(name, url, callers, rates, prompts, args, shape, long_prompts,
-                                           args.seed + k)
+            repeats[k][name] = measure(name, url, callers, rates, prompts, args, shape, long_prompts, args.seed + k)
         log("server stopped")
     per_repeat = [checks(runs) for runs in repeats]
     middle = sorted(range(args.repeats), key=lambda k: per_repeat[k]["vtc_light_p99_over_baseline"])[

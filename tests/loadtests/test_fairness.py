@@ -154,14 +154,16 @@ def test_repeats_are_judged_at_their_median_and_their_worst():
     assert not repeat_checks([run(1.5, 0.97), run(3.1, 0.96), run(1.9, 1.0)])["light_p99_ok"]  # the worst, over 3
     assert not repeat_checks([run(2.1, 0.97), run(2.2, 0.96), run(1.9, 1.0)])["light_p99_ok"]  # the median, over 2
     assert repeat_checks([run(1.5, 0.97), run(math.nan, 1.0)])["light_p99_ok"] is None  # a run missing
+    no_fcfs = repeat_checks([run(1.5, math.nan), run(2.5, math.nan)])  # --runs baseline,vtc
+    assert (no_fcfs["light_p99_median"], no_fcfs["light_p99_worst"], no_fcfs["light_p99_ok"]) == (2.0, 2.5, True)
+    assert math.isnan(no_fcfs["total_median"]) and no_fcfs["total_ok"] is None
 
 
-def test_each_repeat_runs_on_fresh_servers_its_vtc_run_next_to_its_baseline():
+def test_each_run_has_a_fresh_server_and_a_repeats_vtc_run_comes_next_to_its_baseline_under_vtc():
     turns = server_turns(["baseline", "fcfs", "vtc"], 3)
-    assert [(k, fairness) for k, fairness, _ in turns] == [(k, f) for k in range(3) for f in ("vtc", "fcfs")]
-    runs = [(k, name) for k, _, names in turns for name in names]
-    assert runs == [(k, name) for k in range(3) for name in ("vtc", "baseline", "fcfs")]
-    assert server_turns(["vtc"], 2) == [(0, "vtc", ["vtc"]), (1, "vtc", ["vtc"])]
+    assert turns == [(k, name, policy) for k in range(3)
+                     for name, policy in (("vtc", "vtc"), ("baseline", "vtc"), ("fcfs", "fcfs"))]
+    assert server_turns(["vtc"], 2) == [(0, "vtc", "vtc"), (1, "vtc", "vtc")]
 
 
 def test_every_tenant_named_heavy_is_pooled_apart_from_the_light_ones():
