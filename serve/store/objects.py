@@ -110,10 +110,9 @@ def check_credentials(location: str) -> None:
     cloud = next((c for scheme, c in CLOUDS.items() if location.startswith(scheme)), None)
     if cloud is None:
         return
-    home = Path(os.environ.get("HOME", "~")).expanduser()
     found = any(all(any(_set(v) for v in (name, *SPELLINGS.get(name, ()))) for name in source)
                 for source in cloud.sources)
-    if found or _set(cloud.anonymous) or _set(cloud.metadata) or any((home / f).is_file() for f in cloud.files):
+    if found or _set(cloud.anonymous) or _set(cloud.metadata) or any((Path.home() / f).is_file() for f in cloud.files):
         return
     looked = "; ".join(" and ".join(source) for source in cloud.sources)
     files = "".join(f", or ~/{f}" for f in cloud.files) + cloud.unread

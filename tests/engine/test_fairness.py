@@ -284,13 +284,13 @@ def test_a_row_whose_prompt_would_wait_leaves_its_free_slot_to_the_next():
     for r in pending:
         fairness.arrive(r)
     g = Generating(batch, pending=list(pending))
-    assert generations._next_rows(g, lambda row: (row.tenant, 16)) == pending[2:]
+    assert generations._next_rows(g) == pending[2:]
     assert g.pending == pending[:2]
     batch.prompt_waits = lambda row, rank, share: False  # the flood's prompt written: its rows go first again
     g.pending.append(Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
                          tenant="light"))
     fairness.arrive(g.pending[-1])
-    assert generations._next_rows(g, lambda row: (row.tenant, 16)) == pending[:1]
+    assert generations._next_rows(g) == pending[:1]
 
 
 @pytest.mark.parametrize("ahead", [2 * ROW_COST, 1.0])
@@ -483,7 +483,7 @@ def test_rows_taken_and_left_waiting_are_not_charged_until_they_join():
     for r in heavy:
         fairness.arrive(r)
     g = Generating(Batch(Trace()), pending=list(heavy))
-    new = generations._next_rows(g, lambda row: (row.tenant, 1 << 20))
+    new = generations._next_rows(g)
     assert new == heavy and not fairness.counters.get("heavy") and fairness.waiting == Counter({"heavy": 2})
     generations._after_step(g, new, Step(waiting=[heavy[1]]), [], joining=0.0)
     assert g.running == heavy[:1] and g.pending == heavy[1:]
@@ -548,7 +548,7 @@ def test_rows_waiting_beyond_the_free_slots_park_a_floods_rows(served):
     batch.running = {r: Generation(prompt_tokens=PROMPT) for r in heavy}
     light, other = row("light", decoding=False), row("other", decoding=False)
     g = Generating(batch, pending=[light, other, row("heavy", decoding=False)], running=list(heavy))
-    joining = generations._next_rows(g, lambda row: (row.tenant, 1 << 20))
+    joining = generations._next_rows(g)
     assert joining == [light]
     if served["heavy"] > served["other"]:
         assert generations._preempt(g, joining) == ([heavy[-1]], [other])

@@ -36,14 +36,7 @@ from serve.engine.generation.sampling import RowSampling, sample_to_host
 from serve.engine.model import BaseModelRuntime
 from serve.engine.scheduling.rows import Step
 from serve.engine.step.batch import RowSlot
-from serve.engine.step.layout import (
-    Prefill,
-    Share,
-    StepOutput,
-    StepRunner,
-    prompt_chunks,
-    prompt_waits,
-)
+from serve.engine.step.layout import Prefill, Share, StepOutput, StepRunner, prompt_chunks, prompt_waits
 from serve.engine.types import Generation
 
 

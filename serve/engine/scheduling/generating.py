@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,7 +115,7 @@ class Generations:
                 holding = self._crowded(g, len(g.pending), budget=True)
                 if holding is not None:
                     self.pull(base, g, holding)
-                new = self._next_rows(g, self._share(g))
+                new = self._next_rows(g)
                 park, parked_for = self._preempt(g, new)
                 new += parked_for
                 share = self._share(g, new)
@@ -180,16 +180,15 @@ class Generations:
             g.pending.remove(row)
         return park, new
 
-    def _share(self, g: Generating, new: list[Row] | None = None) -> Callable[[Row], tuple[str, int]]:
+    def _share(self, g: Generating, new: Sequence[Row] = ()) -> Callable[[Row], tuple[str, int]]:
         """Each row's group and prompt-token allowance at this step (Fairness.prompt_share), given the rows joining
-        it (new; None: before they are chosen), whose prompts it writes, and the batch's rows still writing
+        it (new; none before they are chosen), whose prompts it writes, and the batch's rows still writing
         theirs."""
-        new = new or []
         writing = [r for r in [*g.running, *new] if not r.parked and not r.tokens_seen]
         return self.fairness.prompt_share([*g.running, *new, *g.pending], self.config.max_step_tokens,
                                           self.config.vtc_far_prompt_tokens, writing)
 
-    def _next_rows(self, g: Generating, share: Callable[[Row], tuple[str, int]]) -> list[Row]:
+    def _next_rows(self, g: Generating) -> list[Row]:
         """The rows that join the batch at this step, in the fairness policy's order, passing over those whose
         prompts would wait for the prompts being written (their group's allowance spent, or the step's budget
         filled by the prompts ranked before them): given a free slot, such a row leaves it empty for the step,
@@ -198,6 +197,7 @@ class Generations:
         free = max(0, self.config.max_batch_size - len(g.batch))
         if not free:  # a full batch, the common case under load: no row's prompt need be checked
             return []
+        share = self._share(g)
         ready = [r for r in g.pending if not g.batch.prompt_waits(r, self.fairness.key, share)]
         new = self.fairness.take(ready, free)[0]
         taken = {id(r) for r in new}
