@@ -6,6 +6,7 @@ The model is a tiny random Llama with SmolLM2's real tokenizer: what it writes i
 and validates does so because every token was sampled under the constraint's grammar."""
 
 import json
+import threading
 from typing import Literal
 
 import pytest
@@ -230,15 +231,24 @@ def test_a_bad_input_is_refused_in_one_line_and_nothing_runs(client, body, statu
     assert steps_run(client) == steps
 
 
-def test_a_compile_past_the_bound_is_a_400_and_the_grammar_is_kept_once_compiled(client):
+def test_a_compile_past_the_bound_is_a_400_and_the_grammar_is_kept_once_compiled(client, monkeypatch):
+    """The compile is held until the request has its answer: on a loaded machine the worker thread could finish
+    it before the bound of a microsecond was even checked."""
     grammars = client.engine.grammars[MODEL]
-    bound = grammars.config
+    bound, compile_, release = grammars.config, grammars._compile, threading.Event()
+
+    def held(key):
+        release.wait(60)
+        return compile_(key)
+
+    monkeypatch.setattr(grammars, "_compile", held)
     grammars.config = bound.model_copy(update={"compile_timeout_s": 1e-6})
     try:
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 4,
                                                  "guided_regex": "[a-f]{3}z"})
     finally:
         grammars.config = bound
+        release.set()
     assert (r.status_code, r.json()["error"]["message"]) == (
         400, "structured output (regex): compiling its grammar took longer than 1e-06 s")
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 4,
