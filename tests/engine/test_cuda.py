@@ -4,6 +4,7 @@ the bf16 base's answers. Tiny models only (run with the device tool; tests/engin
 matrix on CUDA there too)."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -160,6 +161,44 @@ def test_a_pool_that_grows_recaptures_and_keeps_every_answer(store_root):
     rows = [("lm-lora", "the cat sat"), ("lm-lora8", "a big red dog"), ("lm-pissa", "one two three")]
     assert _generate(eng, rows) == _generate(eager, rows)
     assert pool.version != version and first == _generate(eager, [("lm-lora", "the cat sat")])
+
+
+def test_a_capture_holds_while_another_thread_allocates_and_copies_onto_the_device(store_root):
+    """The cache's copier moves variants onto the device on its own thread while the compute thread may be capturing
+    a step: here, inside the first capture, another thread allocates a new segment and copies into it (events order
+    it). The capture holds and the step answers as the eager engine; a step that failed so was seen on an H200."""
+    eng = Engine(ServeConfig(store=store_root, device="cuda"))
+    eager = Engine(ServeConfig(store=store_root, device="cuda", engine={"cuda_graphs": "off"}))
+    model = eng.bases["lm"].model
+    capturing, copied, errors = threading.Event(), threading.Event(), []
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and not capturing.is_set():
+            capturing.set()
+            assert copied.wait(60), "the other thread's copy did not finish"
+        return original(*args, **kwargs)
+
+    def copy():
+        try:
+            if capturing.wait(60):
+                host = torch.ones(1 << 28, dtype=torch.uint8, pin_memory=True)
+                torch.empty((1 << 30) + (1 << 28), dtype=torch.uint8, device="cuda")[: 1 << 28].copy_(host)
+        except Exception as e:  # kept for the assertion below, which names it
+            errors.append(e)
+        finally:
+            copied.set()
+
+    model.forward = forward
+    other = threading.Thread(target=copy)
+    other.start()
+    rows = [("lm-lora", "the cat sat"), ("lm-pissa", "a big red dog"), ("lm", "one two three")]
+    try:
+        assert _generate(eng, rows) == _generate(eager, rows)
+    finally:
+        capturing.set()
+        other.join()
+    assert not errors and set(eng.bases["lm"].step_counts) == {"graphed"}
 
 
 def test_every_kinds_log_probabilities_on_cuda_pass_against_transformers_in_fp32(tmp_path):

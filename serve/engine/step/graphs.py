@@ -124,7 +124,10 @@ class StepGraphs:
     def _capture(self, key: tuple, plan: BatchPlan, inputs, packed: torch.Tensor) -> _Graph:
         """Warm up on a side stream (Triton compiles, the allocator settles), capture, and replay once (capture
         runs nothing). Warming up writes the step's own keys and values where the step writes them: the same.
-        The plan's families have prepared their maps (no host copy may run inside a capture)."""
+        The plan's families have prepared their maps (no host copy may run inside a capture). The capture errs only
+        on this thread's unsafe calls ("thread_local"): under the default, "global", the cache's copier moving a
+        variant onto the device (an allocation, a copy) while a step captures invalidated the capture and failed the
+        step (seen on an H200; vLLM captures so too)."""
         rt = self.rt
         for stale in [k for k in self.graphs if k[:3] == key[:3]]:  # the same buckets and families, old addresses
             del self.graphs[stale]
@@ -148,7 +151,7 @@ class StepGraphs:
         torch.cuda.current_stream(rt.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
-        with rt.corrections.planned(plan), torch.cuda.graph(graph, pool=self.pool):
+        with rt.corrections.planned(plan), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = forward()
         graph.replay()
         torch.cuda.synchronize(rt.device)
