@@ -140,7 +140,8 @@ def hf_step_ms(model, rows: int, context: int, repeats: int, device: torch.devic
 
 def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: int, bandwidth: float | None,
                 rows_list=ROWS, profile: bool = False, neuzip: bool = True) -> list[dict]:
-    """profile: the adapters' step at the most rows also profiled (its entry's "profile"); neuzip: on CUDA, the
+    """profile: the adapters' and the four kinds' steps at the most rows also profiled (its entry's "profile" and
+    "profile_kinds"); neuzip: on CUDA, the
     same rows on the base held as NeuZip (neuzip_step), whose compression runs on the host first."""
     from transformers import AutoModelForCausalLM
 
@@ -164,19 +165,19 @@ def bench_steps(model_dir: Path, device: torch.device, context: int, repeats: in
     for rows in rows_list:
         mixed = [(None, adapters[i], fulls[i % 2])[i % 3] for i in range(rows)]
         kinds = [(None, wide[i // 4], fulls[(i // 4) % 2], tasks[(i // 4) % 3])[i % 4] for i in range(rows)]
-        kernels = [] if profile and rows == most else None
+        kernels, kinds_kernels = ([], []) if profile and rows == most else (None, None)
         entry = {"rows": rows, "context": context, "floor_ms": floor_ms(rt, rows, context, bandwidth),
                  "transformers_ms": hf_step_ms(plain, rows, context, repeats, device),
                  "engine_base_ms": engine_step_ms(rt, [None] * rows, context, repeats, rows),
                  "engine_lora_ms": engine_step_ms(rt, adapters[:rows], context, repeats, rows, kernels),
                  "engine_mixed_ms": engine_step_ms(rt, mixed, context, repeats, rows),
-                 "engine_kinds_ms": engine_step_ms(rt, kinds, context, repeats, rows),
+                 "engine_kinds_ms": engine_step_ms(rt, kinds, context, repeats, rows, kinds_kernels),
                  "kinds_floor_ms": floor_ms(rt, rows, context, bandwidth, kinds)}
         rows_out.append(entry)
         print(f"  {rows} rows: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in entry.items()})}",
               flush=True)
         if kernels is not None:
-            entry["profile"] = kernels
+            entry["profile"], entry["profile_kinds"] = kernels, kinds_kernels
     steps = dict(rt.step_counts)
     if device.type == "cuda" and neuzip:
         rows_out[-1]["neuzip"] = neuzip_step(model_dir, rt, adapters[:most], context, repeats, rows_out[-1])
@@ -269,12 +270,12 @@ def run_engine_bench(out: Path, work: Path, device: str = "cpu", large: bool = F
                      traffic_rates: tuple[float, ...] = RATES, kv_layouts: tuple[str, ...] = ("slots", "paged"),
                      system_prompt_tokens: int = 0, traffic_rounds: int = 1) -> dict:
     """rounds: of the end-to-end systems in turn (default 3 on a CPU, 1 on CUDA); steps: the decode-step table;
-    profile: the adapters' step at 64 rows profiled for each shape (printed, and in the JSON); traffic: the
-    real-traffic runs (traffic_requests: how many requests, instead of the workload's; traffic_rates: the Poisson
-    runs' rates, fractions of lockstep's; kv_layouts: the KV layouts each is run in; system_prompt_tokens: each
-    model's requests behind a system prompt of its own that long; traffic_rounds: lockstep runs of each layout, in
-    turn); neuzip: on CUDA, each
-    shape's NeuZip row (compressing Llama-3-8B's shape takes minutes of the host)."""
+    profile: the adapters' and the four kinds' steps at 64 rows profiled for each shape (printed, and in the JSON);
+    traffic: the real-traffic runs (traffic_requests: how many requests, instead of the workload's; traffic_rates:
+    the Poisson runs' rates, fractions of lockstep's; kv_layouts: the KV layouts each is run in;
+    system_prompt_tokens: each model's requests behind a system prompt of its own that long; traffic_rounds:
+    lockstep runs of each layout, in turn); neuzip: on CUDA, each shape's NeuZip row (compressing Llama-3-8B's
+    shape takes minutes of the host)."""
     dev = torch.device(device)
     work.mkdir(parents=True, exist_ok=True)
     bandwidth = bandwidth_of(dev)
@@ -337,10 +338,11 @@ def print_steps(report: dict) -> None:
                   f"max_model_len or {nz['saved_holds_adapters']} more adapters like these")
     for shape, rows in report["steps"].items():
         for r in rows:
-            if r.get("profile"):
-                print(f"\n{shape}, {r['rows']} rows with adapters: where a step goes (us a step, calls a step)")
-                for k in r["profile"]:
-                    print(f"  {k['us_per_step']:>9.1f} {k['calls_per_step']:>7.1f}  {k['name'][:90]}")
+            for key, rows_hold in (("profile", "adapters"), ("profile_kinds", "the four kinds in turn")):
+                if r.get(key):
+                    print(f"\n{shape}, {r['rows']} rows with {rows_hold}: where a step goes (us a step, calls a step)")
+                    for k in r[key]:
+                        print(f"  {k['us_per_step']:>9.1f} {k['calls_per_step']:>7.1f}  {k['name'][:90]}")
 
 
 def print_report(report: dict) -> None:

@@ -176,17 +176,23 @@ def paged_decode(device: torch.device, rows: int, context: int, heads: int, kv_h
     return {"rows": rows, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, **out}
 
 
-def cuda_tests(budget_s: float) -> dict:
-    """pytest of the kernels and the CUDA engine tests, bounded; -> the summary line and the exit status."""
+def cuda_tests(budget_s: float, out: Path) -> dict:
+    """pytest of the kernels and the CUDA engine tests, bounded; -> the summary line and the exit status. Its whole
+    output, the engine's logged errors with their tracebacks included, goes to OUT/cuda-tests.txt: a failure's
+    first cause is seldom in the tail (a failure seen once on an H200 showed only its last exception)."""
+    log = out / "cuda-tests.txt"
     try:
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
-                             capture_output=True, text=True, timeout=budget_s, cwd=Path(__file__).resolve().parents[2])
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "log_cli=true",
+                              "--log-cli-level=ERROR", *CUDA_TESTS], capture_output=True, text=True,
+                             timeout=budget_s, cwd=Path(__file__).resolve().parents[2])
     except subprocess.TimeoutExpired as e:
-        return {"status": "timed out", "tail": (e.stdout or b"")[-2000:].decode(errors="replace")
-                if isinstance(e.stdout, bytes) else (e.stdout or "")[-2000:]}
+        text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        log.write_text(text)
+        return {"status": "timed out", "tail": text[-2000:]}
+    log.write_text(run.stdout + run.stderr)
     lines = run.stdout.strip().splitlines()
     return {"returncode": run.returncode, "summary": lines[-1] if lines else "",
-            "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))][:20],
+            "failures": [line for line in lines if line.startswith(("FAILED ", "ERROR tests/"))][:20],
             "tail": "" if run.returncode == 0 else (run.stdout + run.stderr)[-3000:]}
 
 
@@ -222,7 +228,7 @@ def run(out: Path, work: Path, budget_s: float, device: torch.device) -> dict:
         "imports": lambda: {"torch": torch.__version__, "cuda": torch.version.cuda,
                             "gpu": torch.cuda.get_device_name(device) if not cpu else None,
                             "modules": [m for m in MODULES if __import__(m) is not None]},
-        "cuda_tests": lambda: cuda_tests(max(30.0, left() - sum(ESTIMATE_S[p] for p in PHASES[2:]))),
+        "cuda_tests": lambda: cuda_tests(max(30.0, left() - sum(ESTIMATE_S[p] for p in PHASES[2:])), out),
         "paged_decode": lambda: paged_decode(device, *((64, 1024, 32, 8, 64, 50) if not cpu else (4, 64, 4, 2, 16, 3))),
         "engine_steps": lambda: engine_steps(device, work, 11 if not cpu else 2),
         "logprobs": lambda: logprobs(device, work, out),

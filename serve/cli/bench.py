@@ -201,7 +201,7 @@ def _add_engine(bench: argparse._SubParsersAction) -> None:
     en.add_argument("--no-steps", action="store_true", help="end to end only")
     en.add_argument("--rounds", type=int, help="end-to-end rounds, the systems taking turns (CPU 3, CUDA 1)")
     en.add_argument("--profile", action="store_true",
-                    help="profile the adapters' step at the most rows (torch.profiler)")
+                    help="profile the adapters' and the four kinds' steps at the most rows (torch.profiler)")
     en.add_argument("--traffic", action="store_true", help="the real-traffic runs too: Poisson arrivals at three "
                     "rates, news-article prompts, every kind of row, beside the same requests in lockstep")
     en.add_argument("--traffic-requests", type=int, help="requests of each real-traffic run (CPU 32, CUDA 384)")
