@@ -314,6 +314,21 @@ def test_a_flood_far_ahead_gives_up_a_slot_even_holding_only_its_share(ahead):
         assert (park, new) == ([], [])
 
 
+def test_a_floods_row_still_writing_its_prompt_is_parked_for_a_light_row():
+    """Every slot held by a flood far ahead, its latest row still writing a long prompt (no token yet): that row is
+    parked for the light tenant's, as a decoding row would be. Only decoding rows were, so a flood of long prompts
+    kept a slot through every step of each prompt (the fairness scenario's long-prompts shape)."""
+    fairness = Fairness("vtc")
+    fairness.counters.update({"heavy": 500.0 + 2 * ROW_COST, "light": 500.0})
+    rows = []
+    for tenant, seen in [("heavy", 3), ("heavy", 2), ("heavy", 1), ("heavy", 0), ("light", 0)]:
+        r = Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=tenant)
+        r.tokens_seen, r.seq = seen, len(rows)
+        rows.append(r)
+    running, waiting = rows[:4], rows[4:]
+    assert fairness.preempt(running, waiting, Counter(r.tenant for r in running)) == ([rows[3]], waiting)
+
+
 def _since(trace: Trace, first_admission: int) -> Trace:
     """The trace of the steps after admission number `first_admission`, service counted from there."""
     out = Trace()
@@ -652,6 +667,8 @@ def test_a_flood_far_ahead_writes_no_prompt_at_a_step_writing_a_light_rows_promp
     assert generations._share(g, [])(rows["heavy"]) == ("heavy", 0)
     rows["light1"].parked, rows["light1"].tokens_seen = True, 3  # parked and resuming: its prompt is written
     assert generations._share(g, [rows["light1"]])(rows["heavy"]) == ("heavy", 4)
+    rows["light1"].tokens_seen = 0  # parked mid-prompt and resuming: the rest of its prompt is written
+    assert generations._share(g, [rows["light1"]])(rows["heavy"]) == ("heavy", 0)
 
 
 def test_a_group_allowed_no_prompt_tokens_writes_none_and_its_new_rows_wait():

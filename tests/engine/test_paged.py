@@ -132,6 +132,34 @@ def test_when_blocks_run_out_the_latest_row_is_parked_and_every_row_gives_its_to
     assert small.kv.pool.used == 0
 
 
+def test_a_row_parked_mid_prompt_resumes_writing_it_and_gives_its_tokens_alone(small):
+    """A LoRA row's 20-token prompt is written 9 tokens a step; parked after the first step, it gives back every
+    block while another row runs to its end over them, then resumes writing its prompt where it stopped: the same
+    tokens and log probabilities as alone."""
+    a = random_lora(small, "a", 4, 1, TARGETS)
+    params = SamplingParams(max_tokens=6, logprobs=2)
+    long, other = NewRow("long", [(3 * j) % 40 + 3 for j in range(20)], params, a), \
+        NewRow("other", [(5 * j) % 40 + 3 for j in range(12)], SamplingParams(max_tokens=12))
+    want = alone(small, [long, other])
+    batch, got = DecodeBatch(small), {}
+    batch.run([long])
+    assert [s.written for s in batch.prefilling] == [9] and small.kv.pool.used == 6  # 21 positions: 6 blocks
+    step = batch.run([], park=["long"])
+    assert step.parked == ["long"] and not len(batch) and small.kv.pool.used == 0
+    for _ in range(50):
+        got.update(batch.run([] if len(batch) else [other]).finished)
+        if "other" in got:
+            break
+    for _ in range(50):
+        got.update(batch.run([] if len(batch) else [long]).finished)
+        if "long" in got:
+            break
+    batch.close()
+    assert got["other"].token_ids == want["other"].token_ids and got["long"].token_ids == want["long"].token_ids
+    assert [lp.logprob for lp in got["long"].logprobs] == [lp.logprob for lp in want["long"].logprobs]
+    assert small.kv.pool.used == 0 and not batch.parked
+
+
 REQUESTS = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12), st.sampled_from(["base", "a", "f"])),
                     min_size=2, max_size=6)
 

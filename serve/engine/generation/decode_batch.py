@@ -88,7 +88,7 @@ class DecodeBatch:
     def run(self, new: Sequence[NewRow], abort: Sequence[Any] = (), park: Sequence[Any] = (),
             victims: Sequence[Any] = (), rank: Callable[[Any], Any] | None = None,
             share: Share | None = None) -> Step:
-        """Drop the rows tagged in abort, park the decoding rows tagged in park, admit new rows that get a variant
+        """Drop the rows tagged in abort, park the rows tagged in park, admit new rows that get a variant
         slot, a KV lane and their prompt's blocks, give every decoding row the block its next position needs
         (parking rows, those tagged in victims first, where the cache has too few), then one step for every row;
         -> the tags of the rows that finished (with their Generation), were parked, were left waiting for a free
@@ -98,7 +98,9 @@ class DecodeBatch:
         keeps its keys and values in host memory (KVStore.save) and all its state, and gives back its slots and
         blocks; passed again in `new` (its tag, its variant) it resumes in whatever lane and blocks are free, as if
         it had never left: nothing is computed twice (vLLM's swap, not its recompute). A row still writing its
-        prompt is not parked (its blocks were taken at admission).
+        prompt is parked with what it has written, and resumes writing the rest (its blocks for the whole prompt
+        taken again): a flood's long prompt, written a few tokens a step, gives its slot to a light row as a
+        decoding row does, instead of holding it for its prompt's many steps.
 
         A decode step that replays a graph is followed at once by the next one, launched on the device from its
         sampled tokens before the host reads them (`_continue`): while the host detokenises a step, the GPU runs
@@ -193,7 +195,7 @@ class DecodeBatch:
                 step.waiting.append(row.tag)
                 continue
             parked = next((p for p in self.parked if p[0].tag is row.tag), None)
-            length = (parked[0].written if parked is not None else len(row.prompt)) + 1
+            length = parked[0].needs() if parked is not None else len(row.prompt) + 1
             seed, owner, hashes, cached = prefix_of(self.rt.kv, row) if parked is None else (b"", b"", [], [])
             queued = parked is None and prompt_waits(self.prefilling, row.tag, budget, rank, share)
             full = not kv.free_lanes or not kv.fits(length, cached)
@@ -242,14 +244,17 @@ class DecodeBatch:
         return chosen.tag
 
     def _park(self, tags: Sequence[Any]) -> list[Any]:
-        """The decoding rows tagged out of the batch, their keys and values kept; -> the tags parked."""
+        """The rows tagged out of the batch, decoding or writing their prompt, the keys and values they wrote kept;
+        -> the tags parked."""
         out = []
-        for kv, s in list(self.decoding.items()):
-            if not s.done and any(s.tag is t for t in tags):
-                self.parked.append((s, self.rt.kv.save(kv, s.written)))
-                del self.decoding[kv]
-                self._release(s)
-                out.append(s.tag)
+        for s in [s for s in self._all() if not s.done and any(s.tag is t for t in tags)]:
+            self.parked.append((s, self.rt.kv.save(s.kv, s.written)))
+            if s in self.prefilling:
+                self.prefilling.remove(s)
+            else:
+                del self.decoding[s.kv]
+            self._release(s)
+            out.append(s.tag)
         return out
 
     def _start(self, row: NewRow, slot: RowSlot, lane: int, seed: bytes, owner: bytes, hashes: list[bytes],
@@ -267,10 +272,14 @@ class DecodeBatch:
         self.prefilling.append(s)
 
     def _resume(self, s: BatchRow, saved: list, slot: RowSlot, kv: int) -> None:
-        """A parked row back in the batch, its keys and values written into its new lane's blocks."""
+        """A parked row back in the batch, its keys and values written into its new lane's blocks: decoding, or
+        writing the rest of its prompt."""
         self.rt.kv.restore(kv, saved)
         s.slot, s.kv = slot, kv
-        self.decoding[kv] = s
+        if s.next_token is None:
+            self.prefilling.append(s)
+        else:
+            self.decoding[kv] = s
         self.parked = [p for p in self.parked if p[0] is not s]
 
     def _all(self) -> list[BatchRow]:

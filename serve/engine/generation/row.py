@@ -95,6 +95,11 @@ class BatchRow(RowText):
             self.gen.finish_reason, self.done = "length", True
             text.flush(self)
 
+    def needs(self) -> int:
+        """The positions its lane's blocks must hold for its next step: the whole prompt and its first token while
+        the prompt is being written (a parked row resuming takes them again), else one more than written."""
+        return len(self.prompt) + 1 if self.next_token is None else self.written + 1
+
     def sampling(self) -> RowSampling:
         return RowSampling(self.params, self.rng, self.prompt, self.gen.token_ids, self.end_ids, self.grammar)
 

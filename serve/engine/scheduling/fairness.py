@@ -41,7 +41,6 @@ class Waiting(Protocol):
     weight: float
     seq: int
     charged: bool
-    tokens_seen: int
 
     def prompt_tokens(self) -> int: ...
 
@@ -171,11 +170,12 @@ class Fairness:
     def preempt(self, running: list, waiting: list, holding: Counter[str], joining: list = ()) -> tuple[list, list]:
         """With every slot taken (joining: rows taking the slots left free at this step, counted in holding, never
         parked; with any, only a tenant far ahead gives a slot up): for each waiting tenant, in the policy's order,
-        whose next row outranks a running row (outranked), the latest decoding row of the tenant holding the most is
-        to be parked and that row is to take its slot; holding is updated. Without it a flood holding every slot
-        keeps a light tenant waiting until its rows finish, all at once if they started at once; and a light
-        tenant's burst would be served no faster than the flood's counter advances. -> (rows to park, rows to
-        join)."""
+        whose next row outranks a running row (outranked), the latest running row of the tenant holding the most
+        (decoding, or still writing its prompt: a flood's long prompt, written a few tokens a step, held its slot
+        for all those steps) is to be parked and that row is to take its slot; holding is updated. Without it a
+        flood holding every slot keeps a light tenant waiting until its rows finish, all at once if they started at
+        once; and a light tenant's burst would be served no faster than the flood's counter advances. -> (rows to
+        park, rows to join)."""
         weights = {r.tenant: r.weight for r in [*running, *waiting, *joining]}
         park, new, seen = [], [], set()
         for row in sorted(waiting, key=self.key):
@@ -183,7 +183,7 @@ class Fairness:
                 continue
             seen.add(row.tenant)
             most = self.outranked(row, holding, weights, far_only=bool(joining))
-            victim = max((r for r in running if r.tenant == most and r.tokens_seen and r not in park),
+            victim = max((r for r in running if r.tenant == most and r not in park),
                          key=lambda r: r.seq, default=None)
             if victim is None:
                 continue

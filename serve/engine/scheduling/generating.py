@@ -184,7 +184,7 @@ class Generations:
         """Each row's group and prompt-token allowance at this step (Fairness.prompt_share), given the rows joining
         it (new; none before they are chosen), whose prompts it writes, and the batch's rows still writing
         theirs."""
-        writing = [r for r in [*g.running, *new] if not r.parked and not r.tokens_seen]
+        writing = [r for r in [*g.running, *new] if not r.tokens_seen]  # a parked row resuming mid-prompt too
         return self.fairness.prompt_share([*g.running, *new, *g.pending], self.config.max_step_tokens,
                                           self.config.vtc_far_prompt_tokens, writing)
 
