@@ -4,9 +4,8 @@ Each row holds a lane of the base's KV cache (serve/engine/kv/store.py) from adm
 blocks its positions fill: its prompt's at admission (a row waits while the cache has too few free), one more
 each time its length crosses a block. Where a running row needs a block and none is free, running rows are parked
 (their keys and values kept in host memory, their blocks given back) in the order the scheduler gives (the fairness
-policy's: the tenant served most, its latest row), the row itself last; a parked row resumes where it stopped
-once blocks are free. Every step is one forward over one flattened sequence of tokens (serve/engine/step/layout.py lays
-it out):
+policy's: the tenant served most, its latest row), the row itself last; a parked row resumes where it stopped once
+blocks are free. Every step is one forward over one flattened sequence of tokens (serve/engine/step/layout.py):
 - a decode token for every running row, row b at lane b (rows without one are padding: a row still
   prefilling, a lane free), the rows rounded up to a bucket where shapes are fixed;
 - then the admitted prompts' next tokens, in the fairness policy's order, up to the step's token budget
@@ -98,9 +97,7 @@ class DecodeBatch:
         keeps its keys and values in host memory (KVStore.save) and all its state, and gives back its slots and
         blocks; passed again in `new` (its tag, its variant) it resumes in whatever lane and blocks are free, as if
         it had never left: nothing is computed twice (vLLM's swap, not its recompute). A row still writing its
-        prompt is parked with what it has written, and resumes writing the rest (its blocks for the whole prompt
-        taken again): a flood's long prompt, written a few tokens a step, gives its slot to a light row as a
-        decoding row does, instead of holding it for its prompt's many steps.
+        prompt is parked with what it has written, and resumes writing the rest.
 
         A decode step that replays a graph is followed at once by the next one, launched on the device from its
         sampled tokens before the host reads them (`_continue`): while the host detokenises a step, the GPU runs
@@ -163,14 +160,14 @@ class DecodeBatch:
 
     def prompt_waits(self, tag: Any, rank: Callable[[Any], Any], share: Share | None) -> bool:
         """A new row tagged `tag` would wait at the next step for the prompts being written (_admit's test; a parked
-        row's prompt is written): the scheduler passes it over when it gives out the free slots."""
+        row resumes at once): the scheduler passes it over when it gives out the free slots."""
         if any(p[0].tag is tag for p in self.parked):
             return False
         return prompt_waits(self.prefilling, tag, self.rt.max_step_tokens - len(self.decoding), rank, share)
 
     def _admit(self, new: Sequence[NewRow], step: Step, rank: Callable[[Any], Any], share: Share | None) -> None:
-        """Each new row that gets a KV lane, the blocks of its prompt and first token (a parked row: of what it had
-        written and its next token) and a variant slot starts its prompt, or resumes where it was parked; the others
+        """Each new row that gets a KV lane, the blocks of its prompt and first token (a parked row: what it
+        needs, BatchRow.needs) and a variant slot starts its prompt, or resumes where it was parked; the others
         are step's waiting (no free lane, blocks or slot) or failed (its attach, alone). Rows come in the fairness
         policy's order, and once one finds too few blocks the rows after it wait too (as vLLM's scheduler stops at
         the first), so a long prompt is not passed over for ever by shorter ones. A new row is admitted only while
@@ -244,8 +241,7 @@ class DecodeBatch:
         return chosen.tag
 
     def _park(self, tags: Sequence[Any]) -> list[Any]:
-        """The rows tagged out of the batch, decoding or writing their prompt, the keys and values they wrote kept;
-        -> the tags parked."""
+        """The rows tagged out of the batch, the keys and values they wrote kept; -> the tags parked."""
         out = []
         for s in [s for s in self._all() if not s.done and any(s.tag is t for t in tags)]:
             self.parked.append((s, self.rt.kv.save(s.kv, s.written)))
@@ -272,8 +268,7 @@ class DecodeBatch:
         self.prefilling.append(s)
 
     def _resume(self, s: BatchRow, saved: list, slot: RowSlot, kv: int) -> None:
-        """A parked row back in the batch, its keys and values written into its new lane's blocks: decoding, or
-        writing the rest of its prompt."""
+        """A parked row back in the batch, its keys and values written into its new lane's blocks."""
         self.rt.kv.restore(kv, saved)
         s.slot, s.kv = slot, kv
         if s.next_token is None:
