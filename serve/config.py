@@ -62,6 +62,11 @@ class BatchConfig(StrictModel):
     another's. On a CPU a prompt token costs about what a decoding row does (SmolLM2, 16 rows decoding: 93 ms a
     step, 144 ms with 16 prompt tokens, 181 ms with 32); a GPU's step barely grows with a few hundred, and can be
     given more."""
+    vtc_far_recent_s: Annotated[float, Field(ge=0, le=3600)] = 2.0
+    """Under vtc, a tenant whose last row was answered this many seconds ago still holds a tenant far ahead of it to
+    vtc_far_prompt_tokens a step, as its rows in the batch would: Poisson arrivals leave moments with none of a
+    light tenant's rows open, and a flood given the whole budget then made the step a light row arriving next
+    waits for several times longer. 0: only tenants with rows open count."""
     kv_cache_mib: Annotated[float, Field(gt=0)] | None = None
     """Memory for a causal base's KV cache, allocated once: the blocks it buys are shared by the running rows, each
     holding the blocks its positions fill (serve/engine/kv/store.py). None: the positions of DEFAULT_KV_ROWS rows of

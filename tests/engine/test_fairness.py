@@ -4,6 +4,7 @@ gives every running row one token a step: which rows join the batch, and what ea
 import asyncio
 import contextlib
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -258,6 +259,25 @@ def test_a_tenant_back_from_idle_is_not_lifted_above_a_tenant_whose_rows_are_run
     later = Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant="back")
     fairness.arrive(later)  # the flood is the only other tenant left: lifted to it
     assert fairness.counters["back"] == 2000.0 - 2 * ROW_COST
+
+
+@pytest.mark.parametrize("recent_s", [0.0, 60.0])
+def test_a_tenant_answered_within_recent_s_still_sets_the_floor(recent_s):
+    """A light tenant arriving in a moment with no other light row open: the one answered within recent_s still
+    sets the floor (lifted to the flood's counter, it would put the flood within the credit, and the flood's next
+    prompt would take whole steps); past recent_s, as with recent_s 0, the flood alone is the floor."""
+    fairness = Fairness("vtc", burst_rows=2, recent_s=recent_s)
+    rows = {t: Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None, tenant=t)
+            for t in ("heavy", "light1", "light2")}
+    for r in rows.values():
+        fairness.arrive(r)
+        fairness.admit(r)
+    fairness.counters.update({"heavy": 2000.0, "light1": 100.0, "light2": 10.0})
+    fairness.leave(rows["light1"])
+    fairness.leave(rows["light2"])
+    fairness.arrive(Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                        tenant="light2"))
+    assert fairness.counters["light2"] == (100.0 if recent_s else 2000.0) - 2 * ROW_COST
 
 
 def test_a_row_whose_prompt_would_wait_leaves_its_free_slot_to_the_next():
@@ -641,6 +661,23 @@ def test_a_tenant_far_ahead_writes_its_share_of_a_steps_prompt_tokens(policy):
         assert writes_light(heavy) == ("heavy", 0 if far else share(heavy)[1])  # a step writing a light prompt
         assert writes_light(light) == share(light)
     assert fairness.prompt_share([heavy, row("heavy")], 512, 4, writing=[heavy])(heavy) == ("heavy", 512)
+
+
+def test_a_tenant_answered_within_recent_s_still_holds_a_flood_to_its_share_of_prompt_tokens():
+    """No light row open, the light tenant's last answered a second ago: the flood far ahead of it is still
+    written far_tokens a step (given the whole budget in such moments, its 500-token chunks made the steps a light
+    row arriving next waited for three times longer); recent_s later, alone, it gets the whole budget."""
+    fairness = Fairness("vtc", burst_rows=2, recent_s=2.0)
+    heavy, light = (Row("generate", "base", None, ([0] * PROMPT, SamplingParams(max_tokens=MAX_TOKENS)), None,
+                        tenant=t) for t in ("heavy", "light"))
+    for r in (heavy, light):
+        fairness.arrive(r)
+        fairness.admit(r)
+    fairness.counters.update({"heavy": 100.0 + 3 * ROW_COST, "light": 100.0})
+    fairness.leave(light)
+    left = time.monotonic()
+    assert fairness.prompt_share([heavy], 512, 4, now=left + 1.0)(heavy) == ("heavy", 4)
+    assert fairness.prompt_share([heavy], 512, 4, now=left + 3.0)(heavy) == ("heavy", 512)
 
 
 def test_a_flood_far_ahead_writes_no_prompt_at_a_step_writing_a_light_rows_prompt():

@@ -24,6 +24,7 @@ Per replica: each replica orders its own rows (Ray Serve spreads a tenant's requ
 """
 
 import asyncio
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class Fairness:
     policy: Literal["vtc", "fcfs"] = "vtc"
     burst_rows: int = 8
     """A tenant back from idle is lifted this many of its rows' cost below the floor (BatchConfig.vtc_burst_rows)."""
+    recent_s: float = 0.0
+    """A tenant whose last row was answered this many seconds ago still holds a far tenant's prompts to
+    far_tokens a step (prompt_share; BatchConfig.vtc_far_recent_s)."""
     counters: dict[str, float] = field(default_factory=dict)
     """Each tenant's weighted tokens served (VTC's c_i); kept for fcfs too, for the same figures."""
     waiting: Counter[str] = field(default_factory=Counter)
@@ -66,20 +70,25 @@ class Fairness:
     against."""
     _last: float = 0.0
     """The counter of the last tenant whose rows all joined a batch (VTC's l)."""
+    _left: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Tenants with no row open, by time.monotonic() when their last one was answered and its cost: those within
+    recent_s of it count in prompt_share as if their rows were there."""
     _seq: Iterator[int] = field(default_factory=count)
 
     def arrive(self, row: Waiting) -> None:
         """A row starts waiting: numbered in arrival order; its tenant lifted if it had nothing waiting, to the
         floor less burst_rows of this row's cost. The floor is the least served of the other tenants with rows
-        waiting or running (none: the last whose wait ended), not of those waiting alone: with a flood the only
-        tenant waiting, a light tenant back from idle was lifted to the flood's counter less the credit, above the
-        light tenants whose rows were running, and its rows then ranked after all of theirs and were parked for
-        them (a flood's 1,000-token prompt, charged as its row joined, put it 1,300 tokens above them: 14 s
-        to join)."""
+        waiting or running, or answered within recent_s (none: the last whose wait ended). Not of those waiting
+        alone: with a flood the only tenant waiting, a light tenant back from idle was lifted to the flood's
+        counter less the credit, above the light tenants whose rows were running, and its rows then ranked after
+        all of theirs and were parked for them (a flood's 1,000-token prompt, charged as its row joined, put it
+        1,300 tokens above them: 14 s to join). Nor of those open alone: in a moment with no light row open, one
+        arriving was lifted so too, and the flood, within the credit of it, was given whole steps of its prompt."""
         row.seq = next(self._seq)
         t = row.tenant
         if not self.waiting[t]:
-            active = [self.counters.get(u, 0.0) for u, n in self.open.items() if n and u != t]
+            others = {u for u, n in self.open.items() if n} | set(self._recent(time.monotonic()))
+            active = [self.counters.get(u, 0.0) for u in others if u != t]
             floor = min(active) if active else self._last
             self.counters[t] = max(self.counters.get(t, 0.0), floor - self.burst_rows * cost(row))
         self.waiting[t] += 1
@@ -102,6 +111,7 @@ class Fairness:
         self.open[row.tenant] -= 1
         if not self.open[row.tenant]:
             del self.open[row.tenant]
+            self._left[row.tenant] = (time.monotonic(), cost(row))
 
     def served(self, row: Waiting, tokens: int) -> None:
         """The row was given `tokens` more generated tokens."""
@@ -193,28 +203,43 @@ class Fairness:
             holding[row.tenant] += 1
         return park, new
 
-    def prompt_share(self, rows: list, budget: int, far_tokens: int, writing: Collection = ()
-                     ) -> Callable[[Waiting], tuple[str, int]]:
+    def prompt_share(self, rows: list, budget: int, far_tokens: int, writing: Collection = (),
+                     now: float | None = None) -> Callable[[Waiting], tuple[str, int]]:
         """Each row's group (its tenant) and the most prompt tokens a step writes of that tenant's rows in all,
-        given the rows in the batch and waiting to join it: under vtc, far_tokens for a flood there (a tenant
-        served more than another one's by more than the credit, burst_rows + 1 of that one's next rows), none in a
-        step that writes the prompt of a row of a tenant it is that far ahead of (writing: the step's rows with a
-        prompt to write), the step's budget for the others. The other tenants' rows wait on every step, and a step
-        that writes a flood's 500-token chunk takes three of their own (the fairness scenario's long-prompts
-        shape: 801 ms steps beside the flood, 258 ms alone); a light row's first token comes from the step that
-        writes its prompt, and a flood's 16 tokens beside it made that step a third longer on a CPU (184 ms
-        alone), so the flood's prompt goes on at the next step without one. By the tenant, not the row, or each
-        of its prompts written at once takes the whole allowance; beyond the credit, since light tenants lie
-        within it of each other (one back from idle is lifted to burst_rows below the floor), and one capped for
-        another had its short prompts written over several steps. A tenant alone, or within the credit of the
-        others, is given the whole budget: work-conserving where no one is waiting on it."""
+        given the rows in the batch and waiting to join it: under vtc, far_tokens for a flood (a tenant served more
+        than another one's by more than the credit, burst_rows + 1 of that one's next rows) beside such a tenant's
+        rows or one answered within recent_s (now: time.monotonic()), none in a step that writes the prompt of a
+        row of a tenant it is that far ahead of (writing: the step's rows with a prompt to write), the step's
+        budget for the others. The other tenants' rows wait on every step, and a step that writes a flood's
+        500-token chunk takes three of their own (the fairness scenario's long-prompts shape: 801 ms steps beside
+        the flood, 258 ms alone); a light row's first token comes from the step that writes its prompt, and a
+        flood's 16 tokens beside it made that step a third longer on a CPU (184 ms alone), so the flood's prompt
+        goes on at the next step without one. Recently answered tenants count too: light tenants' Poisson rows
+        leave moments with none of theirs open, the flood was given the whole budget there (81-88 prompt tokens a
+        step on average against the light rows' 11-14 alone, steps 518 ms against 188-244), and a light row
+        arriving in such a step waited for it. By the tenant, not the row, or each of its prompts written at once
+        takes the whole allowance; beyond the credit, since light tenants lie within it of each other (one back
+        from idle is lifted to burst_rows below the floor), and one capped for another had its short prompts
+        written over several steps. A tenant alone, or within the credit of the others, is given the whole budget:
+        work-conserving where no one is waiting on it or has been for recent_s."""
         if self.policy != "vtc":
             return lambda row: (row.tenant, budget)
+        recent = self._recent(time.monotonic() if now is None else now)
         allowed, writing_now = {}, {id(r) for r in writing}
         for t in {r.tenant for r in rows}:
             behind = [r for r in rows if r.tenant != t and self.ahead_by(t, r, self.burst_rows + 1)]
-            allowed[t] = budget if not behind else 0 if any(id(r) in writing_now for r in behind) else far_tokens
+            gone = [u for u, c in recent.items()
+                    if u != t and self.counters.get(t, 0.0) >= self.counters.get(u, 0.0) + (self.burst_rows + 1) * c]
+            allowed[t] = (budget if not behind and not gone else 0 if any(id(r) in writing_now for r in behind)
+                          else far_tokens)
         return lambda row: (row.tenant, allowed.get(row.tenant, budget))
+
+    def _recent(self, now: float) -> dict[str, float]:
+        """The tenants with no row open whose last one was answered within recent_s of now, by that row's cost (the
+        others forgotten)."""
+        for t in [t for t, (at, _) in self._left.items() if now - at > self.recent_s or self.open[t]]:
+            del self._left[t]
+        return {t: c for t, (_, c) in self._left.items()}
 
     def ahead_by(self, tenant: str, row: Waiting, rows: float = 1) -> bool:
         """`tenant` is far ahead of row's: served more by at least `rows` times row's whole cost (outranked: one;

@@ -45,7 +45,7 @@ class Scheduler:
         self.batch_sizes = Distribution(BATCH_BUCKETS)
         self.seconds = Seconds()
         """"scheduling": event-loop time from one generation step's end to the next one's start."""
-        self.fairness = Fairness(config.fairness, config.vtc_burst_rows)
+        self.fairness = Fairness(config.fairness, config.vtc_burst_rows, config.vtc_far_recent_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: FairQueue | None = None
         self._in_flight: asyncio.Semaphore | None = None
@@ -140,7 +140,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._worker, self._open = loop, None, Counter()
-            self.fairness = Fairness(self.config.fairness, self.config.vtc_burst_rows)
+            self.fairness = Fairness(self.config.fairness, self.config.vtc_burst_rows,
+                                     self.config.vtc_far_recent_s)
             self._generations = self._new_generations()
             self._queue = FairQueue(self.fairness, maxsize=self.config.max_queue)
             self._in_flight = asyncio.Semaphore(self._permits)
