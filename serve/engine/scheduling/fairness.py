@@ -59,8 +59,8 @@ class Fairness:
     burst_rows: int = 8
     """A tenant back from idle is lifted this many of its rows' cost below the floor (BatchConfig.vtc_burst_rows)."""
     recent_s: float = 0.0
-    """A tenant whose last row was answered this many seconds ago still holds a far tenant's prompts to
-    far_tokens a step (prompt_share; BatchConfig.vtc_far_recent_s)."""
+    """A tenant whose last row was answered this many seconds ago still counts as there: it sets the floor (arrive)
+    and holds a far tenant's prompts to far_tokens a step (prompt_share; BatchConfig.vtc_far_recent_s)."""
     counters: dict[str, float] = field(default_factory=dict)
     """Each tenant's weighted tokens served (VTC's c_i); kept for fcfs too, for the same figures."""
     waiting: Counter[str] = field(default_factory=Counter)
@@ -72,7 +72,7 @@ class Fairness:
     """The counter of the last tenant whose rows all joined a batch (VTC's l)."""
     _left: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Tenants with no row open, by time.monotonic() when their last one was answered and its cost: those within
-    recent_s of it count in prompt_share as if their rows were there."""
+    recent_s of it count in arrive and prompt_share as if their rows were there."""
     _seq: Iterator[int] = field(default_factory=count)
 
     def arrive(self, row: Waiting) -> None:
@@ -228,8 +228,7 @@ class Fairness:
         allowed, writing_now = {}, {id(r) for r in writing}
         for t in {r.tenant for r in rows}:
             behind = [r for r in rows if r.tenant != t and self.ahead_by(t, r, self.burst_rows + 1)]
-            gone = [u for u, c in recent.items()
-                    if u != t and self.counters.get(t, 0.0) >= self.counters.get(u, 0.0) + (self.burst_rows + 1) * c]
+            gone = [u for u, c in recent.items() if u != t and self._ahead(t, u, c, self.burst_rows + 1)]
             allowed[t] = (budget if not behind and not gone else 0 if any(id(r) in writing_now for r in behind)
                           else far_tokens)
         return lambda row: (row.tenant, allowed.get(row.tenant, budget))
@@ -244,7 +243,10 @@ class Fairness:
     def ahead_by(self, tenant: str, row: Waiting, rows: float = 1) -> bool:
         """`tenant` is far ahead of row's: served more by at least `rows` times row's whole cost (outranked: one;
         prompt_share: beyond the credit)."""
-        return self.counters.get(tenant, 0.0) >= self.counters.get(row.tenant, 0.0) + rows * cost(row)
+        return self._ahead(tenant, row.tenant, cost(row), rows)
+
+    def _ahead(self, tenant: str, other: str, other_cost: float, rows: float) -> bool:
+        return self.counters.get(tenant, 0.0) >= self.counters.get(other, 0.0) + rows * other_cost
 
     def victims(self, running: list) -> list:
         """Running rows in the order they give up their KV blocks when the cache runs short: the most served tenant's
