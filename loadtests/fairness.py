@@ -9,7 +9,8 @@ under VTC: SETTINGS), and beside an eighth, heavy tenant sending ten times a lig
 tokens/s served, requests ok / 429 / errors / timed out; each run's total tokens/s; each tenant's tokens received
 per second; and, from the server's per-tenant waits (/metrics), where the light and the heavy rows waited: to join a
 running batch, then from there to their first token. The checks: VTC's light p99 TTFT against the baseline's (goal
-<= 2x), VTC's total tokens/s against FCFS's (goal >= 0.95x); with --repeats N (each repeat's runs in turn, its VTC
+<= 2x), VTC's total tokens/s (prompt tokens written and tokens generated, vLLM's total token throughput: the two
+policies serve different mixes) against FCFS's (goal >= 0.95x); with --repeats N (each repeat's runs in turn, its VTC
 run just before its baseline, each repeat's arrivals its own: server_turns) the light ratio's median (goal <= 2x)
 and worst (goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png.
 
@@ -266,8 +267,8 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
     phases = where_rows_waited(tenant_waits(before), tenant_waits(after), shape.heavy)
     a = summary["all"]
     log(f"{name}: {a['ok']} ok, {a['429']} 429, {a['timeouts']} timed out, {a['errors']} errors; "
-         f"{a['tokens_per_s']:.1f} tok/s; light p99 TTFT {summary['light']['ttft_p99_s']:.2f} s; engine {engine}; "
-         f"phases {phases}")
+         f"{a['tokens_per_s']:.1f} tok/s ({a['total_tokens_per_s']:.1f} with the prompts); light p99 TTFT "
+         f"{summary['light']['ttft_p99_s']:.2f} s; engine {engine}; phases {phases}")
     return {**summary, "wall_s": wall_s, "engine": engine, "phases": phases,
             "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens] for r in records]}
 

@@ -75,7 +75,7 @@ async def stream_one(client: httpx.AsyncClient, caller: Caller, prompt: str, max
                      t0: float, timeout_s: float) -> None:
     """One streamed greedy completion into rec: status, first text chunk, every text chunk's arrival, usage."""
     body = {"model": caller.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     headers = {"authorization": f"Bearer {caller.key}", "serve_multiplexed_model_id": caller.model}
     start = time.perf_counter()
     try:
@@ -112,8 +112,9 @@ async def _read_events(r: httpx.Response, rec: Record, start: float, t0: float) 
         if any(c.get("text") for c in event.get("choices", [])):
             rec.ttft_s = now - start if rec.ttft_s is None else rec.ttft_s
             rec.chunk_s.append(now - t0)
-        if event.get("usage"):
+        if event.get("usage"):  # on every chunk (continuous_usage_stats): the counts so far
             rec.tokens = event["usage"]["completion_tokens"]
+            rec.prompt_tokens = event["usage"].get("prompt_tokens", 0)
             rec.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 

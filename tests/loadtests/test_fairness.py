@@ -29,10 +29,12 @@ from loadtests.fairness_report import (
 )
 
 
-def answered(tenant: str, sent_s: float, ttft_s: float, tokens: int = 4, gap_s: float = 0.5) -> Record:
-    """A request streamed to its end: `tokens` text chunks gap_s apart from its first one."""
+def answered(tenant: str, sent_s: float, ttft_s: float, tokens: int = 4, gap_s: float = 0.5, prompt: int = 0,
+             cached: int = 0) -> Record:
+    """A request streamed to its end: `tokens` text chunks gap_s apart from its first one, after a prompt of
+    `prompt` tokens (`cached` of them read from the prefix cache)."""
     first = sent_s + ttft_s
-    return Record(tenant, sent_s, "200", ttft_s, tokens, [first + i * gap_s for i in range(tokens)])
+    return Record(tenant, sent_s, "200", ttft_s, tokens, [first + i * gap_s for i in range(tokens)], cached, prompt)
 
 
 def test_ttft_percentiles_count_a_wait_that_never_saw_a_token_as_infinite_and_leave_refusals_out():
@@ -66,6 +68,16 @@ def test_served_tokens_count_only_the_window():
     assert summarize(records, 2.0)["tokens_per_s"] == 1.0
 
 
+def test_a_runs_total_tokens_count_the_prompts_written_where_their_first_token_came():
+    """A prompt is written before its first token: counted in the window if that token came in it, less what the
+    prefix cache gave; the generated tokens as their chunks came."""
+    inside = answered("a", 0, 1.0, tokens=4, gap_s=1.0, prompt=30, cached=16)  # chunks at 1, 2, 3, 4
+    late = answered("a", 2, 2.5, tokens=2, prompt=500)  # first token at 4.5
+    s = summarize([inside, late, Record("a", 0, "timeout")], 3.0)
+    assert s["tokens"] == 2 and s["prompt_tokens"] == 14
+    assert s["tokens_per_s"] == pytest.approx(2 / 3) and s["total_tokens_per_s"] == pytest.approx(16 / 3)
+
+
 def test_run_summary_pools_the_light_tenants_apart_from_the_heavy_one():
     records = [answered("light1", 0, 0.2), answered("light2", 1, 0.4), answered(HEAVY, 0, 3.0),
                answered(HEAVY, 1, 4.0)]
@@ -80,14 +92,16 @@ def test_run_summary_pools_the_light_tenants_apart_from_the_heavy_one():
 
 def test_checks_divide_vtc_by_the_baseline_and_by_fcfs():
     base = run_summary([answered("light1", i, 0.5) for i in range(10)], 10, 10)
-    fcfs = run_summary([answered("light1", i, 8.0) for i in range(10)] + [answered(HEAVY, i, 0.5) for i in range(20)],
-                       40, 40)
-    vtc = run_summary([answered("light1", i, 0.75) for i in range(10)] + [answered(HEAVY, i, 2.0) for i in range(19)],
-                      40, 40)
+    fcfs = run_summary([answered("light1", i, 8.0, prompt=40) for i in range(10)]
+                       + [answered(HEAVY, i, 0.5, tokens=16, gap_s=0.1) for i in range(20)], 40, 40)
+    vtc = run_summary([answered("light1", i, 0.75, prompt=40) for i in range(10)]
+                      + [answered(HEAVY, i, 2.0, tokens=16, gap_s=0.1) for i in range(18)], 40, 40)
     c = checks({"baseline": base, "fcfs": fcfs, "vtc": vtc})
     assert c["vtc_light_p99_over_baseline"] == pytest.approx(1.5) and c["light_p99_ok"] is True
     assert c["fcfs_light_p99_over_baseline"] == pytest.approx(16.0)
-    assert c["vtc_total_over_fcfs"] == pytest.approx(29 / 30) and c["total_ok"] is True
+    # the light prompts (400 tokens) written in both, two heavy completions (32 tokens) fewer under VTC
+    assert c["vtc_total_over_fcfs"] == pytest.approx((400 + 40 + 288) / (400 + 40 + 320)) and c["total_ok"] is True
+    assert c["vtc_output_over_fcfs"] == pytest.approx((40 + 288) / (40 + 320))
     missing = checks({"vtc": vtc})
     assert math.isnan(missing["vtc_light_p99_over_baseline"]) and missing["light_p99_ok"] is None
 
@@ -190,13 +204,15 @@ def test_stream_reading_takes_text_chunks_and_the_usage_count():
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         assert body["stream"] and request.headers["authorization"] == "Bearer key"
-        chunks = [{"choices": [{"text": t}]} for t in ("", "Hello", " wor", "ld")]
-        usage = {"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 32}}
+        assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        chunks = [{"choices": [{"text": t}], "usage": {"completion_tokens": n, "prompt_tokens": 40}}
+                  for n, t in enumerate(("", "Hello", " wor", "ld"))]
+        usage = {"completion_tokens": 4, "prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}
         return httpx.Response(200, content=_sse(*chunks, {"choices": [], "usage": usage}, "[DONE]"))
 
     rec = _stream(handler)
     assert rec.outcome == "200" and rec.tokens == 4 and len(rec.chunk_s) == 3 and rec.ttft_s is not None
-    assert rec.cached_tokens == 32
+    assert rec.cached_tokens == 32 and rec.prompt_tokens == 40
 
 
 def test_stream_reading_counts_refusals_errors_and_streams_cut_short():
@@ -205,6 +221,9 @@ def test_stream_reading_counts_refusals_errors_and_streams_cut_short():
     assert error.outcome == "stream-error"
     cut = _stream(lambda r: httpx.Response(200, content=_sse({"choices": [{"text": "a"}]})))
     assert cut.outcome == "incomplete" and cut.tokens == 1
+    so_far = {"choices": [{"text": "a"}], "usage": {"completion_tokens": 2, "prompt_tokens": 7}}
+    cut = _stream(lambda r: httpx.Response(200, content=_sse(so_far)))  # the counts so far, from its last chunk
+    assert (cut.outcome, cut.tokens, cut.prompt_tokens) == ("incomplete", 2, 7)
 
 
 def test_the_report_prints_and_writes_json_and_png(tmp_path, capsys):
@@ -257,7 +276,7 @@ def test_the_shapes_table_reads_each_shapes_report_and_judges_its_runs(tmp_path,
     assert main([*map(str, paths), "--out", str(tmp_path / "shapes")]) == 0
     lines = {line.split(" | ")[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
     assert lines["| flood"].endswith("| 0.50, 0.50, 0.50 | 0.60, 0.90, 1.20 | 1.20, 1.80, 2.40 | 1.80 | 2.40 "
-                                     "| 4.00, 4.00, 4.00 | 1.00, 1.00, 1.00 | met |")
+                                     "| 4.00, 4.00, 4.00 | 1.00, 1.00, 1.00 | 1.00, 1.00, 1.00 | met |")
     assert "| 0.60, never, 1.20 | 1.20, never, 2.40 |" in lines["| long-prompts"]
     assert lines["| long-prompts"].endswith("| not met |")
     rows = json.loads((tmp_path / "shapes.json").read_text())
