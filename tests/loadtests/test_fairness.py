@@ -268,9 +268,11 @@ def test_the_shapes_table_reads_each_shapes_report_and_judges_its_runs(tmp_path,
         return {"runs": runs, "checks": checks(runs)}
 
     paths = []
-    for shape, ttfts in (("flood", (0.6, 0.9, 1.2)), ("long-prompts", (0.6, None, 1.2))):
+    for shape, ttfts in (("flood", (0.6, 0.9, 1.2)), ("long-prompts", (0.6, None, 1.2)), ("old", (0.6, 0.6, 0.6))):
         reps = [repeat(t) for t in ttfts]
         report = {"spec": {"shape": shape}, "repeats": reps, "checks": repeat_checks([r["checks"] for r in reps])}
+        if shape == "old":  # before prompt tokens were counted: its throughput ratios are of generated tokens
+            report["checks"]["total_ratios"] = report["checks"].pop("output_ratios")
         paths.append(tmp_path / f"fairness-{shape}.json")
         paths[-1].write_text(json.dumps(finite(report)))
     assert main([*map(str, paths), "--out", str(tmp_path / "shapes")]) == 0
@@ -279,8 +281,9 @@ def test_the_shapes_table_reads_each_shapes_report_and_judges_its_runs(tmp_path,
                                      "| 4.00, 4.00, 4.00 | 1.00, 1.00, 1.00 | 1.00, 1.00, 1.00 | met |")
     assert "| 0.60, never, 1.20 | 1.20, never, 2.40 |" in lines["| long-prompts"]
     assert lines["| long-prompts"].endswith("| not met |")
+    assert lines["| old"].endswith("| - | 1.00, 1.00, 1.00 | met |")
     rows = json.loads((tmp_path / "shapes.json").read_text())
-    assert [(r["shape"], r["met"]) for r in rows] == [("flood", True), ("long-prompts", False)]
+    assert [(r["shape"], r["met"]) for r in rows] == [("flood", True), ("long-prompts", False), ("old", True)]
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "shapes.png").stat().st_size > 0
     single = tmp_path / "single.json"
