@@ -54,14 +54,16 @@ class BatchConfig(StrictModel):
     """VTC's banked credit, in rows: a tenant back from idle ranks up to this many of its rows' worth (prompt and
     max_tokens, weighted) below the least served tenant waiting, so a tenant within its share is served a burst of
     that many before a flood's rows, however the flood stands; 0 is S-LoRA's VTC, which banks nothing."""
-    vtc_far_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 16
+    vtc_far_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 32
     """Under vtc, prompt tokens one step writes of the rows of a tenant far ahead of another tenant in the batch
     (served more by more than the credit: vtc_burst_rows + 1 of that tenant's next rows), all its rows together:
     a flood's long prompts are written a little a step, one at a time, so the steps the other tenants' rows wait
     on stay short. The budget's rest stays unused then: latency bought with the far tenant's throughput, never
     another's. On a CPU a prompt token costs about what a decoding row does (SmolLM2, 16 rows decoding: 93 ms a
-    step, 144 ms with 16 prompt tokens, 181 ms with 32); a GPU's step barely grows with a few hundred, and can be
-    given more."""
+    step, 144 ms with 16 prompt tokens, 181 ms with 32). Too few leave slots empty: a flood's rows join only as
+    fast as their prompts are written, and at 16 a step its 25-token prompts refilled the slots its 16-token
+    answers freed too slowly (13.5 rows decoding a step against FCFS's 14.4, bench-results); a GPU's step barely
+    grows with a few hundred, and can be given more."""
     vtc_far_recent_s: Annotated[float, Field(ge=0, le=3600)] = 2.0
     """Under vtc, a tenant whose last row was answered this many seconds ago still holds a tenant far ahead of it to
     vtc_far_prompt_tokens a step, as its rows in the batch would: Poisson arrivals leave moments with none of a
