@@ -12,7 +12,9 @@ running batch, then from there to their first token. The checks: VTC's light p99
 <= 2x), VTC's total tokens/s (prompt tokens written and tokens generated, vLLM's total token throughput: the two
 policies serve different mixes) against FCFS's (goal >= 0.95x); with --repeats N (each repeat's runs in turn, its VTC
 run just before its baseline, each repeat's arrivals its own: server_turns) the light ratio's median (goal <= 2x)
-and worst (goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png.
+and worst (goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png. Each run records the share of
+the machine's CPU time its hypervisor gave other guests meanwhile (cpu_stolen): on a shared virtual machine the same
+arrivals ran at 266 ms a step, then at 509 ms an hour later while 13% was stolen.
 
 --shape picks the load beside the light tenants (issue 62): `flood` (the above), `light-bursts` (light1 sends its
 share in bursts of 5 at once), `long-prompts` (the heavy tenant's prompts are 1,000-token news articles),
@@ -248,6 +250,8 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
             args: argparse.Namespace, shape: Shape, long_prompts: list[str], seed: int) -> dict:
     """One open-loop run: the light tenants, and the heavy ones unless this is the baseline; `seed` draws the
     arrivals and their prompts (a repeat's own, the same in each of its runs)."""
+    from serve.bench.report import cpu_times, stolen_share
+
     chosen = {c: rates[HEAVY if c.tenant in shape.heavy else "light"] for c in callers
               if name != "baseline" or c.tenant not in shape.heavy}
     heavy = [c for c in chosen if c.tenant in shape.heavy]
@@ -256,11 +260,11 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
                          max_tokens={c: shape.heavy_max_tokens for c in heavy} if shape.heavy_max_tokens else None,
                          bursts={c: shape.burst for c in chosen if c.tenant == "light1"})
     log(f"{name}: {len(plan)} requests over {args.duration:g} s")
-    before = scrape(url)
+    before, cpu = scrape(url), cpu_times()
     t = time.perf_counter()
     records = asyncio.run(open_loop(url, plan, args.max_tokens, args.timeout, args.max_in_flight))
     wall_s = time.perf_counter() - t
-    after = scrape(url)
+    after, steal = scrape(url), stolen_share(cpu, cpu_times())
     engine = engine_delta(engine_counters(before), engine_counters(after))
     horizon = max([args.duration, *(c for r in records for c in r.chunk_s)])
     summary = run_summary(records, args.duration, math.ceil(horizon), shape.heavy)
@@ -268,8 +272,8 @@ def measure(name: str, url: str, callers: list[Caller], rates: dict[str, float],
     a = summary["all"]
     log(f"{name}: {a['ok']} ok, {a['429']} 429, {a['timeouts']} timed out, {a['errors']} errors; "
          f"{a['tokens_per_s']:.1f} tok/s ({a['total_tokens_per_s']:.1f} with the prompts); light p99 TTFT "
-         f"{summary['light']['ttft_p99_s']:.2f} s; engine {engine}; phases {phases}")
-    return {**summary, "wall_s": wall_s, "engine": engine, "phases": phases,
+         f"{summary['light']['ttft_p99_s']:.2f} s; engine {engine}; phases {phases}; CPU stolen {steal}")
+    return {**summary, "wall_s": wall_s, "engine": engine, "phases": phases, "cpu_stolen": steal,
             "requests": [[r.tenant, round(r.sent_s, 4), r.outcome, r.ttft_s, r.tokens] for r in records]}
 
 
