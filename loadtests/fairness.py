@@ -14,7 +14,7 @@ policies serve different mixes) against FCFS's (goal >= 0.95x); with --repeats N
 run just before its baseline, each repeat's arrivals its own: server_turns) the light ratio's median (goal <= 2x)
 and worst (goal <= 3x). Table on stdout; bench-results/fairness.json and fairness.png. Each run records the share of
 the machine's CPU time its hypervisor gave other guests meanwhile (cpu_stolen): on a shared virtual machine the same
-arrivals ran at 266 ms a step, then at 509 ms an hour later while 13% was stolen.
+arrivals ran at 266 ms a step, then at 510 ms 40 minutes later, while 13% was stolen.
 
 --shape picks the load beside the light tenants (issue 62): `flood` (the above), `light-bursts` (light1 sends its
 share in bursts of 5 at once), `long-prompts` (the heavy tenant's prompts are 1,000-token news articles),

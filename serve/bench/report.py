@@ -46,7 +46,7 @@ def cpu_times(stat: Path = Path("/proc/stat")) -> dict[str, int] | None:
 def stolen_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
     """The share of the CPU time between two cpu_times() readings that the hypervisor gave to other guests (steal):
     a virtual machine runs that much slower, and a load near its saturation far more so (the fairness scenario's
-    light tenants alone: 266 ms a step, then 509 ms an hour later on the same arrivals while 13% was stolen)."""
+    light tenants alone: 266 ms a step, then 510 ms 40 minutes later on the same arrivals, while 13% was stolen)."""
     if before is None or after is None:
         return None
     total = sum(after[k] - before[k] for k in CPU_STATES)
