@@ -121,10 +121,17 @@ def run_summary(records: list[Record], window_s: float, horizon_s: float, heavy:
 
 
 def ratio(a: float | None, b: float | None) -> float:
-    """a / b, nan when either is missing or b is zero; inf over a finite b stays inf (the goal is then missed)."""
-    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+    """a / b, nan when either is missing, b is zero or b is inf (the run it divides by measured nothing: a light
+    request alone timed out); inf over a finite b stays inf (the goal is then missed)."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0 or math.isinf(b):
         return math.nan
     return a / b
+
+
+STOLEN_LIMIT = 0.05
+"""A run that lost more than this share of the machine's CPU time to other guests (cpu_stolen) measures the
+machine, not the policy, and its checks are not judged: in the flood shape at b97c44b, the light tenants alone lost
+29-34% and ran 800-1,026 ms a step beside VTC's 400-439 ms at 4%, and their p99 alone came out above VTC's."""
 
 
 def checks(runs: dict[str, dict]) -> dict:
@@ -135,9 +142,10 @@ def checks(runs: dict[str, dict]) -> dict:
     p99 = {name: runs[name][LIGHT]["ttft_p99_s"] for name in runs}
     total = {name: runs[name][ALL].get("total_tokens_per_s") for name in runs}
     output = {name: runs[name][ALL]["tokens_per_s"] for name in runs}
-    light_p99 = ratio(p99.get("vtc"), p99.get("baseline"))
-    throughput = ratio(total.get("vtc"), total.get("fcfs"))
-    return {"vtc_light_p99_over_baseline": light_p99, "goal_light_p99": P99_RATIO_GOAL,
+    stolen = sorted(name for name in runs if (runs[name].get("cpu_stolen") or 0.0) > STOLEN_LIMIT)
+    light_p99 = math.nan if {"vtc", "baseline"} & set(stolen) else ratio(p99.get("vtc"), p99.get("baseline"))
+    throughput = math.nan if {"vtc", "fcfs"} & set(stolen) else ratio(total.get("vtc"), total.get("fcfs"))
+    return {"vtc_light_p99_over_baseline": light_p99, "goal_light_p99": P99_RATIO_GOAL, "stolen_runs": stolen,
             "light_p99_ok": None if math.isnan(light_p99) else light_p99 <= P99_RATIO_GOAL,
             "fcfs_light_p99_over_baseline": ratio(p99.get("fcfs"), p99.get("baseline")),
             "vtc_total_over_fcfs": throughput, "vtc_output_over_fcfs": ratio(output.get("vtc"), output.get("fcfs")),

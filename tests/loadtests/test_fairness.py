@@ -113,6 +113,22 @@ def test_an_infinite_vtc_p99_misses_the_goal():
     assert c["vtc_light_p99_over_baseline"] == math.inf and c["light_p99_ok"] is False
 
 
+def test_a_run_that_lost_its_cpu_to_other_guests_or_answered_no_light_request_alone_is_not_judged():
+    """The light tenants alone, on a virtual machine whose hypervisor gave a third of its CPU to other guests, ran
+    2.4x slower a step than VTC's run and timed out: VTC / alone came out 0 and the check said met. A run that lost
+    more than STOLEN_LIMIT, or an alone run with an infinite p99, gives no ratio and no verdict."""
+    base = run_summary([answered("light1", i, 0.5) for i in range(10)], 10, 10)
+    vtc = run_summary([answered("light1", i, 0.75) for i in range(10)], 10, 10)
+    assert checks({"baseline": {**base, "cpu_stolen": 0.01}, "vtc": vtc})["light_p99_ok"] is True
+    c = checks({"baseline": {**base, "cpu_stolen": 0.34}, "vtc": {**vtc, "cpu_stolen": 0.04}})
+    assert math.isnan(c["vtc_light_p99_over_baseline"]) and c["light_p99_ok"] is None
+    assert c["stolen_runs"] == ["baseline"]
+    timed_out = run_summary([Record("light1", 0, "timeout")], 10, 10)
+    c = checks({"baseline": timed_out, "vtc": vtc})
+    assert math.isnan(c["vtc_light_p99_over_baseline"]) and c["light_p99_ok"] is None
+    assert repeat_checks([c, checks({"baseline": base, "vtc": vtc})])["light_p99_ok"] is None
+
+
 def test_finite_makes_strict_json():
     out = finite({"a": math.inf, "b": [math.nan, 1.0], "c": {"d": 2}})
     assert out == {"a": None, "b": [None, 1.0], "c": {"d": 2}}
