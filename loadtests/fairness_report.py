@@ -131,7 +131,7 @@ def ratio(a: float | None, b: float | None) -> float:
 STOLEN_LIMIT = 0.05
 """A run that lost more than this share of the machine's CPU time to other guests (cpu_stolen) measures the
 machine, not the policy, and its checks are not judged: in the flood shape at b97c44b, the light tenants alone lost
-29-34% and ran 800-1,026 ms a step beside VTC's 400-439 ms at 4%, and their p99 alone came out above VTC's."""
+29-34% and ran 800-1,026 ms a step beside VTC's 400-439 ms at 3.5-4%, and their p99 alone came out above VTC's."""
 
 
 def checks(runs: dict[str, dict]) -> dict:
@@ -142,10 +142,10 @@ def checks(runs: dict[str, dict]) -> dict:
     p99 = {name: runs[name][LIGHT]["ttft_p99_s"] for name in runs}
     total = {name: runs[name][ALL].get("total_tokens_per_s") for name in runs}
     output = {name: runs[name][ALL]["tokens_per_s"] for name in runs}
-    stolen = sorted(name for name in runs if (runs[name].get("cpu_stolen") or 0.0) > STOLEN_LIMIT)
-    light_p99 = math.nan if {"vtc", "baseline"} & set(stolen) else ratio(p99.get("vtc"), p99.get("baseline"))
-    throughput = math.nan if {"vtc", "fcfs"} & set(stolen) else ratio(total.get("vtc"), total.get("fcfs"))
-    return {"vtc_light_p99_over_baseline": light_p99, "goal_light_p99": P99_RATIO_GOAL, "stolen_runs": stolen,
+    stolen = {name for name in runs if (runs[name].get("cpu_stolen") or 0.0) > STOLEN_LIMIT}
+    light_p99 = math.nan if {"vtc", "baseline"} & stolen else ratio(p99.get("vtc"), p99.get("baseline"))
+    throughput = math.nan if {"vtc", "fcfs"} & stolen else ratio(total.get("vtc"), total.get("fcfs"))
+    return {"vtc_light_p99_over_baseline": light_p99, "goal_light_p99": P99_RATIO_GOAL, "stolen_runs": sorted(stolen),
             "light_p99_ok": None if math.isnan(light_p99) else light_p99 <= P99_RATIO_GOAL,
             "fcfs_light_p99_over_baseline": ratio(p99.get("fcfs"), p99.get("baseline")),
             "vtc_total_over_fcfs": throughput, "vtc_output_over_fcfs": ratio(output.get("vtc"), output.get("fcfs")),

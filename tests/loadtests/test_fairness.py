@@ -115,7 +115,7 @@ def test_an_infinite_vtc_p99_misses_the_goal():
 
 def test_a_run_that_lost_its_cpu_to_other_guests_or_answered_no_light_request_alone_is_not_judged():
     """The light tenants alone, on a virtual machine whose hypervisor gave a third of its CPU to other guests, ran
-    2.4x slower a step than VTC's run and timed out: VTC / alone came out 0 and the check said met. A run that lost
+    2.3x slower a step than VTC's run and timed out: VTC / alone came out 0 and the check said met. A run that lost
     more than STOLEN_LIMIT, or an alone run with an infinite p99, gives no ratio and no verdict."""
     base = run_summary([answered("light1", i, 0.5) for i in range(10)], 10, 10)
     vtc = run_summary([answered("light1", i, 0.75) for i in range(10)], 10, 10)
