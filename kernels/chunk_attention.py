@@ -34,23 +34,21 @@ BLOCK_M = 16
 def chunk_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           chunks: torch.Tensor, scale: float, max_tokens: int, o: torch.Tensor) -> torch.Tensor:
     """The twin, which is what CPU serving runs: one SDPA a chunk over its row's first positions (gathered from its
-    blocks), the query heads of each key/value head read as one group (no repeated keys)."""
+    blocks), grouped-query (enable_gqa: no repeated keys). Queries as [1, H, n, D] under one [n, end] mask run in a
+    third of the time the [KVH, G * n, D] layout took under its mask repeated G times: a 400-token chunk of SmolLM2,
+    14 -> 4.5 ms a layer on a 2-core Xeon."""
     _check(q, k_cache, v_cache, block_tables, chunks, o)
-    heads, dim = q.shape[1:]
-    kv_heads = k_cache.shape[2]
-    group = heads // kv_heads
     for start, length, row, first in chunks.tolist():
         if length == 0:
             continue
         end = first + length
         table = block_tables[row:row + 1]
-        qc = q[start:start + length].transpose(0, 1).reshape(kv_heads, group * length, dim)  # [KVH, G * n, D]
         causal = (torch.arange(end, device=q.device)[None, :]
                   <= torch.arange(first, end, device=q.device)[:, None])  # [n, end]
         out = torch.nn.functional.scaled_dot_product_attention(
-            qc, gather_blocks(k_cache, table, end)[0], gather_blocks(v_cache, table, end)[0],
-            attn_mask=causal.repeat(group, 1), scale=scale)
-        o[start:start + length] = out.view(heads, length, dim).transpose(0, 1)
+            q[start:start + length].transpose(0, 1)[None], gather_blocks(k_cache, table, end),
+            gather_blocks(v_cache, table, end), attn_mask=causal, scale=scale, enable_gqa=True)  # [1, H, n, D]
+        o[start:start + length] = out[0].transpose(0, 1)
     return o
 
 
