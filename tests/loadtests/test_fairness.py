@@ -10,7 +10,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from loadtests.fairness import server_turns
+from loadtests.fairness import server_turns, unstolen
 from loadtests.fairness_load import Caller, plan_arrivals, probe_rate, stream_one
 from loadtests.fairness_report import (
     ALL,
@@ -194,6 +194,21 @@ def test_each_run_has_a_fresh_server_and_a_repeats_vtc_run_comes_next_to_its_bas
     assert turns == [(k, name, policy) for k in range(3)
                      for name, policy in (("vtc", "vtc"), ("baseline", "vtc"), ("fcfs", "fcfs"))]
     assert server_turns(["vtc"], 2) == [(0, "vtc", "vtc"), (1, "vtc", "vtc")]
+
+
+def test_a_run_that_lost_its_cpu_is_measured_again_a_bounded_number_of_times_and_its_discards_kept():
+    def measurements(*stolen):
+        runs = iter([{"cpu_stolen": s, "at": i, "requests": [["light1", 0.0, "200", 0.1, 16]]}
+                     for i, s in enumerate(stolen)])
+        return lambda: next(runs)
+
+    run = unstolen("vtc", measurements(0.12, None, 0.3), retries=2)  # no /proc/stat reading counts as none stolen
+    assert run["at"] == 1 and [d["at"] for d in run["discarded"]] == [0]
+    assert "requests" not in run["discarded"][0] and run["requests"]
+    run = unstolen("vtc", measurements(0.12, 0.3, 0.2, 0.0), retries=2)  # the last try is kept, whatever it lost
+    assert run["at"] == 2 and [d["cpu_stolen"] for d in run["discarded"]] == [0.12, 0.3]
+    assert unstolen("vtc", measurements(0.3), retries=0)["discarded"] == []
+    assert unstolen("vtc", measurements(0.05, 0.3), retries=2)["at"] == 0  # at the limit: judged
 
 
 def test_every_tenant_named_heavy_is_pooled_apart_from_the_light_ones():
