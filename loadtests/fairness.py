@@ -104,9 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take in all (counted)")
     p.add_argument("--max-in-flight", type=int, default=512, help="arrivals beyond this are shed (counted)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
-    p.add_argument("--stolen-retries", type=int, default=2, help="a run that lost more than STOLEN_LIMIT of the CPU "
-                   "to other guests is measured again, on its server with its arrivals, at most this many times (its "
-                   "discarded measurements kept in the JSON)")
+    p.add_argument("--stolen-retries", type=int, default=2, help="a run (or the saturation probe) that lost more "
+                   "than STOLEN_LIMIT of the CPU to other guests is measured again, on its server with its arrivals, "
+                   "at most this many times (its discarded measurements kept in the JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="writes OUT.json and OUT.png (default: bench-results/fairness, or "
                    "bench-results/fairness-SHAPE)")
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         with Server(config, args.start_timeout) as url:
             warm(url, callers, prompts[0])
             if sat is None:
-                sat = probe(url, callers, prompts, args)
+                sat = unstolen("saturation probe", lambda: probe(url, callers, prompts, args), args.stolen_retries)
                 light = args.load * sat["completed_rps"] / len(LIGHT_TENANTS)
                 rates = {"light": light, HEAVY: args.heavy_factor * light}
             else:  # the same closed loop, unmeasured: this server as warm as the first when its runs start
@@ -447,9 +447,14 @@ def probe(url: str, callers: list[Caller], prompts: list[str], args: argparse.Na
         return {"completed_rps": args.saturation_rps, "given": True}
     log(f"saturation probe: closed loop, {args.probe_concurrency} in flight, their starts spread over "
         f"{args.probe_s / 3:g} s, {args.probe_s:g} s")
+    from serve.bench.report import cpu_times, stolen_share
+
+    cpu = cpu_times()
     sat = asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
                                  args.timeout, args.seed))
-    log(f"saturation {sat['completed_rps']:.2f} req/s ({sat['not_ok']} of {sat['requests']} not ok)")
+    sat["cpu_stolen"] = stolen_share(cpu, cpu_times())
+    log(f"saturation {sat['completed_rps']:.2f} req/s ({sat['not_ok']} of {sat['requests']} not ok); CPU stolen "
+        f"{sat['cpu_stolen']}")
     if sat["completed_rps"] <= 0:
         raise RuntimeError("the saturation probe completed no request: nothing to scale the load by")
     return sat

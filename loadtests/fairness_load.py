@@ -108,10 +108,12 @@ async def _read_events(r: httpx.Response, rec: Record, start: float, t0: float) 
         if "error" in event:
             rec.outcome = "stream-error"
             continue
-        now = time.perf_counter()
-        if any(c.get("text") for c in event.get("choices", [])):
-            rec.ttft_s = now - start if rec.ttft_s is None else rec.ttft_s
+        now, choices = time.perf_counter(), event.get("choices", [])
+        if any(c.get("text") for c in choices):
             rec.chunk_s.append(now - t0)
+        if rec.ttft_s is None and (any(c.get("text") or c.get("finish_reason") for c in choices)
+                                   or (event.get("usage") or {}).get("completion_tokens")):
+            rec.ttft_s = now - start  # an answer whose tokens are no text (an end of text first) ends with its first
         if event.get("usage"):  # on every chunk (continuous_usage_stats): the counts so far
             rec.tokens = event["usage"]["completion_tokens"]
             rec.prompt_tokens = event["usage"].get("prompt_tokens", 0)

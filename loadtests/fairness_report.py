@@ -41,7 +41,8 @@ class Record:
     """"200" (streamed to [DONE]), another HTTP status, "timeout", "stream-error", a transport error's name, or
     "shed" (not sent: the client's in-flight bound was reached)."""
     ttft_s: float | None = None
-    """Sent until the first chunk that carries text."""
+    """Sent until the first chunk that carries a token: its text, its count in the usage, or the answer's end (a
+    completion whose tokens decode to no text, such as an end of text first, was answered, not left waiting)."""
     tokens: int = 0
     """Completion tokens: the usage chunk's count, else the content chunks received."""
     chunk_s: list[float] = field(default_factory=list)

@@ -246,6 +246,17 @@ def test_stream_reading_takes_text_chunks_and_the_usage_count():
     assert rec.cached_tokens == 32 and rec.prompt_tokens == 40
 
 
+def test_an_answer_without_text_has_its_first_token_when_it_ends_not_never():
+    def handler(request: httpx.Request) -> httpx.Response:  # the model's first token ends the text: no text chunk
+        end = {"choices": [{"text": "", "finish_reason": "stop"}],
+               "usage": {"completion_tokens": 1, "prompt_tokens": 9}}
+        return httpx.Response(200, content=_sse(end, "[DONE]"))
+
+    rec = _stream(handler)
+    assert rec.outcome == "200" and rec.tokens == 1 and rec.chunk_s == [] and rec.ttft_s is not None
+    assert summarize([rec], 1.0)["ttft_p99_s"] == rec.ttft_s  # not an infinite wait
+
+
 def test_stream_reading_counts_refusals_errors_and_streams_cut_short():
     assert _stream(lambda r: httpx.Response(429, json={"error": {}})).outcome == "429"
     error = _stream(lambda r: httpx.Response(200, content=_sse({"error": {"code": "x"}}, "[DONE]")))
