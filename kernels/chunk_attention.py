@@ -34,9 +34,10 @@ BLOCK_M = 16
 def chunk_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           chunks: torch.Tensor, scale: float, max_tokens: int, o: torch.Tensor) -> torch.Tensor:
     """The twin, which is what CPU serving runs: one SDPA a chunk over its row's first positions (gathered from its
-    blocks), grouped-query (enable_gqa: no repeated keys). Queries as [1, H, n, D] under one [n, end] mask run in a
-    third of the time the [KVH, G * n, D] layout took under its mask repeated G times: a 400-token chunk of SmolLM2,
-    14 -> 4.5 ms a layer on a 2-core Xeon."""
+    blocks), grouped-query (enable_gqa: no repeated keys). Queries as [1, H, n, D] under one [n, end] mask take a third
+    to a half of the time the [KVH, G * n, D] layout took under its mask repeated G times (SmolLM2's heads, side by
+    side on a 2-core Xeon VM: 400 tokens from the start 9.6 -> 3.4 ms, after 600 positions 30 -> 8.2 ms; 32 tokens
+    after 600, 1.2 -> 0.6 ms)."""
     _check(q, k_cache, v_cache, block_tables, chunks, o)
     for start, length, row, first in chunks.tolist():
         if length == 0:
