@@ -73,7 +73,7 @@ def log(msg: str) -> None:
 
 async def stream_one(client: httpx.AsyncClient, caller: Caller, prompt: str, max_tokens: int, rec: Record,
                      t0: float, timeout_s: float) -> None:
-    """One streamed greedy completion into rec: status, first text chunk, every text chunk's arrival, usage."""
+    """One streamed greedy completion into rec: status, first token, every text chunk's arrival, usage."""
     body = {"model": caller.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     headers = {"authorization": f"Bearer {caller.key}", "serve_multiplexed_model_id": caller.model}

@@ -219,10 +219,11 @@ def print_table(report: dict) -> None:
             print(f"{name:<9}{tenant:<9}{'' if rate is None else f'{rate:.3f}':>9}{r['sent']:>9}{r['ok']:>9}"
                   f"{r['429']:>9}{r['errors'] + r['shed']:>9}{r['timeouts']:>9}{_s(r['ttft_p50_s']):>9}"
                   f"{_s(r['ttft_p99_s']):>9}{r['tokens_per_s']:>9.1f}{_tokens(r.get('total_tokens_per_s')):>10}")
-    print("light*: the light tenants pooled; all*: every tenant pooled (tok/s: the run's total). TTFT: sent to first "
-          "text chunk, s; a request that timed out before its first token counts as never. tok/s: tokens received "
-          "while arrivals were offered / that time; all tok/s: with the prompt tokens written for the requests whose "
-          "first token came then (not read from the prefix cache). err: other statuses, transport errors, shed.")
+    print("light*: the light tenants pooled; all*: every tenant pooled (tok/s: the run's total). TTFT: sent to the "
+          "first chunk with a token (its answer's end when its tokens are no text), s; a request that timed out "
+          "before its first token counts as never. tok/s: tokens received while arrivals were offered / that time; "
+          "all tok/s: with the prompt tokens written for the requests whose first token came then (not read from "
+          "the prefix cache). err: other statuses, transport errors, shed.")
     stolen = [(name, report["runs"][name].get("cpu_stolen")) for name in RUNS if name in report["runs"]]
     if any(v is not None for _, v in stolen):
         print("CPU time the hypervisor gave other guests during each run (its steps that much slower, and a load near "
