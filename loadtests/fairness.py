@@ -44,7 +44,16 @@ from pathlib import Path
 import httpx
 
 from loadtests.fairness_load import Caller, log, open_loop, plan_arrivals, saturation
-from loadtests.fairness_report import HEAVY, RUNS, STOLEN_LIMIT, checks, repeat_checks, run_summary, write_report
+from loadtests.fairness_report import (
+    HEAVY,
+    RUNS,
+    STOLEN_LIMIT,
+    checks,
+    repeat_checks,
+    run_summary,
+    stolen,
+    write_report,
+)
 from loadtests.generator import free_port
 from loadtests.tenant_load import fortune_prompts
 
@@ -288,10 +297,9 @@ def unstolen(name: str, measure_once: Callable[[], dict], retries: int) -> dict:
     discarded = []
     while True:
         run = measure_once()
-        stolen = run.get("cpu_stolen") or 0.0
-        if stolen <= STOLEN_LIMIT or len(discarded) >= retries:
+        if not stolen(run) or len(discarded) >= retries:
             return {**run, "discarded": discarded}
-        log(f"{name}: {stolen:.1%} of the CPU stolen, over {STOLEN_LIMIT:.0%}: measured again "
+        log(f"{name}: {run['cpu_stolen']:.1%} of the CPU stolen, over {STOLEN_LIMIT:.0%}: measured again "
             f"({len(discarded) + 1} of at most {retries})")
         discarded.append({key: value for key, value in run.items() if key != "requests"})
 
@@ -445,10 +453,10 @@ def probe(url: str, callers: list[Caller], prompts: list[str], args: argparse.Na
     """The saturation rate: measured by a closed loop, or as --saturation-rps gives it."""
     if args.saturation_rps is not None:
         return {"completed_rps": args.saturation_rps, "given": True}
-    log(f"saturation probe: closed loop, {args.probe_concurrency} in flight, their starts spread over "
-        f"{args.probe_s / 3:g} s, {args.probe_s:g} s")
     from serve.bench.report import cpu_times, stolen_share
 
+    log(f"saturation probe: closed loop, {args.probe_concurrency} in flight, their starts spread over "
+        f"{args.probe_s / 3:g} s, {args.probe_s:g} s")
     cpu = cpu_times()
     sat = asyncio.run(saturation(url, callers, prompts, args.max_tokens, args.probe_concurrency, args.probe_s,
                                  args.timeout, args.seed))
