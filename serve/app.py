@@ -213,7 +213,8 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
     if config.ray_address:  # a cluster that runs without us: join it, and leave it as it was
         ray.init(address=config.ray_address, logging_level="WARNING", configure_logging=True)
     else:
-        ray.init(include_dashboard=False, logging_level="WARNING", configure_logging=True)
+        # "local": a new Ray, where no address would join one `ray start` left on this host (or RAY_ADDRESS)
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING", configure_logging=True)
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose own SIGTERM handler exits at once (no drain)
         signal.signal(sig, lambda *_: stop.set())
     try:
