@@ -37,8 +37,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/manyfold demo
 
+# Two workers, each module whole on one (its fixtures built once), the modules that start Ray first (tests/conftest.py):
+# they wait on Ray more than they use the cores. On one worker the suite took 16-17 minutes on a 2-core Intel VM.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 compat: $(STAMP)
 	$(INSTALL) -e '.[test,compat]'

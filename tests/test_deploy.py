@@ -422,7 +422,7 @@ def deployed(serving_store, tmp_path_factory):
     auth.write_text(yaml.safe_dump({"tenants": [{"name": "team-a", "key_sha256": [key_digest(KEY)]}],
                                     "admin_key_sha256": [key_digest(ADMIN)]}))
     config = local_serve_config(rayservice()[0]["spec"]["serveConfigV2"], store, auth, free_port())
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         client = serve_start(http_options=config["http_options"])
         client.deploy_apps(ServeDeploySchema.parse_obj(config))
@@ -443,6 +443,7 @@ def up(url: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_serve_config_v2_deployed_from_the_manifest_answers_over_http(deployed):
     import time
 

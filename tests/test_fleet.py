@@ -34,7 +34,7 @@ from serve.config import key_digest
 from tests.models import write_lora, write_tiny_causal
 from tests.test_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 ADMIN = "sk-fleet-admin"
 PROMPT = {"prompt": "the cat sat on the", "max_tokens": 24, "temperature": 0, "logprobs": 1}
@@ -138,7 +138,8 @@ def fleet(s3_server, tmp_path_factory):
     # Serve says a replica cannot be placed once it has waited RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by default,
     # then every _PERIOD_S): an operator's cluster may set it lower, as this one's nodes do (serve/README.md).
     os.environ.update(RAY_SERVE_SLOW_STARTUP_WARNING_S="5", RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S="5")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True,
+                                                            "dashboard_port": free_port()})  # another Ray may run
     fleet = Fleet("", store, cluster, {}, {}, adapters, root)
     for name in ("w1", "w2"):
         fleet.add_worker(name)

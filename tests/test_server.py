@@ -11,7 +11,7 @@ from loadtests.generator import free_port
 from serve.config import ServeConfig, key_digest
 from tests.engine.test_engine import reference_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 KEY = "sk-e2e"
 ADMIN = "sk-e2e-admin"
 
@@ -50,7 +50,7 @@ def server(serving_store, tmp_path_factory):
                          tenants=[{"name": "e2e", "key_sha256": [key_digest(KEY)]}],
                          admin_key_sha256=[key_digest(ADMIN)], limits={"max_request_bytes": 65536},
                          admin={"sources": [str(tmp_path_factory.getbasetemp())]})
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="manyfold", route_prefix="/")
     yield f"http://127.0.0.1:{port}", refs, root
