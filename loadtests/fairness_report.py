@@ -229,10 +229,10 @@ def print_table(report: dict) -> None:
           "before its first token counts as never. tok/s: tokens received while arrivals were offered / that time; "
           "all tok/s: with the prompt tokens written for the requests whose first token came then (not read from "
           "the prefix cache). err: other statuses, transport errors, shed.")
-    stolen = [(name, report["runs"][name].get("cpu_stolen")) for name in RUNS if name in report["runs"]]
-    if any(v is not None for _, v in stolen):
+    losses = [(name, report["runs"][name].get("cpu_stolen")) for name in RUNS if name in report["runs"]]
+    if any(v is not None for _, v in losses):
         print("CPU time the hypervisor gave other guests during each run (its steps that much slower, and a load near "
-              "saturation far more): " + ", ".join(f"{name} {'-' if v is None else f'{v:.1%}'}" for name, v in stolen))
+              "saturation far more): " + ", ".join(f"{name} {'-' if v is None else f'{v:.1%}'}" for name, v in losses))
     phases = [(name, group, p) for name in RUNS if name in report["runs"]
               for group, p in report["runs"][name].get("phases", {}).items()]
     if phases:
