@@ -432,12 +432,13 @@ def deployed(serving_store, tmp_path_factory):
         ray.shutdown()
 
 
-def up(url: str) -> bool:
+def ready(url: str) -> bool:
+    """/readyz answered 200. Not yet when the proxy is not listening, or when it is but the app's replica, still
+    starting on a loaded machine, lets the probe time out (a CI run read that as a failure)."""
     import httpx
 
     try:
-        httpx.get(f"{url}/healthz", timeout=5)
-        return True
+        return httpx.get(f"{url}/readyz", timeout=10).status_code == 200
     except httpx.TransportError:
         return False
 
@@ -450,7 +451,7 @@ def test_serve_config_v2_deployed_from_the_manifest_answers_over_http(deployed):
     import httpx
 
     deadline = time.monotonic() + 600  # a bound against a hang, not a speed: a loaded 2-core machine took over 180 s
-    while not (up(deployed) and httpx.get(f"{deployed}/readyz", timeout=10).status_code == 200):
+    while not ready(deployed):
         assert time.monotonic() < deadline, "serveConfigV2 from the manifest did not become ready in 600 s"
         time.sleep(1)
     body = {"model": "tiny-lm", "prompt": "one two", "max_tokens": 3}
