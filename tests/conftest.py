@@ -79,12 +79,21 @@ def serving_store(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def demo_store(tmp_path_factory):
-    """tests/demo_store.py's store, built once. -> its root."""
+def demo_store(tmp_path_factory, worker_id):
+    """tests/demo_store.py's store, built once a run: under pytest-xdist in the run's directory that every worker
+    shares, the first worker to need it building it and the others waiting on a file lock (xdist's own recipe for a
+    session fixture run once); test_demo and test_demo_serve, on two workers, had each built it (37 s). Nothing
+    writes to it after. -> its root."""
+    from filelock import FileLock
+
     from tests.demo_store import build_small_demo_store
 
-    root = tmp_path_factory.mktemp("demo") / "store"
-    build_small_demo_store(root)
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent
+    root = shared / "demo" / "store"
+    with FileLock(shared / "demo.lock"):
+        build_small_demo_store(root)  # a store built already is found whole: nothing written
     return root
 
 
