@@ -455,9 +455,10 @@ def test_serve_config_v2_deployed_from_the_manifest_answers_over_http(deployed):
         assert time.monotonic() < deadline, "serveConfigV2 from the manifest did not become ready in 600 s"
         time.sleep(1)
     body = {"model": "tiny-lm", "prompt": "one two", "max_tokens": 3}
-    assert httpx.post(f"{deployed}/v1/completions", json=body).status_code == 401  # tenants from the auth file
+    refused = httpx.post(f"{deployed}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 401  # tenants from the auth file
     answer = httpx.post(f"{deployed}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                         timeout=60)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0  # (text may decode empty)
-    metrics = httpx.get(f"{deployed}/metrics")
+    metrics = httpx.get(f"{deployed}/metrics", timeout=60)  # its board reads alone may take 3 x 2 s, past httpx's 5
     assert metrics.status_code == 200 and "# TYPE" in metrics.text

@@ -177,7 +177,7 @@ def test_concurrent_requests_across_bases_and_variants_all_succeed(server):
 
 def test_errors_over_http(server, http):
     url = server[0]
-    assert httpx.post(f"{url}/v1/completions", json={"model": "tiny-lm", "prompt": "a"}).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json={"model": "tiny-lm", "prompt": "a"}, timeout=60).status_code == 401
     r = http.post("/v1/completions", json={"model": "tiny-lm-tpo", "prompt": "a"})
     assert r.status_code == 404 and "did you mean" in r.json()["error"]["message"]
     assert http.post("/v1/completions", json={"model": "tiny-lm", "prompt": "a" * 70000}).status_code == 413
