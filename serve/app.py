@@ -16,6 +16,7 @@ from ray.serve import Application
 
 from serve.config import DeploymentConfig, ServeConfig, parse_config
 from serve.deployments.board import ResidencyBoard
+from serve.errors import ConfigError
 from serve.store.store import open_store
 
 
@@ -30,6 +31,10 @@ STOP_POLL_S = 0.2
 """How often a stopping replica checks that its requests have ended (Serve's graceful_shutdown_wait_loop_s, 2 s by
 default, is slept before the first check: three rows of deployments stopped in turn cost 6 s of every Ctrl-C).
 The ingress's drain has already waited for the requests in flight (serve/http/drain.py)."""
+RAY_CONNECT_TIMEOUT_S = 10.0
+"""How long `manyfold serve --ray-address` waits for the cluster's port to take a connection."""
+RAY_CLIENT_PORT = 10001
+"""Ray Client's port when a ray:// address names none (Ray's default)."""
 
 
 def deployment_name(base: str) -> str:
@@ -201,6 +206,28 @@ def cluster_cpus() -> tuple[float, float]:
     return n, n
 
 
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Ray waits minutes for a cluster that is not there, printing its own warnings every few seconds; an operator
+    who named one gets one line at once. `auto`, and forms Ray alone reads, are left to Ray (it says at once when
+    `auto` finds no cluster)."""
+    import socket
+
+    client = address.startswith("ray://")
+    if address == "auto" or ("://" in address and not client):
+        return
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not (sep and port.isdigit()):
+        if not client:
+            return
+        host, port = rest, str(RAY_CLIENT_PORT)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"ray_address {address}: no Ray cluster answers at {host}:{port} ({e.strerror or e}); "
+                          "start one (`ray start --head`), or leave out --ray-address to start Ray here") from None
+
+
 def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> None:
     """Start Ray on this machine (or join config.ray_address), serve the store on config.host:config.port, block
     until SIGINT/SIGTERM, then shut down gracefully (replicas finish their in-flight requests first)."""
@@ -210,7 +237,9 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
     import ray
 
     stop = threading.Event()
+    bases = list(open_store(config.store).manifest.bases)  # a wrong store is one line before Ray starts, not after
     if config.ray_address:  # a cluster that runs without us: join it, and leave it as it was
+        check_ray_address(config.ray_address)
         ray.init(address=config.ray_address, logging_level="WARNING", configure_logging=True)
     else:
         # "local": a new Ray, where no address would join one `ray start` left on this host (or RAY_ADDRESS)
@@ -222,7 +251,6 @@ def run_server(config: ServeConfig, ready: Callable[[str], None] = print) -> Non
         target = serve.RunTarget(target=build_app(config), name=APP, route_prefix="/",
                                  logging_config={"log_level": "WARNING"})
         serve.run_many([target], wait_for_applications_running=False)  # a base Ray cannot place must not hang us
-        bases = list(open_store(config.store).manifest.bases)
         for line in wait_for_bases(APP, {b: deployment_name(b) for b in bases}, idle_bases(config, bases),
                                    config.start_timeout_s, stop):
             print(line, flush=True)

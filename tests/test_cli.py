@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from loadtests.generator import free_port
 from serve.cli import main
 from serve.store.tensors import SafetensorsSource, save_tensors
 from tests.conftest import finetune_of, same_bits, tiny_state
@@ -174,3 +175,29 @@ def test_serve_keeps_an_object_storage_url_as_given(tmp_path, store):
     config.write_text("store: /elsewhere\nport: 8123\n")
     args = build_parser().parse_args(["serve", "--store", store, "--config", str(config)])
     assert _serve_config(args, args.store).store == store
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Starting Ray (or joining a cluster) fails the test: the errors below come before it."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail(f"Ray started: init({a}, {k})"))
+
+
+def test_serve_with_a_store_that_is_not_there_is_one_line_before_ray_starts(tmp_path, capsys, no_ray):
+    code, out, err = run(capsys, "serve", "--store", str(tmp_path / "nowhere"), "--port", str(free_port()))
+    assert code == 1 and err.startswith("manyfold: error: ") and err.count("\n") == 1, err
+    assert "nowhere" in err
+
+
+@pytest.mark.parametrize("form", ["{}", "ray://{}"])
+def test_serve_onto_a_ray_cluster_that_does_not_answer_is_one_line_at_once(tmp_path, capsys, form, no_ray):
+    """Ray itself waits minutes for an address nothing listens on, printing warnings every few seconds."""
+    from serve.store.store import Store
+
+    Store(tmp_path / "store", create=True)
+    address = form.format(f"127.0.0.1:{free_port()}")
+    code, _, err = run(capsys, "serve", "--store", str(tmp_path / "store"), "--ray-address", address)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"ray_address {address}: no Ray cluster answers at 127.0.0.1:" in err and "ray start --head" in err

@@ -61,7 +61,7 @@ def serving(*args: str) -> Iterator[Served]:
         assert server.poll() is None, "".join(log)
         threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
         ray_processes = descendants(server.pid)
-        assert ray_processes, "no Ray processes under the server"
+        assert ray_processes, "no Ray processes under the server:\n" + "".join(log)
         yield Served(f"http://127.0.0.1:{port}", log, server)
     finally:
         ray_processes |= descendants(server.pid)  # replicas started since
